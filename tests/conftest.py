@@ -1,4 +1,7 @@
-"""Test setup: eight fake CPU devices, so meshes and cross-mesh transfers are exercised."""
+"""Test setup: eight fake CPU devices, so meshes and cross-mesh transfers are exercised.
+
+GPU-marked tests run only where JAX sees a GPU: `JAX_PLATFORMS=cuda,cpu pytest -m gpu`.
+"""
 import os
 
 # Must happen before JAX initialises its backends.
@@ -15,8 +18,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):
-  has_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get("JAX_PLATFORMS") != "cpu" else False
-  skip_gpu = pytest.mark.skip(reason="needs a GPU")
-  for item in items:
-    if "gpu" in item.keywords and not has_gpu:
-      item.add_marker(skip_gpu)
+    has_gpu = any(d.platform == "gpu" for d in jax.devices())
+    skip_gpu = pytest.mark.skip(reason="needs a GPU (run with JAX_PLATFORMS=cuda,cpu)")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip_gpu)
