@@ -1,0 +1,71 @@
+"""Model families and the public loading API.
+
+`from_diffusers(module)` ports an instantiated diffusers transformer;
+`load_checkpoint(path)` reads one converted by `convert/diffusers_to_orbax.py`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+
+from digen_jax.models import flux
+from digen_jax.models.checkpoints import load_checkpoint, save_checkpoint
+from digen_jax.models.conversion import ConversionError, ModelFamily, convert_weights, torch_state_dict_arrays
+
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (flux.FAMILY,)}
+
+__all__ = ["FAMILIES", "ConversionError", "family_for_class", "from_diffusers", "load_checkpoint", "make_apply_fn", "save_checkpoint"]
+
+
+def family_for_class(class_name: str) -> ModelFamily:
+    """The family whose diffusers class is `class_name`; a clear error otherwise."""
+    for family in FAMILIES.values():
+        if family.diffusers_class == class_name:
+            return family
+    supported = sorted(f.diffusers_class for f in FAMILIES.values())
+    raise ValueError(f"unsupported diffusers model class {class_name!r}; supported: {supported}")
+
+
+def make_apply_fn(family: ModelFamily, cfg: Any) -> Callable:
+    """A jitted `apply_fn(params, **inputs)` taking the diffusers forward's keyword arguments.
+
+    Options of the PyTorch forward that have no meaning here (`return_dict`) are
+    accepted and ignored; ones that would change the result (attention-processor
+    kwargs, ControlNet residuals) are rejected rather than dropped.
+    """
+    module = family.module_cls(cfg)
+
+    @jax.jit
+    def apply(params, inputs):
+        return module.apply({"params": params}, **inputs)
+
+    @functools.wraps(module.__call__)
+    def apply_fn(params, *, return_dict=None, **inputs):
+        del return_dict  # always the output array
+        unsupported = sorted(k for k, v in inputs.items() if v is not None and (k.startswith("controlnet") or k == "joint_attention_kwargs"))
+        if unsupported:
+            raise ValueError(f"{family.diffusers_class} port does not support {unsupported}")
+        inputs = {k: v for k, v in inputs.items() if not (k.startswith("controlnet") or k == "joint_attention_kwargs")}
+        return apply(params, inputs)
+
+    return apply_fn
+
+
+def from_diffusers(module, **policy) -> tuple[Callable, dict]:
+    """Port an instantiated diffusers transformer: returns `(apply_fn, params)`.
+
+    `apply_fn(params, **inputs)` accepts the keyword arguments of the module's
+    `forward` (arrays in place of tensors) and returns the output array. `policy`
+    overrides the execution policy (`dtype`, `param_dtype`, `attention_impl`,
+    `remat_policy`); dtypes default to the module's own.
+    """
+    family = family_for_class(type(module).__name__)
+    module_dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
+    policy = {"dtype": module_dtype, "param_dtype": module_dtype, **policy}
+    cfg = family.config_from_diffusers(dict(module.config), **policy)
+    params = convert_weights(
+        family, cfg, torch_state_dict_arrays(module), dtype=cfg.param_dtype, source=type(module).__name__
+    )
+    return make_apply_fn(family, cfg), params

@@ -1,0 +1,63 @@
+"""Converted-model checkpoints: `DIR/model.json` (family + config) and `DIR/params` (orbax)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from digen_jax.models.conversion import POLICY_FIELDS, ConversionError, ModelFamily
+
+MODEL_JSON = "model.json"
+PARAMS_DIR = "params"
+
+
+def save_checkpoint(path: str, family: ModelFamily, cfg: Any, params: dict) -> None:
+    """Write `params` (numpy or jax arrays) and the architecture config under `path`."""
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POLICY_FIELDS}
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(path, PARAMS_DIR), params, force=True)
+    checkpointer.wait_until_finished()
+    with open(os.path.join(path, MODEL_JSON), "w") as f:
+        json.dump({"family": family.name, "diffusers_class": family.diffusers_class, "config": arch}, f, indent=1)
+
+
+def load_checkpoint(path: str, *, shardings=None, **policy) -> tuple[ModelFamily, Any, dict]:
+    """Read a converted checkpoint: returns (family, config, params).
+
+    Parameters are restored with the config's `param_dtype` (override it through
+    `policy`), into `shardings` when given (a pytree of `jax.sharding.Sharding`
+    matching the params), and validated against the module's parameter shapes.
+    """
+    from digen_jax.models import FAMILIES  # the registry imports this module
+
+    path = os.path.abspath(path)
+    meta_path = os.path.join(path, MODEL_JSON)
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(
+            f"no converted checkpoint at {path} ({MODEL_JSON} missing); make one with "
+            f"`python convert/diffusers_to_orbax.py --model_dir=<diffusers transformer folder> --out={path}`"
+        )
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("family") not in FAMILIES:
+        raise ConversionError(f"{meta_path}: unknown model family {meta.get('family')!r}; known: {sorted(FAMILIES)}")
+    family = FAMILIES[meta["family"]]
+    cfg = family.config_from_diffusers(meta["config"], **policy)
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, np.dtype(cfg.param_dtype)), nn.unbox(family.abstract_params(cfg))
+    )
+    if shardings is not None:
+        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
+    try:
+        params = ocp.StandardCheckpointer().restore(os.path.join(path, PARAMS_DIR), abstract)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise ConversionError(f"{path}: checkpoint does not match the {family.name} config in {MODEL_JSON}: {e}") from e
+    return family, cfg, params

@@ -1,0 +1,306 @@
+"""Layers shared by the diffusion transformers.
+
+Every parameter carries logical axis names (`nn.with_logical_partitioning`); the mesh
+rules that map them to device axes live in the configs (`configs/*.py`, key
+`sharding`). The logical names used here:
+
+| name         | dimension                                                        |
+|--------------|------------------------------------------------------------------|
+| `embed`      | the transformer's hidden size                                    |
+| `heads`      | fused heads x head_dim of q/k/v projections and attention output |
+| `mlp`        | the MLP hidden size                                              |
+| `modulation` | AdaLN modulation outputs (k x hidden)                            |
+| `cond`       | conditioning inputs: latent channels, text/pooled/frequency dims |
+| `head_dim`   | per-head norm scales                                             |
+| `layers`     | the stacked-block axis of scanned layers                         |
+
+Activations are constrained with `activation_batch`, `activation_length`,
+`activation_embed`, `activation_heads` and `activation_mlp`.
+
+Numerics: norms, RoPE, timestep sinusoids and softmax run in float32 whatever the
+compute dtype, then cast back (the same places the PyTorch reference upcasts).
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+AttentionImpl = Literal["auto", "cudnn", "xla"]
+
+# cuDNN's fused attention backward rejects odd sequence lengths; padding to a
+# multiple of 128 also keeps its tiles full. Padding is masked through lengths.
+CUDNN_SEQ_MULTIPLE = 128
+
+
+def logical_dense(
+    features: int,
+    axes: tuple[str, str],
+    *,
+    name: str,
+    dtype: jnp.dtype,
+    param_dtype: jnp.dtype,
+    use_bias: bool = True,
+    kernel_init: nn.initializers.Initializer = nn.initializers.xavier_uniform(),
+) -> nn.Dense:
+    """A `nn.Dense` whose kernel and bias carry the logical axis names `axes` (in, out)."""
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(kernel_init, axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (axes[1],)),
+        name=name,
+    )
+
+
+class RMSNorm(nn.Module):
+    """RMS norm over the last axis with a learned scale, computed in float32."""
+
+    eps: float = 1e-6
+    axis_name: str = "head_dim"
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones_init(), (self.axis_name,)),
+            (x.shape[-1],),
+            self.param_dtype,
+        )
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """LayerNorm without affine parameters over the last axis, in float32."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
+    """AdaLN modulation `x * (1 + scale) + shift` with per-sample (B, D) shift/scale."""
+    return x * (1 + scale[:, None, :]) + shift[:, None, :]
+
+
+class Modulation(nn.Module):
+    """SiLU -> Dense(k * dim) -> k chunks: the AdaLN conditioning projection.
+
+    The chunk order is the caller's business (FLUX double blocks: shift, scale, gate
+    for attention then MLP; the final norm: scale, shift).
+    """
+
+    num_chunks: int
+    dim: int
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, cond: jax.Array) -> list[jax.Array]:
+        out = logical_dense(
+            self.num_chunks * self.dim,
+            ("embed", "modulation"),
+            name="linear",
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )(nn.silu(cond.astype(self.dtype)))
+        return jnp.split(out, self.num_chunks, axis=-1)
+
+
+def timestep_sinusoid(
+    t: jax.Array,
+    dim: int,
+    *,
+    flip_sin_to_cos: bool = True,
+    downscale_freq_shift: float = 0.0,
+    scale: float = 1.0,
+    max_period: float = 10000.0,
+) -> jax.Array:
+    """Sinusoidal embedding of a (B,) vector of (possibly fractional) timesteps, float32.
+
+    Frequencies `exp(-log(max_period) * k / (half - downscale_freq_shift))`; output
+    [cos, sin] when `flip_sin_to_cos` else [sin, cos]; an odd `dim` is zero-padded.
+    """
+    half = dim // 2
+    # float32 in the reference's order of operations: with timesteps up to 1000, one
+    # ulp of difference in a frequency moves the angle by ~6e-5.
+    exponent = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32)
+    freqs = jnp.exp(jnp.asarray(exponent / np.float32(half - downscale_freq_shift), jnp.float32))
+    args = scale * (t.astype(jnp.float32)[:, None] * freqs[None, :])
+    first, second = (jnp.cos(args), jnp.sin(args)) if flip_sin_to_cos else (jnp.sin(args), jnp.cos(args))
+    emb = jnp.concatenate([first, second], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, ((0, 0), (0, 1)))
+    return emb
+
+
+class MLPEmbedder(nn.Module):
+    """Dense -> SiLU -> Dense: embeds timesteps, guidance and pooled text vectors."""
+
+    dim: int
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        x = logical_dense(self.dim, ("cond", "embed"), name="linear_1", **kw)(x.astype(self.dtype))
+        return logical_dense(self.dim, ("embed", "embed"), name="linear_2", **kw)(nn.silu(x))
+
+
+class GeluMLP(nn.Module):
+    """Dense -> GELU(tanh) -> Dense, the transformer feed-forward."""
+
+    hidden_dim: int
+    out_dim: int
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        h = logical_dense(self.hidden_dim, ("embed", "mlp"), name="proj_in", **kw)(x)
+        h = nn.with_logical_constraint(
+            nn.gelu(h, approximate=True), ("activation_batch", "activation_length", "activation_mlp")
+        )
+        return logical_dense(self.out_dim, ("mlp", "embed"), name="proj_out", **kw)(h)
+
+
+def rope_frequencies(axes_dims: Sequence[int], theta: float) -> list[np.ndarray]:
+    """Per-axis inverse frequencies `theta^(-2k/d)`, computed in float64 on the host."""
+    for d in axes_dims:
+        if d % 2:
+            raise ValueError(f"every RoPE axis dim must be even, got axes_dims={tuple(axes_dims)}")
+    return [1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d) for d in axes_dims]
+
+
+def rope_tables(ids: jax.Array, axes_dims: Sequence[int], theta: float) -> tuple[jax.Array, jax.Array]:
+    """RoPE (cos, sin) tables of shape (S, sum(axes_dims)) for (S, n_axes) position ids.
+
+    Each axis i rotates `axes_dims[i]` channels; pairs are interleaved, so every
+    frequency is repeated twice along the channel axis. Float32 throughout.
+    """
+    if ids.shape[-1] != len(axes_dims):
+        raise ValueError(f"position ids have {ids.shape[-1]} axes but axes_dims has {len(axes_dims)}")
+    pos = ids.astype(jnp.float32)
+    angles = [
+        pos[:, i : i + 1] * jnp.asarray(np.repeat(f, 2), jnp.float32)[None, :]
+        for i, f in enumerate(rope_frequencies(axes_dims, theta))
+    ]
+    angles = jnp.concatenate(angles, axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate interleaved channel pairs of x (B, S, N, H) by (S, H) tables, in float32."""
+    x32 = x.astype(jnp.float32)
+    pairs = x32.reshape(*x.shape[:-1], -1, 2)
+    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    out = x32 * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+    return out.astype(x.dtype)
+
+
+def resolve_attention_impl(impl: AttentionImpl, dtype: jnp.dtype, head_dim: int) -> str:
+    """Pick the attention kernel: `auto` takes cuDNN where it applies, else XLA.
+
+    cuDNN's fused kernel needs a GPU, fp16/bf16 inputs and head_dim a multiple of 8
+    up to 256 (Hopper); asking for it where it cannot run is an error, not a fallback.
+    """
+    cudnn_ok = (
+        jax.default_backend() == "gpu"
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim % 8 == 0
+        and head_dim <= 256
+    )
+    if impl == "auto":
+        return "cudnn" if cudnn_ok else "xla"
+    if impl == "cudnn" and not cudnn_ok:
+        raise ValueError(
+            f"attention_impl='cudnn' needs a GPU, bf16/fp16 and head_dim % 8 == 0 <= 256; "
+            f"got backend={jax.default_backend()}, dtype={jnp.dtype(dtype).name}, head_dim={head_dim}"
+        )
+    if impl not in ("cudnn", "xla"):
+        raise ValueError(f"attention_impl must be one of 'auto', 'cudnn', 'xla', got {impl!r}")
+    return impl
+
+
+def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    pad = -x.shape[axis] % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def dot_product_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    kv_lengths: jax.Array | None = None,
+    impl: AttentionImpl = "auto",
+) -> jax.Array:
+    """Scaled dot-product attention on (B, T, N, H) queries and (B, S, N, H) keys/values.
+
+    `kv_lengths` (B,) masks key positions >= length (right padding). With cuDNN the
+    sequences are zero-padded to a multiple of `CUDNN_SEQ_MULTIPLE` and the padding
+    masked through sequence lengths, so odd lengths never reach its backward pass.
+    """
+    backend = resolve_attention_impl(impl, q.dtype, q.shape[-1])
+    if backend == "xla":
+        return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation="xla")
+    batch, t_len, s_len = q.shape[0], q.shape[1], k.shape[1]
+    q_lengths = jnp.full((batch,), t_len, jnp.int32)
+    if kv_lengths is None:
+        kv_lengths = jnp.full((batch,), s_len, jnp.int32)
+    q, k, v = (_pad_axis(a, 1, CUDNN_SEQ_MULTIPLE) for a in (q, k, v))
+    out = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        query_seq_lengths=q_lengths,
+        key_value_seq_lengths=kv_lengths.astype(jnp.int32),
+        implementation="cudnn",
+    )
+    return out[:, :t_len]
+
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Keeps each block's attention output (tagged `attn_out`); recomputes the rest.
+    "save_attention": jax.checkpoint_policies.save_only_these_names("attn_out"),
+}
+
+
+def scan_blocks(block_cls: type[nn.Module], length: int, remat_policy: str) -> type[nn.Module]:
+    """`block_cls` stacked `length` times with `nn.scan` (params on a leading `layers` axis).
+
+    Scanning keeps compile time flat in depth; `remat_policy` (a key of
+    `REMAT_POLICIES`) wraps each block in `nn.remat` with that policy. The block's
+    `__call__(carry, *broadcast_args)` must return `(carry, None)`.
+    """
+    if remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy must be one of {sorted(REMAT_POLICIES)}, got {remat_policy!r}")
+    if remat_policy != "none":
+        block_cls = nn.remat(block_cls, policy=REMAT_POLICIES[remat_policy], prevent_cse=False)
+    return nn.scan(
+        block_cls,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=nn.broadcast,
+        length=length,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
