@@ -16,7 +16,9 @@ import jax.numpy as jnp
 VAE_SCALE_FACTOR = 8
 
 
-def latent_size(height: int, width: int, vae_scale_factor: int = VAE_SCALE_FACTOR) -> tuple[int, int]:
+def latent_size(
+    height: int, width: int, vae_scale_factor: int = VAE_SCALE_FACTOR
+) -> tuple[int, int]:
     """Latent (H', W') for an image of ``height`` x ``width`` pixels: ``(height / f, width / f)``.
 
     Raises:

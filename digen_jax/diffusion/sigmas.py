@@ -5,10 +5,11 @@ runs from (about) 1 down to ``sigmas[N] == 0``, exactly like a diffusers schedul
 after ``set_timesteps``. Step i moves the latent from ``sigmas[i]`` to ``sigmas[i + 1]``. Next to
 it sits ``timesteps`` (length N), the value the denoiser is conditioned on at each step.
 
-Every family reproduces what the corresponding diffusers 0.42.1 pipeline + scheduler produce,
-bit for bit: the shift helpers keep the dtype of their input, and each ladder feeds them float32
-or float64 exactly where diffusers does (diffusers rounds custom sigmas to float32 and then shifts
-them in float32; its default static ladder is shifted in float64). The result is always cast to
+Each family reproduces its reference bit for bit: the diffusers 0.42.1 pipeline + scheduler for
+FLUX, Qwen-Image, SD3, HunyuanVideo and Wan, and DanceGRPO's own torch code for ``dancegrpo``.
+The shift helpers keep the dtype of their input, and each ladder feeds them float32 or float64
+exactly where the reference does (diffusers rounds custom sigmas to float32 and then shifts them
+in float32; its default static ladder is shifted in float64). The result is always cast to
 float32, like the schedulers' torch ``.sigmas``.
 """
 from __future__ import annotations
@@ -263,21 +264,35 @@ def wan_unipc_ladder(num_steps: int, *, flow_shift: float = 3.0) -> SigmaLadder:
     return SigmaLadder(sigmas=_append_zero(sigmas), timesteps=timesteps)
 
 
+def _torch_linspace_f32(start: float, end: float, steps: int) -> np.ndarray:
+    """``torch.linspace(start, end, steps)`` (float32, CPU) reproduced bit for bit, steps >= 2.
+
+    torch fills the first half as ``start + step * i`` and the second as
+    ``end - step * (steps - 1 - i)`` with a float32 ``step`` and one rounding per element (a fused
+    multiply-add), which differs from numpy's float64 linspace rounded to float32 by up to one ulp.
+    The float64 expressions below are exact before the final rounding, so they match the FMA.
+    """
+    step = float((np.float32(end) - np.float32(start)) / np.float32(steps - 1))
+    index = np.arange(steps)
+    head = start + step * index
+    tail = end - step * (steps - 1 - index)
+    return np.where(index < steps // 2, head, tail).astype(np.float32)
+
+
 def dancegrpo_ladder(num_steps: int, *, shift: float = 3.0) -> SigmaLadder:
     """DanceGRPO's own ladder (every ``fastvideo/train_grpo_*.py``; ALGORITHMS.md A7).
 
-    ``sigma = static_shift(shift, linspace(1, 0, N + 1))`` in float32 (the trailing 0 is part of
-    the linspace). Timesteps are ``int(sigma * 1000)``, the float32 product truncated, as DanceGRPO
-    feeds them (divided by 1000 for FLUX/Qwen by the caller, raw for Hunyuan/Wan). DanceGRPO
-    builds the linspace with ``torch.linspace``, whose float32 rounding differs from numpy's by
-    up to one ulp at some N; the ladders agree to that ulp.
+    ``sigma = static_shift(shift, torch.linspace(1, 0, N + 1))`` in float32 (the trailing 0 is
+    part of the linspace). Timesteps are ``int(sigma * 1000)``, the float32 product truncated, as
+    DanceGRPO feeds them (the caller divides by 1000 for FLUX/Qwen, feeds them raw to
+    Hunyuan/Wan). Truncation makes the integers sensitive to single-ulp differences, so the
+    linspace reproduces torch's float32 rounding rather than numpy's.
     """
     _check_num_steps(num_steps)
     _check_positive("shift", shift)
-    base = np.linspace(1.0, 0.0, num_steps + 1).astype(np.float32)
-    sigmas = static_shift(shift, base).astype(np.float32)
+    sigmas = static_shift(shift, _torch_linspace_f32(1.0, 0.0, num_steps + 1))
     timesteps = (sigmas[:-1] * np.float32(NUM_TRAIN_TIMESTEPS)).astype(np.int64)
-    return SigmaLadder(sigmas=sigmas, timesteps=timesteps)
+    return SigmaLadder(sigmas=sigmas.astype(np.float32), timesteps=timesteps)
 
 
 _DYNAMIC_FAMILIES: dict[str, Callable[..., SigmaLadder]] = {
