@@ -11,15 +11,11 @@ name. Load the result with `digen_jax.models.load_checkpoint(out)`.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 
 from absl import app, flags
 
-from digen_jax.models import family_for_class, save_checkpoint
-from digen_jax.models.conversion import ParamBuilder, read_safetensors, safetensors_shards
+from digen_jax.models import convert_diffusers_folder
 
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Diffusers model folder holding config.json and *.safetensors.")
 _OUT = flags.DEFINE_string("out", None, "Output checkpoint folder.")
@@ -28,39 +24,11 @@ _DTYPE = flags.DEFINE_enum(
 )
 
 
-def convert(model_dir: str, out: str, dtype: str = "source", log=print) -> None:
-    """Convert `model_dir` into a checkpoint at `out` (see the module docstring)."""
-    config_path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{config_path} not found: --model_dir must be a diffusers model folder")
-    with open(config_path) as f:
-        diffusers_config = json.load(f)
-    family = family_for_class(diffusers_config.get("_class_name", "<no _class_name in config.json>"))
-    cfg = family.config_from_diffusers(diffusers_config)
-    builder = ParamBuilder(
-        family.weight_rules(cfg),
-        family.abstract_params(cfg),
-        dtype=None if dtype == "source" else dtype,
-        source=model_dir,
-    )
-    shards = safetensors_shards(model_dir)
-    start = time.time()
-    for n, shard in enumerate(shards, 1):
-        count = 0
-        for key, array in read_safetensors(shard):
-            builder.add(key, array)
-            count += 1
-        log(f"[{n}/{len(shards)}] {os.path.basename(shard)}: {count} weights ({time.time() - start:.1f}s)")
-    params = builder.finish()
-    save_checkpoint(out, family, cfg, params)
-    log(f"wrote {family.name} checkpoint with {len(builder.seen)} weights to {out}")
-
-
 def main(argv):
     del argv
     if not _MODEL_DIR.value or not _OUT.value:
         sys.exit("usage: diffusers_to_orbax.py --model_dir=DIR --out=DIR [--dtype=source|float32|bfloat16|float16]")
-    convert(_MODEL_DIR.value, _OUT.value, _DTYPE.value)
+    convert_diffusers_folder(_MODEL_DIR.value, _OUT.value, _DTYPE.value)
 
 
 if __name__ == "__main__":

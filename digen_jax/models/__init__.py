@@ -6,17 +6,32 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import time
 from typing import Any, Callable
 
 import jax
 
 from digen_jax.models import flux
 from digen_jax.models.checkpoints import load_checkpoint, save_checkpoint
-from digen_jax.models.conversion import ConversionError, ModelFamily, convert_weights, torch_state_dict_arrays
+from digen_jax.models.conversion import (
+    ConversionError,
+    ModelFamily,
+    ParamBuilder,
+    convert_weights,
+    read_safetensors,
+    safetensors_shards,
+    torch_state_dict_arrays,
+)
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (flux.FAMILY,)}
 
-__all__ = ["FAMILIES", "ConversionError", "family_for_class", "from_diffusers", "load_checkpoint", "make_apply_fn", "save_checkpoint"]
+__all__ = [
+    "FAMILIES",
+    "ConversionError",
+    "convert_diffusers_folder",
+    "family_for_class", "from_diffusers", "load_checkpoint", "make_apply_fn", "save_checkpoint"]
 
 
 def family_for_class(class_name: str) -> ModelFamily:
@@ -69,3 +84,36 @@ def from_diffusers(module, **policy) -> tuple[Callable, dict]:
         family, cfg, torch_state_dict_arrays(module), dtype=cfg.param_dtype, source=type(module).__name__
     )
     return make_apply_fn(family, cfg), params
+
+
+def convert_diffusers_folder(model_dir: str, out: str, dtype: str = "source", log=print) -> None:
+    """Convert a diffusers model folder (config.json + safetensors shards) into a checkpoint.
+
+    Shards are read one at a time, memory-mapped, each weight written into its place
+    as it is read (peak memory ~ the converted parameters). `dtype` is the stored
+    dtype ('source' keeps each weight's). Load the result with `load_checkpoint(out)`.
+    """
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{config_path} not found: --model_dir must be a diffusers model folder")
+    with open(config_path) as f:
+        diffusers_config = json.load(f)
+    family = family_for_class(diffusers_config.get("_class_name", "<no _class_name in config.json>"))
+    cfg = family.config_from_diffusers(diffusers_config)
+    builder = ParamBuilder(
+        family.weight_rules(cfg),
+        family.abstract_params(cfg),
+        dtype=None if dtype == "source" else dtype,
+        source=model_dir,
+    )
+    shards = safetensors_shards(model_dir)
+    start = time.time()
+    for n, shard in enumerate(shards, 1):
+        count = 0
+        for key, array in read_safetensors(shard):
+            builder.add(key, array)
+            count += 1
+        log(f"[{n}/{len(shards)}] {os.path.basename(shard)}: {count} weights ({time.time() - start:.1f}s)")
+    params = builder.finish()
+    save_checkpoint(out, family, cfg, params)
+    log(f"wrote {family.name} checkpoint with {len(builder.seen)} weights to {out}")
