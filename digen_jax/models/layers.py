@@ -249,28 +249,32 @@ def dot_product_attention(
     *,
     kv_lengths: jax.Array | None = None,
     impl: AttentionImpl = "auto",
+    seq_multiple: int | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention on (B, T, N, H) queries and (B, S, N, H) keys/values.
 
-    `kv_lengths` (B,) masks key positions >= length (right padding). With cuDNN the
-    sequences are zero-padded to a multiple of `CUDNN_SEQ_MULTIPLE` and the padding
-    masked through sequence lengths, so odd lengths never reach its backward pass.
+    `kv_lengths` (B,) masks key positions >= length (right padding). Sequences are
+    zero-padded to a multiple of `seq_multiple` (default: `CUDNN_SEQ_MULTIPLE` for
+    cuDNN, 1 for XLA) and the padding masked through sequence lengths, so odd lengths
+    never reach cuDNN's backward pass; the output keeps the original T.
     """
     backend = resolve_attention_impl(impl, q.dtype, q.shape[-1])
-    if backend == "xla":
-        return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation="xla")
+    multiple = seq_multiple or (CUDNN_SEQ_MULTIPLE if backend == "cudnn" else 1)
     batch, t_len, s_len = q.shape[0], q.shape[1], k.shape[1]
-    q_lengths = jnp.full((batch,), t_len, jnp.int32)
-    if kv_lengths is None:
-        kv_lengths = jnp.full((batch,), s_len, jnp.int32)
-    q, k, v = (_pad_axis(a, 1, CUDNN_SEQ_MULTIPLE) for a in (q, k, v))
+    if multiple == 1 or (t_len % multiple == 0 and s_len % multiple == 0):
+        q_lengths = None
+    else:
+        q_lengths = jnp.full((batch,), t_len, jnp.int32)
+        if kv_lengths is None:
+            kv_lengths = jnp.full((batch,), s_len, jnp.int32)
+        q, k, v = (_pad_axis(a, 1, multiple) for a in (q, k, v))
     out = jax.nn.dot_product_attention(
         q,
         k,
         v,
         query_seq_lengths=q_lengths,
-        key_value_seq_lengths=kv_lengths.astype(jnp.int32),
-        implementation="cudnn",
+        key_value_seq_lengths=None if kv_lengths is None else kv_lengths.astype(jnp.int32),
+        implementation=backend,
     )
     return out[:, :t_len]
 
