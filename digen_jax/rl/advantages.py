@@ -8,13 +8,13 @@ per-group sums are ``jax.ops.segment_sum`` reductions. All math is float32.
 
 Reference settings (ALGORITHMS.md A5, A8, A9):
 
-| recipe    | std over                        | ddof | eps   |
-|-----------|---------------------------------|------|-------|
-| Flow-GRPO | ``std_mode="global"`` (most configs) or ``"group"`` | 0 | 1e-4 |
-| DanceGRPO | ``"group"``                     | 1    | 1e-8  |
-| MixGRPO   | ``"group"``, per reward, summed | 1    | 1e-8  |
+| recipe    | ``std_mode``                               | ddof | eps  |
+|-----------|--------------------------------------------|------|------|
+| Flow-GRPO | ``"global"`` (most configs) or ``"group"`` | 0    | 1e-4 |
+| DanceGRPO | ``"group"``                                | 1    | 1e-8 |
+| MixGRPO   | ``"group"``, per reward, then summed       | 1    | 1e-8 |
 
-Flow-GRPO's tracker computes in float64 numpy; float32 here agrees to ~1e-6 relative.
+Flow-GRPO's tracker computes in float64 numpy; float32 here agrees to float32 rounding.
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def multi_reward_advantages(
     * ``mix="reward"`` (Flow-GRPO, MixGRPO ``reward_aggr``): ``A = adv(sum_k w_k * r_k)``.
 
     ``adv`` is :func:`group_advantages` with the given ``std_mode``, ``eps`` and ``ddof``. MixGRPO
-    itself uses ``ddof=1, eps=1e-8`` and weights divided by their sum; pass them that way for parity.
+    itself uses ``ddof=1, eps=1e-8`` and weights divided by their sum; pass them so for parity.
     """
     rewards = jnp.asarray(rewards, jnp.float32)
     weights = jnp.asarray(weights, jnp.float32)
@@ -141,7 +141,9 @@ def multi_reward_advantages(
         total = jnp.sum(weights[:, None] * rewards, axis=0)
         return group_advantages(total, group_ids, num_groups, **kwargs)
     if mix == "advantage":
-        per_reward = jax.vmap(lambda r: group_advantages(r, group_ids, num_groups, **kwargs))(rewards)
+        per_reward = jax.vmap(
+            lambda r: group_advantages(r, group_ids, num_groups, **kwargs)
+        )(rewards)
         return jnp.sum(weights[:, None] * per_reward, axis=0)
     raise ValueError(f"mix must be 'advantage' or 'reward', got {mix!r}")
 
@@ -156,7 +158,8 @@ def _moments(
     to exact zeros.
     """
     count = jax.ops.segment_sum(jnp.ones_like(rewards), group_ids, num_segments=num_groups)
-    mean = jax.ops.segment_sum(rewards, group_ids, num_segments=num_groups) / jnp.maximum(count, 1.0)
+    total = jax.ops.segment_sum(rewards, group_ids, num_segments=num_groups)
+    mean = total / jnp.maximum(count, 1.0)
     lo = jax.ops.segment_min(rewards, group_ids, num_segments=num_groups)
     hi = jax.ops.segment_max(rewards, group_ids, num_segments=num_groups)
     constant = (hi == lo)[group_ids]

@@ -43,7 +43,9 @@ def match_lora_targets(params: Params, target_patterns: Sequence[str]) -> list[s
     the pattern), so a typo in the config cannot silently train nothing.
     """
     if isinstance(target_patterns, str) or not target_patterns:
-        raise ValueError(f"target_patterns must be a non-empty list of regexes, got {target_patterns!r}")
+        raise ValueError(
+            f"target_patterns must be a non-empty list of regexes, got {target_patterns!r}"
+        )
     kernels = [p for p in _flat_paths(params) if p.rsplit("/", 1)[-1] == _KERNEL]
     matched: set[str] = set()
     for pattern in target_patterns:
@@ -65,7 +67,7 @@ def init_lora(
     key: jax.Array,
     dtype: jnp.dtype = jnp.float32,
 ) -> LoraParams:
-    """Adapters for every kernel matched by ``target_patterns``: ``A ~ U(-1/sqrt(in), 1/sqrt(in))``, ``B = 0``.
+    """Adapters for every kernel matched by ``target_patterns``: ``A ~ U(+-1/sqrt(in))``, ``B = 0``.
 
     The uniform bound is what peft's default LoRA init gives (``kaiming_uniform_(a=sqrt(5))`` on
     the (rank, in) torch weight), so adapters start distributed as the references' do. ``B = 0``
@@ -114,7 +116,8 @@ def merge_lora(params: Params, lora: LoraParams, *, scale: float) -> dict[str, A
         rank = a.shape[-1]
         if a.shape != (*lead, fan_in, rank) or b.shape != (*lead, rank, fan_out):
             raise ValueError(
-                f"LoRA shapes for {path!r} do not fit kernel {kernel.shape}: A {a.shape}, B {b.shape}"
+                f"LoRA shapes for {path!r} do not fit kernel {kernel.shape}: "
+                f"A {a.shape}, B {b.shape}"
             )
         delta = jnp.einsum(
             "...ir,...ro->...io",

@@ -29,7 +29,7 @@ def clipped_surrogate(
     clip_range: float,
     adv_clip: float = 5.0,
 ) -> tuple[jax.Array, Metrics]:
-    """Flow-GRPO / DanceGRPO PPO-clip loss ``L = mean_B l(exp(logp - logp_old), clip(A, +-adv_clip))``.
+    """Flow-GRPO / DanceGRPO PPO-clip loss ``L = mean_B l(exp(logp - logp_old), A_hat)``.
 
     ``old_log_prob`` and ``advantages`` are constants (stop-gradient): only ``log_prob`` carries
     gradient. Metrics, as the references log them:
@@ -94,8 +94,8 @@ def policy_loss(
 
     ``is_cap`` needs ``proximal_log_prob``: without a proximal policy the weight is identically 1.
     Metrics: those of :func:`clipped_surrogate` (taken against the anchor of the ratio), plus, in
-    the decoupled form, ``is_weight_mean`` (mean_B w) and ``is_truncated_frac`` (the fraction of samples whose
-    weight hit the cap; 0 when uncapped).
+    the decoupled form, ``is_weight_mean`` (mean_B w) and ``is_truncated_frac`` (the fraction of
+    samples whose weight hit the cap; 0 when uncapped).
     """
     if proximal_log_prob is None:
         if is_cap is not None:

@@ -60,7 +60,7 @@ def ema_update(
     max_decay: float = 0.9,
     decay: float | None = None,
 ) -> PyTree:
-    """One EMA step ``ema <- ema + (1 - d) (params - ema)``, applied only when ``(step + 1) % update_every == 0``.
+    """EMA step ``ema <- ema + (1 - d) (params - ema)`` where ``(step + 1) % update_every == 0``.
 
     ``decay=None`` (Flow-GRPO): ``d = ema_decay(step, max_decay=max_decay)``, ``update_every=8``;
     Flow-GRPO calls this once per micro-batch with the optimizer step, so several updates can

@@ -1,0 +1,26 @@
+"""Reward functions: a name registry and the built-in rewards (importing this registers them)."""
+from digen_jax.rewards import jpeg
+from digen_jax.rewards.jpeg import jpeg_size_kb
+from digen_jax.rewards.registry import (
+    RewardFn,
+    check_finite_rewards,
+    get_reward,
+    register_reward,
+    registered_rewards,
+    to_uint8_images,
+    validate_reward_config,
+    weighted_reward,
+)
+
+__all__ = [
+    "RewardFn",
+    "check_finite_rewards",
+    "get_reward",
+    "jpeg",
+    "jpeg_size_kb",
+    "register_reward",
+    "registered_rewards",
+    "to_uint8_images",
+    "validate_reward_config",
+    "weighted_reward",
+]

@@ -1,0 +1,44 @@
+"""RL core: group advantages, policy losses, LoRA adapters, optimizer and EMA (pure functions)."""
+from digen_jax.rl.advantages import (
+    clip_advantages,
+    group_advantages,
+    group_statistics,
+    multi_reward_advantages,
+    validate_group_size,
+)
+from digen_jax.rl.lora import (
+    init_lora,
+    lora_param_count,
+    lora_scale,
+    match_lora_targets,
+    merge_lora,
+)
+from digen_jax.rl.losses import (
+    clipped_surrogate,
+    grpo_guard_surrogate,
+    policy_kl_loss,
+    policy_loss,
+    truncated_importance_weights,
+)
+from digen_jax.rl.optim import ema_decay, ema_update, make_optimizer
+
+__all__ = [
+    "clip_advantages",
+    "clipped_surrogate",
+    "ema_decay",
+    "ema_update",
+    "group_advantages",
+    "group_statistics",
+    "grpo_guard_surrogate",
+    "init_lora",
+    "lora_param_count",
+    "lora_scale",
+    "make_optimizer",
+    "match_lora_targets",
+    "merge_lora",
+    "multi_reward_advantages",
+    "policy_kl_loss",
+    "policy_loss",
+    "truncated_importance_weights",
+    "validate_group_size",
+]
