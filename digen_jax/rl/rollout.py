@@ -1,0 +1,227 @@
+"""Rollout: per-step jitted denoising with log-probs, collected into trajectories.
+
+The unit of work is one denoising step of a batch (DESIGN.md section 3): keeping it per
+timestep, not one scan over the ladder, is what lets a scheduler interleave micro-batches
+and hand trajectories between device groups at step boundaries.
+
+Randomness is per sample: sample b's initial noise and its step-i noise come from
+`fold_in(sample_keys[b], ...)`, so a trajectory does not depend on which batch or device
+generated it (a group's samples may be spread over devices).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from digen_jax import diffusion
+
+SDE_TYPES = ("sde", "cps", "wan", "dance")
+# fold_in tag of a sample's initial noise (step noises use the step index 0..N-1).
+_INITIAL_NOISE_TAG = 1 << 20
+
+
+@flax.struct.dataclass
+class Conditioning:
+    """Prompt conditioning of a batch: text states (B, L, D) and pooled vectors (B, P)."""
+
+    text: jax.Array
+    pooled: jax.Array
+
+    def take(self, index: jax.Array) -> "Conditioning":
+        return jax.tree.map(lambda a: a[index], self)
+
+    def repeat(self, times: int) -> "Conditioning":
+        """Each prompt `times` times in a row (a group of G samples per prompt)."""
+        return jax.tree.map(lambda a: jnp.repeat(a, times, axis=0), self)
+
+
+# denoiser(params, latents (B, S, C), cond, sigma (B,)) -> velocity (B, S, C)
+Denoiser = Callable[[Any, jax.Array, Conditioning, jax.Array], jax.Array]
+
+
+def flux_denoiser(module, *, img_ids: jax.Array, txt_ids: jax.Array, guidance: float) -> Denoiser:
+    """A FLUX-family transformer as a denoiser; `guidance` feeds its guidance embedding."""
+
+    def denoise(params, latents, cond, sigma):
+        batch = latents.shape[0]
+        return module.apply(
+            {"params": params},
+            hidden_states=latents,
+            encoder_hidden_states=cond.text,
+            pooled_projections=cond.pooled,
+            timestep=sigma,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=jnp.full((batch,), guidance, jnp.float32) if module.cfg.guidance_embeds else None,
+        )
+
+    return denoise
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSpec:
+    """How velocities become transitions.
+
+    sde_type: 'sde' (Flow-GRPO A1), 'cps' (A2), 'wan' (A3), 'dance' (DanceGRPO A7, the
+      noise level is eta). A noise level of 0 gives the Euler (ODE) step in every type.
+    cfg_scale: true classifier-free guidance scale; 1 disables it (one forward per step).
+      With CFG the negative and positive batches run as one forward, [negative, positive].
+    cfg_rescale: rescale the guided velocity per token to the norm of the conditional one
+      (Qwen-Image's true-CFG norm rescale).
+    """
+
+    sde_type: str = "sde"
+    cfg_scale: float = 1.0
+    cfg_rescale: bool = False
+
+    def __post_init__(self):
+        if self.sde_type not in SDE_TYPES:
+            raise ValueError(f"sampling.sde_type must be one of {SDE_TYPES}, got {self.sde_type!r}")
+        if self.cfg_scale < 1.0:
+            raise ValueError(f"sampling.cfg_scale must be >= 1 (1 disables CFG), got {self.cfg_scale}")
+
+
+def guided_velocity(
+    denoiser: Denoiser,
+    spec: SamplerSpec,
+    params,
+    latents: jax.Array,
+    cond: Conditioning,
+    sigma: jax.Array,
+    negative: Conditioning | None,
+) -> jax.Array:
+    """The post-guidance velocity in float32 (identical in rollout and training)."""
+    if spec.cfg_scale == 1.0:
+        return denoiser(params, latents, cond, sigma).astype(jnp.float32)
+    batch = latents.shape[0]
+    neg = jax.tree.map(lambda n, c: jnp.broadcast_to(n, c.shape), negative, cond)
+    both = denoiser(
+        params,
+        jnp.concatenate([latents, latents]),
+        jax.tree.map(lambda n, c: jnp.concatenate([n, c]), neg, cond),
+        jnp.concatenate([sigma, sigma]),
+    ).astype(jnp.float32)
+    v_neg, v_pos = both[:batch], both[batch:]
+    guided = v_neg + spec.cfg_scale * (v_pos - v_neg)
+    if spec.cfg_rescale:
+        norm = lambda v: jnp.linalg.norm(v, axis=-1, keepdims=True)  # noqa: E731
+        guided = guided * norm(v_pos) / jnp.maximum(norm(guided), 1e-12)
+    return guided
+
+
+def sampler_step(
+    sde_type: str,
+    latents: jax.Array,
+    velocity: jax.Array,
+    sigmas: jax.Array,
+    step_index: jax.Array,
+    noise_level: jax.Array,
+    **draw,
+) -> diffusion.StepOutput:
+    """Dispatch to the step function of `sde_type` (`draw`: key, noise or prev_sample)."""
+    if sde_type == "sde":
+        return diffusion.flow_grpo_sde_step(latents, velocity, sigmas, step_index, noise_level, **draw)
+    if sde_type == "cps":
+        return diffusion.flow_grpo_cps_step(latents, velocity, sigmas, step_index, noise_level, **draw)
+    if sde_type == "dance":
+        return diffusion.dance_grpo_step(latents, velocity, sigmas, step_index, noise_level, **draw)
+    # 'wan' has no noise-level knob (g = sigma_1 * sigma); a zero noise level still means ODE.
+    out = diffusion.flow_grpo_wan_step(latents, velocity, sigmas, step_index, **draw)
+    if "prev_sample" in draw:
+        return out
+    ode = diffusion.euler_step(latents, velocity, sigmas, step_index)
+    is_ode = jnp.reshape(noise_level == 0, (-1,) + (1,) * (latents.ndim - 1))
+    return out._replace(
+        prev_sample=jnp.where(is_ode, ode.prev_sample, out.prev_sample),
+        log_prob=jnp.where(noise_level == 0, 0.0, out.log_prob),
+    )
+
+
+def kl_divisor(sde_type: str, out: diffusion.StepOutput) -> jax.Array:
+    """The KL divisor of the reference recipes: g for sde/dance/cps (cps reports s as g), s for Wan."""
+    return out.std if sde_type == "wan" else out.noise_scale
+
+
+@flax.struct.dataclass
+class Trajectory:
+    """A batch of sampled ladders.
+
+    latents: (B, N + 1, ...) float32, x_0 = initial noise ... x_N = the sample.
+    log_probs: (B, N) behaviour log-probs (0 on zero-noise steps).
+    means: (B, N, ...) the transition means.
+    noise_levels: (N,) the noise level each step used.
+    sample_keys: (B,) the PRNG keys the noises came from (the samples' seeds).
+    version: () int32, the policy version that generated every step of every sample.
+    """
+
+    latents: jax.Array
+    log_probs: jax.Array
+    means: jax.Array
+    noise_levels: jax.Array
+    sample_keys: jax.Array
+    version: jax.Array
+
+    @property
+    def final(self) -> jax.Array:
+        return self.latents[:, -1]
+
+
+def initial_noise(sample_keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """x_0 of each sample: standard normal of `shape` from its own key."""
+    return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, _INITIAL_NOISE_TAG), shape))(sample_keys)
+
+
+class Sampler:
+    """Jitted per-step denoising for one model, ladder and sampler spec.
+
+    `step(params, latents, cond, step_index, noise_level, sample_keys)` advances a batch
+    by one step and returns (latents', log_prob, mean); `rollout` runs the ladder.
+    """
+
+    def __init__(self, denoiser: Denoiser, spec: SamplerSpec, sigmas: np.ndarray, negative: Conditioning | None = None):
+        if spec.cfg_scale != 1.0 and negative is None:
+            raise ValueError("sampling.cfg_scale > 1 needs negative-prompt conditioning")
+        self.denoiser = denoiser
+        self.spec = spec
+        self.sigmas = jnp.asarray(sigmas, jnp.float32)
+        self.negative = negative
+        self.num_steps = len(sigmas) - 1
+        self.step = jax.jit(self._step)
+
+    def velocity(self, params, latents, cond, step_index):
+        sigma = jnp.broadcast_to(self.sigmas[step_index], (latents.shape[0],))
+        return guided_velocity(self.denoiser, self.spec, params, latents, cond, sigma, self.negative)
+
+    def transition(self, params, latents, cond, step_index, noise_level, **draw) -> diffusion.StepOutput:
+        """Velocity then step; `draw` is noise=... (rollout) or prev_sample=... (training)."""
+        v = self.velocity(params, latents, cond, step_index)
+        return sampler_step(self.spec.sde_type, latents, v, self.sigmas, step_index, noise_level, **draw)
+
+    def _step(self, params, latents, cond, step_index, noise_level, sample_keys):
+        noise = jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, step_index), latents.shape[1:]))(sample_keys)
+        out = self.transition(params, latents, cond, step_index, noise_level, noise=noise)
+        return out.prev_sample, out.log_prob, out.mean
+
+    def rollout(self, params, cond: Conditioning, sample_keys: jax.Array, noise_levels, latent_shape, version) -> Trajectory:
+        """Sample the whole ladder for a batch; every step dispatched asynchronously."""
+        latents = initial_noise(sample_keys, tuple(latent_shape))
+        noise_levels = jnp.asarray(noise_levels, jnp.float32)
+        path, log_probs, means = [latents], [], []
+        for i in range(self.num_steps):
+            latents, log_prob, mean = self.step(params, latents, cond, i, noise_levels[i], sample_keys)
+            path.append(latents)
+            log_probs.append(log_prob)
+            means.append(mean)
+        return Trajectory(
+            latents=jnp.stack(path, axis=1),
+            log_probs=jnp.stack(log_probs, axis=1),
+            means=jnp.stack(means, axis=1),
+            noise_levels=noise_levels,
+            sample_keys=sample_keys,
+            version=jnp.asarray(version, jnp.int32),
+        )

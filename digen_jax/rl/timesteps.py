@@ -1,0 +1,84 @@
+"""Which ladder steps are stochastic and which are trained, per recipe.
+
+| `rl.step_selection` | noise (SDE) on                   | trained steps                                   | recipe |
+|---------------------|----------------------------------|-------------------------------------------------|--------|
+| `fraction`          | every step                       | the first int(timestep_fraction * N)            | Flow-GRPO |
+| `window`            | a window of `sde_window_size` steps starting at a random index in `sde_window_range` (drawn once per iteration) | the window | Flow-GRPO Fast / Qwen-Image |
+| `mixgrpo`           | a window that advances by one every `window_shift_every` iterations and wraps | the window | MixGRPO progressive |
+| `random`            | every step                       | per sample, a random int((N - 1) * timestep_fraction) of the first N - 1 | DanceGRPO |
+
+The last step (sigma' = 0) has a near-zero transition std and is never trained; a
+selection that would train it is rejected by `validate_step_selection`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+MODES = ("fraction", "window", "mixgrpo", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """noise_levels (N,) float32 per step; trained (B, T) int32 step indices per sample."""
+
+    noise_levels: np.ndarray
+    trained: np.ndarray
+
+
+def _num_trained(fraction: float, steps: int) -> int:
+    return int(fraction * steps)
+
+
+def validate_step_selection(rl, num_steps: int) -> None:
+    """Raise ValueError naming the config key if the selection leaves the trainable ladder."""
+    mode = rl.step_selection
+    if mode not in MODES:
+        raise ValueError(f"rl.step_selection must be one of {MODES}, got {mode!r}")
+    if mode in ("fraction", "random"):
+        pool = num_steps if mode == "fraction" else num_steps - 1
+        t = _num_trained(rl.timestep_fraction, pool)
+        if not 0 < rl.timestep_fraction <= 1 or t < 1:
+            raise ValueError(
+                f"rl.timestep_fraction={rl.timestep_fraction} trains {t} of sampling.num_steps={num_steps} steps; "
+                "it must select at least one step and be in (0, 1]"
+            )
+        if mode == "fraction" and t > num_steps - 1:
+            raise ValueError(
+                f"rl.timestep_fraction={rl.timestep_fraction} trains the last step of sampling.num_steps={num_steps} "
+                "(sigma'=0, transition std ~0); use a fraction < 1 (Flow-GRPO uses 0.99)"
+            )
+        return
+    size = rl.sde_window_size
+    lo, hi = rl.sde_window_range
+    if size < 1 or lo < 0 or hi - lo < size or hi > num_steps - 1:
+        raise ValueError(
+            f"rl.sde_window_size={size} in rl.sde_window_range=({lo}, {hi}) must fit inside the trainable steps "
+            f"[0, {num_steps - 1}) of sampling.num_steps={num_steps} (the last step is never trained)"
+        )
+    if mode == "mixgrpo" and rl.window_shift_every < 1:
+        raise ValueError(f"rl.window_shift_every must be >= 1, got {rl.window_shift_every}")
+
+
+def plan_steps(rl, num_steps: int, noise_level: float, batch: int, iteration: int, rng: np.random.Generator) -> StepPlan:
+    """The StepPlan of one iteration; `rng` is seeded per iteration so a resumed run replays it."""
+    mode = rl.step_selection
+    if mode in ("fraction", "random"):
+        noise = np.full((num_steps,), noise_level, np.float32)
+        if mode == "fraction":
+            trained = np.tile(np.arange(_num_trained(rl.timestep_fraction, num_steps)), (batch, 1))
+        else:
+            t = _num_trained(rl.timestep_fraction, num_steps - 1)
+            trained = np.stack([np.sort(rng.permutation(num_steps - 1)[:t]) for _ in range(batch)])
+        return StepPlan(noise, trained.astype(np.int32))
+    size = rl.sde_window_size
+    lo, hi = rl.sde_window_range
+    if mode == "window":
+        start = int(rng.integers(lo, hi - size + 1))
+    else:
+        start = lo + (iteration // rl.window_shift_every) % (hi - size - lo + 1)
+    noise = np.zeros((num_steps,), np.float32)
+    noise[start : start + size] = noise_level
+    trained = np.tile(np.arange(start, start + size), (batch, 1))
+    return StepPlan(noise, trained.astype(np.int32))
