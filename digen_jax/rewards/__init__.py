@@ -1,5 +1,5 @@
 """Reward functions: a name registry and the built-in rewards (importing this registers them)."""
-from digen_jax.rewards import jpeg
+from digen_jax.rewards import jpeg, shapes
 from digen_jax.rewards.jpeg import jpeg_size_kb
 from digen_jax.rewards.registry import (
     RewardFn,
@@ -17,6 +17,7 @@ __all__ = [
     "check_finite_rewards",
     "get_reward",
     "jpeg",
+    "shapes",
     "jpeg_size_kb",
     "register_reward",
     "registered_rewards",

@@ -223,5 +223,5 @@ class Sampler:
             means=jnp.stack(means, axis=1),
             noise_levels=noise_levels,
             sample_keys=sample_keys,
-            version=jnp.asarray(version, jnp.int32),
+            version=jnp.array(version, jnp.int32),  # a copy: the trainer donates its state
         )

@@ -153,7 +153,7 @@ class Trainer:
 
     def _apply_update(self, state: TrainState, grad_sum, count, rewards_finite):
         grads = jax.tree.map(lambda g: g / count, grad_sum)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ok = rewards_finite & jnp.isfinite(grad_norm)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.trainable)
         trainable = optax.apply_updates(state.trainable, updates)
@@ -169,7 +169,14 @@ class Trainer:
             ema=ema,
             nonfinite_streak=jnp.where(ok, 0, state.nonfinite_streak + 1),
         )
-        return new_state, {"grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
+        # Fresh outputs (not views of the state, which the next update donates).
+        metrics = {
+            "grad_norm": grad_norm,
+            "skipped": 1 - ok.astype(jnp.int32),
+            "version": new_state.version + 0,
+            "nonfinite_streak": new_state.nonfinite_streak + 0,
+        }
+        return new_state, metrics
 
     def update(self, state: TrainState, units: TrainUnits, micro_batch: int, rewards_finite) -> tuple[TrainState, dict]:
         """One optimizer update over all `units`, accumulated in micro-batches of `micro_batch`."""

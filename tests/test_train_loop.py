@@ -1,0 +1,106 @@
+"""The colocated training loop end to end on the tiny task: outputs, resume, bad input, NaN guard."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from digen_jax.rewards import registry
+from digen_jax.rl import loop
+
+
+def small_config(cache_dir, **train):
+    """configs/tiny.py shrunk for mechanics tests: a few pretraining steps, 4 prompts x 2."""
+    c = tiny.get_config()
+    c.pretrain.steps = 3
+    c.pretrain.batch_size = 8
+    c.pretrain.cache_dir = str(cache_dir)
+    c.task.resolution = 16
+    c.sampling.num_steps = 4
+    c.rl.prompts_per_iteration = 4
+    c.rl.group_size = 2
+    c.rl.micro_batch_size = 8
+    c.rl.learning_rate = 1e-3
+    c.train.iterations = 4
+    c.train.eval_every = 2
+    c.train.eval_prompts = 4
+    c.train.image_every = 2
+    c.train.checkpoint_every = 2
+    c.train.update(train)
+    return c
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pretrained")
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_outputs_and_resume_match_an_uninterrupted_run(cache_dir, tmp_path):
+    full = loop.train(small_config(cache_dir), str(tmp_path / "full"), log=lambda _: None)
+    rows = read_metrics(tmp_path / "full")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in ("step", "reward_mean", "reward_std", "loss", "kl", "clip_frac", "samples_per_s", "version"):
+        assert all(np.isfinite(r[key]) for r in rows), key
+    assert rows[-1]["version"] == 4 and "eval_reward_mean" in rows[1]
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "full" / "tb"))
+    assert sorted(os.listdir(tmp_path / "full" / "checkpoints")) == ["2", "4"]
+
+    # Stop after 2 iterations, then resume to 4 in the same workdir.
+    loop.train(small_config(cache_dir, iterations=2), str(tmp_path / "resumed"), log=lambda _: None)
+    logs = []
+    resumed = loop.train(small_config(cache_dir), str(tmp_path / "resumed"), log=logs.append)
+    assert any("resumed from" in line for line in logs)
+    assert [r["step"] for r in read_metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
+    assert int(resumed.version) == int(full.version) == 4
+    jax.tree.map(np.testing.assert_array_equal, resumed.trainable, full.trainable)
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("reward.weights", {"no_such_reward": 1.0}, "reward.names"),
+        ("rl.group_size", 1, "rl.group_size"),
+        ("rl.timestep_fraction", 1.0, "trains the last step"),
+        ("sampling.sde_type", "langevin", "sampling.sde_type"),
+        ("rl.micro_batch_size", 5, "rl.micro_batch_size"),
+    ],
+)
+def test_bad_config_fails_before_any_compute(cache_dir, tmp_path, monkeypatch, key, value, match):
+    def no_compute(*args, **kwargs):
+        raise AssertionError("pretraining started before the config was validated")
+
+    monkeypatch.setattr(loop, "pretrained_params", no_compute)
+    c = small_config(cache_dir)
+    section, name = key.split(".")
+    if key == "reward.weights":
+        c.reward.weights = value
+    else:
+        c[section][name] = value
+    with pytest.raises(ValueError, match=match):
+        loop.train(c, str(tmp_path), log=lambda _: None)
+
+
+def test_nonfinite_rewards_skip_updates_then_stop(cache_dir, tmp_path):
+    name = "always_nan_for_tests"
+    if name not in registry.registered_rewards():
+
+        @registry.register_reward(name)
+        def _factory():
+            return lambda images, prompts, metadata: np.full(len(images), np.nan, np.float32)
+
+    c = small_config(cache_dir, iterations=6, checkpoint_every=0)
+    c.reward.weights = {name: 1.0}
+    c.rl.max_nonfinite_in_row = 2
+    logs = []
+    with pytest.raises(FloatingPointError, match="2 updates in a row"):
+        loop.train(c, str(tmp_path), log=logs.append)
+    rows = read_metrics(tmp_path)
+    assert [r["skipped"] for r in rows] == [1, 1] and rows[-1]["version"] == 0
+    assert sum("skipped: non-finite" in line for line in logs) == 2
