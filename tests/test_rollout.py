@@ -165,10 +165,10 @@ def test_lora_training_moves_only_adapters_and_kl_starts_at_zero():
     trainer = Trainer(sampler, params, optim.make_optimizer(1e-2), LossConfig(kl_beta=0.1, lora_scale=lora.lora_scale(2, 4.0)))
     state = trainer.init_state(adapters)
     state, metrics = trainer.update(state, units, units.size, True)
-    assert float(metrics["kl"]) == 0.0  # B = 0 at init: the policy is the reference
+    assert float(metrics["kl"]) < 1e-10  # B = 0 at init: the policy is the reference
     merged = trainer.params_for(state.trainable)
     q = merged["double_blocks"]["attn"]["to_q"]["kernel"]
     assert float(jnp.abs(q - params["double_blocks"]["attn"]["to_q"]["kernel"]).max()) > 0
     np.testing.assert_array_equal(merged["proj_out"]["kernel"], params["proj_out"]["kernel"])
     _, metrics = trainer.update(state, units, units.size, True)
-    assert float(metrics["kl"]) > 0.0
+    assert float(metrics["kl"]) > 1e-8
