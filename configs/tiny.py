@@ -41,14 +41,14 @@ def get_config() -> ml_collections.ConfigDict:
     # The synthetic task (digen_jax.data.shapes.ShapesTask).
     c.task = ml_collections.ConfigDict()
     c.task.name = "shapes"
-    c.task.resolution = 16  # pixels per side
+    c.task.resolution = 16  # pixels per side (a multiple of 4, >= 16)
     c.task.text_len = 8
-    c.task.label_noise = 0.5  # share of pretraining renders that contradict their prompt
+    c.task.label_noise = 0.25  # share of pretraining renders that contradict their prompt
 
     c.pretrain = ml_collections.ConfigDict()
-    c.pretrain.steps = 600
-    c.pretrain.batch_size = 64
-    c.pretrain.learning_rate = 1e-3
+    c.pretrain.steps = 800
+    c.pretrain.batch_size = 32
+    c.pretrain.learning_rate = 3e-3
     c.pretrain.cache_dir = "~/.cache/digen_jax/pretrained"
 
     c.sampling = ml_collections.ConfigDict()

@@ -4,15 +4,21 @@ Prompts read "a <colour> <shape> in the <position>", e.g. "a red square in the t
 4 colours x 2 shapes x 4 quadrants = 32 prompts. A prompt is carried as a row of attribute ids
 ``(colour, shape, position)`` indexing :data:`COLORS`, :data:`SHAPES` and :data:`POSITIONS`.
 
-Images are (3, H, W) in [-1, 1]: a black (-1) background and one filled shape at full intensity
-in the prompt's colour, placed inside the prompt's quadrant. Variety comes from the size (5, 6
-or 7 px) and from where the shape sits inside its quadrant (uniform, always fully inside it).
+Images are (3, H, W) in [-1, 1]: a black (-1) background and one 6x6-px shape (a filled square,
+or a plus sign with 2-px arms) at full intensity in the prompt's colour, inside the prompt's
+quadrant, in the corner of that quadrant that is the image's corner. Shapes sit on the 2x2-pixel
+grid that ``pack_latents`` turns into tokens, so each token is wholly on or off. With
+``jitter=True`` the shape is instead placed uniformly among the token-aligned positions inside
+its quadrant. Off by default: with several placements per prompt a briefly trained model's
+few-step samples blend them into a blob (the shape score then stalls near 0.3), and the CPU demo
+cannot afford the training that resolves it.
 
 Label noise (``ShapesTask.label_noise``): :meth:`ShapesTask.render` draws, with that
 probability per sample, an image whose colour OR position (half the time each) is a uniformly
 drawn *other* value than the prompt says. The shape is always honest. A model pretrained on such
-pairs follows prompts only partially (at label_noise 0.5 a perfect fit gets the colour and the
-quadrant right 75% each), which leaves the RL stage a prompt-following gap to close.
+pairs follows prompts only partially (at label_noise 0.25 a perfect fit gets the colour and the
+quadrant right 87.5% of the time each, and a briefly trained one blends colours and quadrants
+more often still), which leaves the RL stage a prompt-following gap to close.
 
 Text encoder: a frozen, deterministic stand-in for T5/CLIP. Each prompt is the fixed 7-word
 template tokenised by words, right-padded with ``<pad>`` to ``text_len``; token embeddings come
@@ -35,9 +41,10 @@ POSITIONS: tuple[str, ...] = ("top left", "top right", "bottom left", "bottom ri
 
 # RGB in [0, 1] of each colour in COLORS; channels are drawn at full intensity or off.
 COLOR_RGB = np.array([[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 0]], np.float32)
-# Side lengths (px) a shape is drawn at. A cross is a plus sign whose arms are 1 px wide for odd
-# sides and 2 px for even ones, so it stays centred in its box.
-SHAPE_SIZES: tuple[int, ...] = (5, 6, 7)
+# Side (px) of a shape's box: 3x3 tokens.
+SHAPE_SIZE = 6
+# Shapes are placed on this pixel grid: the 2x2 patches that become the model's tokens.
+PLACEMENT_STEP = 2
 
 PAD = "<pad>"
 VOCAB: tuple[str, ...] = (PAD, "a", "in", "the", *COLORS, *SHAPES, "top", "bottom", "left", "right")
@@ -45,16 +52,15 @@ _TOKEN = {word: i for i, word in enumerate(VOCAB)}
 PROMPT_LEN = 7  # "a <colour> <shape> in the <top|bottom> <left|right>"
 
 
-def shape_mask(shape: jax.Array, size: jax.Array, y: jax.Array, x: jax.Array) -> jax.Array:
-    """Boolean mask of shape id `shape` with side `size` at local pixel coordinates (y, x).
+def shape_mask(shape: jax.Array, y: jax.Array, x: jax.Array) -> jax.Array:
+    """Boolean mask of shape id ``shape`` at pixel offsets (y, x) from its box's top-left pixel.
 
-    (y, x) are offsets from the shape box's top-left pixel; arguments broadcast. A square fills
-    the box; a cross keeps the centred horizontal and vertical bars of width 2 - size % 2.
+    Arguments broadcast. The box is SHAPE_SIZE px square; a square fills it, a cross keeps its
+    centred 2-px-wide horizontal and vertical bars (1 token wide).
     """
-    inside = (y >= 0) & (y < size) & (x >= 0) & (x < size)
-    # Twice the distance to the box centre, an integer: |2y - (size - 1)| <= width - 1.
-    half = 1 - size % 2
-    bar = (jnp.abs(2 * y - (size - 1)) <= half) | (jnp.abs(2 * x - (size - 1)) <= half)
+    inside = (y >= 0) & (y < SHAPE_SIZE) & (x >= 0) & (x < SHAPE_SIZE)
+    # |2y - (SIZE - 1)| <= 1 selects the two middle rows of the (even-sized) box.
+    bar = (jnp.abs(2 * y - (SHAPE_SIZE - 1)) <= 1) | (jnp.abs(2 * x - (SHAPE_SIZE - 1)) <= 1)
     return inside & ((shape == 0) | bar)
 
 
@@ -74,12 +80,15 @@ class ShapesTask:
     """The coloured-shapes text-to-image task (see the module docstring).
 
     Attributes:
-      resolution: image side in pixels; even and >= 16, so each quadrant holds a 7-px shape.
+      resolution: image side in pixels; a multiple of 4 and >= 16 (quadrants of whole tokens,
+        each holding the 6-px shape with room to spare).
       text_len: padded prompt length in tokens (>= 7, the prompt template's length).
       embed_dim: text embedding width (the model's ``joint_attention_dim``).
       pooled_dim: pooled text vector width (the model's ``pooled_projection_dim``).
       label_noise: probability that a rendered image disagrees with its prompt in one attribute.
       embedding_seed: seed of the frozen text-encoder tables.
+      jitter: place shapes uniformly among the token-aligned positions in their quadrant
+        instead of in its outer corner.
 
     Array methods take and return jax arrays and trace under ``jit`` (the task is hashable, so it
     can be a static argument).
@@ -89,12 +98,13 @@ class ShapesTask:
     text_len: int = 8
     embed_dim: int = 32
     pooled_dim: int = 32
-    label_noise: float = 0.5
+    label_noise: float = 0.25
     embedding_seed: int = 1234
+    jitter: bool = False
 
     def __post_init__(self):
-        if self.resolution % 2 or self.resolution < 2 * max(SHAPE_SIZES) + 2:
-            raise ValueError(f"resolution must be even and >= {2 * max(SHAPE_SIZES) + 2}, got {self.resolution}")
+        if self.resolution % (2 * PLACEMENT_STEP) or self.resolution < 16:
+            raise ValueError(f"resolution must be a multiple of {2 * PLACEMENT_STEP} and >= 16, got {self.resolution}")
         if self.text_len < PROMPT_LEN:
             raise ValueError(f"text_len must be >= {PROMPT_LEN} (the prompt length in tokens), got {self.text_len}")
         if not 0.0 <= self.label_noise <= 1.0:
@@ -180,23 +190,24 @@ class ShapesTask:
     def draw(self, ids: jax.Array, key: jax.Array) -> jax.Array:
         """(n, 3, H, W) float32 images in {-1, 1} showing exactly the attributes ``ids``.
 
-        Size uniform over :data:`SHAPE_SIZES`; the top-left corner uniform over the placements
-        that keep the shape inside the quadrant.
+        The shape's box touches the image corner inside its quadrant; with ``jitter`` its
+        distance from that corner is uniform over {0, 2, ..., H/2 - 6} px per axis (``key`` is
+        unused otherwise).
         """
         ids = jnp.asarray(ids, jnp.int32)
         n, res = ids.shape[0], self.resolution
-        half = res // 2
-        k_size, k_y, k_x = jax.random.split(key, 3)
-        size = jnp.asarray(SHAPE_SIZES, jnp.int32)[jax.random.randint(k_size, (n,), 0, len(SHAPE_SIZES))]
-        room = half - size + 1  # placements per axis inside the quadrant
-        off_y = jnp.floor(jax.random.uniform(k_y, (n,)) * room).astype(jnp.int32)
-        off_x = jnp.floor(jax.random.uniform(k_x, (n,)) * room).astype(jnp.int32)
-        top = (ids[:, 2] // 2) * half + off_y
-        left = (ids[:, 2] % 2) * half + off_x
+        if self.jitter:
+            room = (res // 2 - SHAPE_SIZE) // PLACEMENT_STEP + 1  # placements per axis
+            inset = PLACEMENT_STEP * jax.random.randint(key, (2, n), 0, room)
+        else:
+            inset = jnp.zeros((2, n), jnp.int32)
+        far = res - SHAPE_SIZE  # box origin when it touches the bottom / right image edge
+        top = jnp.where(ids[:, 2] // 2 == 0, inset[0], far - inset[0])
+        left = jnp.where(ids[:, 2] % 2 == 0, inset[1], far - inset[1])
         grid = jnp.arange(res)
         y = grid[None, :, None] - top[:, None, None]
         x = grid[None, None, :] - left[:, None, None]
-        mask = shape_mask(ids[:, 1, None, None], size[:, None, None], y, x)  # (n, H, W)
+        mask = shape_mask(ids[:, 1, None, None], y, x)  # (n, H, W)
         rgb = jnp.asarray(COLOR_RGB)[ids[:, 0]]  # (n, 3)
         on = mask[:, None] & (rgb[:, :, None, None] > 0)
         return jnp.where(on, 1.0, -1.0).astype(jnp.float32)

@@ -8,10 +8,10 @@ pixel units), so a black background weighs nothing and a full-intensity shape we
   distance between the pixel's chroma (RGB divided by its brightest channel, so dim edges keep
   their colour) and the named colour's RGB. Distinct palette colours are >= 1 apart: score 0.
 * position: the fraction of the foreground weight inside the named quadrant.
-* shape: the best soft IoU, over every placement and every drawn size, between the foreground
-  map and the named shape's mask, counted inside the mask's box plus a 1-px margin (ink just
-  outside the shape lowers it). Mapped ``clip((IoU - 0.5) / 0.5, 0, 1)``: a drawn shape scores
-  IoU 1 against its own template and <= 0.56 against the other shape's.
+* shape: the best soft IoU, over every pixel placement, between the foreground map and the named
+  shape's mask, counted inside the mask's box plus a 1-px margin (ink just outside the shape
+  lowers it). Mapped ``clip((IoU - 0.5) / 0.5, 0, 1)``: a drawn shape has IoU 1 with its own
+  mask and 0.56 with the other shape's (score 0.11).
 
 The reward is ``0.5 * mean(scores) + 0.5 * prod(scores)``: GenEval-style partial credit plus an
 equal weight on getting every attribute right at once, so one wrong attribute costs more than a
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax.data.shapes import COLOR_RGB, COLORS, POSITIONS, SHAPE_SIZES, SHAPES, shape_mask
+from digen_jax.data.shapes import COLOR_RGB, COLORS, POSITIONS, SHAPE_SIZE, SHAPES, shape_mask
 from digen_jax.rewards.registry import RewardFn, register_reward, to_uint8_images
 
 FOREGROUND_LOW, FOREGROUND_HIGH = 0.25, 0.75
@@ -34,32 +34,29 @@ IOU_FLOOR = 0.5
 _EPS = 1e-6
 
 
-def _templates(size: int) -> np.ndarray:
-    """(3, size + 2, size + 2) float32: each shape's mask with a 1-px margin, then the whole window."""
-    local = np.arange(size + 2) - 1
+def _templates() -> np.ndarray:
+    """(len(SHAPES) + 1, S + 2, S + 2) float32: each shape's mask with a 1-px margin, then the window."""
+    local = np.arange(SHAPE_SIZE + 2) - 1
     y, x = local[:, None], local[None, :]
-    masks = [np.asarray(shape_mask(jnp.int32(k), size, y, x), np.float32) for k in range(len(SHAPES))]
-    return np.stack(masks + [np.ones((size + 2, size + 2), np.float32)])
+    masks = [np.asarray(shape_mask(k, y, x), np.float32) for k in range(len(SHAPES))]
+    return np.stack(masks + [np.ones((SHAPE_SIZE + 2, SHAPE_SIZE + 2), np.float32)])
 
 
-_TEMPLATES = {size: _templates(size) for size in SHAPE_SIZES}
+_TEMPLATES = _templates()
 
 
 def _best_iou(foreground: jax.Array) -> jax.Array:
-    """(B, len(SHAPES)): per shape, the max soft IoU with its mask over placements and sizes."""
-    fg = foreground[:, None]  # (B, 1, H, W)
-    best = jnp.zeros((foreground.shape[0], len(SHAPES)), jnp.float32)
-    for templates in _TEMPLATES.values():
-        # Correlate with [mask_0, mask_1, window]; padding 1 lets the margin hang off the image.
-        sums = jax.lax.conv_general_dilated(
-            fg, jnp.asarray(templates)[:, None], (1, 1), ((1, 1), (1, 1)), precision=jax.lax.Precision.HIGHEST
-        )
-        inter, window = sums[:, : len(SHAPES)], sums[:, len(SHAPES) :]
-        area = jnp.asarray(templates[: len(SHAPES)].sum(axis=(1, 2)))[None, :, None, None]
-        # Binary mask T, weights w in [0, 1]: sum min(w, T) = inter, sum max(w, T) = |T| + ink off T.
-        iou = inter / (area + window - inter)
-        best = jnp.maximum(best, jnp.max(iou, axis=(2, 3)))
-    return best
+    """(B, len(SHAPES)): per shape, the max soft IoU of its mask with ``foreground`` over placements."""
+    # Correlate with [mask_0, mask_1, window]; padding 1 lets the margin hang off the image.
+    sums = jax.lax.conv_general_dilated(
+        foreground[:, None], jnp.asarray(_TEMPLATES)[:, None], (1, 1), ((1, 1), (1, 1)),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    inter, window = sums[:, : len(SHAPES)], sums[:, len(SHAPES) :]
+    area = jnp.asarray(_TEMPLATES[: len(SHAPES)].sum(axis=(1, 2)))[None, :, None, None]
+    # Binary mask T, weights w in [0, 1]: sum min(w, T) = inter, sum max(w, T) = |T| + ink off T.
+    iou = inter / (area + window - inter)
+    return jnp.max(iou, axis=(2, 3))
 
 
 @jax.jit

@@ -64,8 +64,20 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         )
     if rl.lora_rank < 0:
         raise ValueError(f"rl.lora_rank must be >= 0 (0 = full fine-tuning), got {rl.lora_rank}")
-    if config.task.resolution % 2:
-        raise ValueError(f"task.resolution={config.task.resolution} must be even (2x2 packing)")
+    try:
+        _task(config)
+    except ValueError as e:
+        raise ValueError(f"task: {e}") from None
+
+
+def _task(config) -> ShapesTask:
+    return ShapesTask(
+        resolution=config.task.resolution,
+        text_len=config.task.text_len,
+        embed_dim=config.model.arch.joint_attention_dim,
+        pooled_dim=config.model.arch.pooled_projection_dim,
+        label_noise=config.task.label_noise,
+    )
 
 
 def _trained_per_sample(config) -> int:
@@ -81,13 +93,7 @@ class Run:
         self.config, self.workdir, self.log = config, workdir, log
         os.makedirs(workdir, exist_ok=True)
         rl, s = config.rl, config.sampling
-        self.task = ShapesTask(
-            resolution=config.task.resolution,
-            text_len=config.task.text_len,
-            embed_dim=config.model.arch.joint_attention_dim,
-            pooled_dim=config.model.arch.pooled_projection_dim,
-            label_noise=config.task.label_noise,
-        )
+        self.task = _task(config)
         self.reward_fn = registry.weighted_reward(dict(config.reward.weights))
         self.family, self.model_cfg, base = self._base_model()
         module = self.family.module_cls(self.model_cfg)
@@ -153,6 +159,7 @@ class Run:
             batch_size=p.batch_size,
             learning_rate=p.learning_rate,
             seed=self.config.seed,
+            guidance=self.config.sampling.guidance,
             cache_dir=os.path.expanduser(p.cache_dir),
         )
         return family, model_cfg, params

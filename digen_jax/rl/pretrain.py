@@ -9,10 +9,17 @@ Objective (rectified flow, FLUX convention): with data x0, noise e ~ N(0, I) and
 ``v = dx_t/dt = e - x0`` with a mean squared error. The samplers step ``x + (sigma' - sigma) v``
 with sigma' < sigma, which moves toward the data. t is uniform rather than SD3's logit-normal:
 at 16 px the hard part is the layout (which quadrant, which colour), decided at the highest noise
-levels that logit-normal rarely draws, and the FLUX ladder's first step is exactly sigma = 1.
+levels that logit-normal rarely draws, and the FLUX ladder's first step is exactly sigma = 1 (in
+a sweep, logit-normal t gave no better samples for the same budget).
 
 Every batch is generated on device inside the jitted step (prompts, label-noised renders, frozen
 text encoding, noise), so there is no input pipeline.
+
+Measured with the configs/tiny.py model and the default ``ShapesTask``: 800 steps of 32 at
+learning rate 3e-3 take about 1.7 minutes on 2 CPU cores (0.11 s a step plus ~10 s of
+compilation); the model's 8-step Flow-GRPO SDE samples (noise level 0.7, FLUX ladder) then score
+a mean ``shapes_reward`` of about 0.4-0.55 (clean renders 1.0, Gaussian noise 0.09): it draws the
+shapes in roughly the right place and colour, with room for RL to improve all three.
 """
 from __future__ import annotations
 
@@ -49,14 +56,15 @@ PRETRAIN_JSON = "pretrain.json"
 
 def check_compatible(model_cfg: FluxConfig, task: ShapesTask) -> None:
     """Raise ValueError unless the model consumes the task's packed pixels and text encoding."""
-    expected = {
-        "in_channels": 3 * 4,
+    need = {
+        "patch_size": 1,
+        "in_channels": 3 * 4,  # RGB x 2x2 packing
         "joint_attention_dim": task.embed_dim,
         "pooled_projection_dim": task.pooled_dim,
     }
-    wrong = {k: getattr(model_cfg, k) for k, v in expected.items() if getattr(model_cfg, k) != v}
-    if wrong or model_cfg.patch_size != 1:
-        raise ValueError(f"model config {wrong or {'patch_size': model_cfg.patch_size}} does not fit the task: need {expected}, patch_size 1")
+    wrong = {k: getattr(model_cfg, k) for k, v in need.items() if getattr(model_cfg, k) != v}
+    if wrong:
+        raise ValueError(f"model config has {wrong}; the shapes task needs {need}")
 
 
 def init_params(model_cfg: FluxConfig, key: jax.Array) -> PyTree:
@@ -96,7 +104,8 @@ def flow_matching_loss(params: PyTree, model_cfg: FluxConfig, task: ShapesTask, 
     noise = jax.random.normal(k_noise, x0.shape, jnp.float32)
     t = jax.random.uniform(k_t, (batch_size,), jnp.float32)
     x_t = (1.0 - t[:, None, None]) * x0 + t[:, None, None] * noise
-    pred = FAMILY.module_cls(model_cfg).apply({"params": params}, **model_inputs(model_cfg, task, ids, x_t, t, guidance))
+    inputs = model_inputs(model_cfg, task, ids, x_t, t, guidance)
+    pred = FAMILY.module_cls(model_cfg).apply({"params": params}, **inputs)
     return jnp.mean(jnp.square(pred.astype(jnp.float32) - (noise - x0)))
 
 
@@ -117,7 +126,7 @@ def pretrain(
     AdamW (``digen_jax.rl.make_optimizer``: global-norm clip 1.0, weight decay 1e-4) at a
     constant ``learning_rate`` for ``steps`` steps of ``batch_size`` fresh samples. Every
     ``log_every`` steps (and at the end) ``log`` gets the step, the mean loss since the last
-    line and the elapsed time. Deterministic given its arguments on a given backend.
+    line and the elapsed time (compilation included).
     """
     check_compatible(model_cfg, task)
     if steps < 1 or batch_size < 1 or log_every < 1:
@@ -179,7 +188,9 @@ def pretrained_params(
     checkpoint is written to a temporary folder and renamed into place, so an interrupted run
     leaves no half-written cache entry.
     """
-    hyperparameters = dict(steps=steps, batch_size=batch_size, learning_rate=learning_rate, seed=seed, guidance=guidance)
+    hyperparameters = dict(
+        steps=steps, batch_size=batch_size, learning_rate=learning_rate, seed=seed, guidance=guidance
+    )
     path = os.path.join(os.path.abspath(cache_dir), cache_key(model_cfg, task, **hyperparameters))
     if os.path.exists(os.path.join(path, PRETRAIN_JSON)):
         policy = {k: getattr(model_cfg, k) for k in POLICY_FIELDS}
