@@ -83,6 +83,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.max_grad_norm = 1.0
     c.rl.lora_rank = 0  # 0: full fine-tuning
     c.rl.lora_alpha = 0.0
+    c.rl.lora_merge_for_sampling = True  # False: adapters applied on the fly in each rollout step
     c.rl.lora_targets = (r"attn/(to_|add_)", r"/(ff|ff_context)/", r"single_blocks/proj_(mlp|out)/")  # attention + MLP
     c.rl.ema = True
     c.rl.ema_decay = ml_collections.config_dict.placeholder(float)  # None: Flow-GRPO warm-up schedule

@@ -172,3 +172,15 @@ def test_lora_training_moves_only_adapters_and_kl_starts_at_zero():
     np.testing.assert_array_equal(merged["proj_out"]["kernel"], params["proj_out"]["kernel"])
     _, metrics = trainer.update(state, units, units.size, True)
     assert float(metrics["kl"]) > 1e-8
+
+
+def test_lora_applied_on_the_fly_equals_merged_weights():
+    sampler, params = make_sampler(), make_params()
+    adapters = lora.init_lora(params, rank=2, target_patterns=["attn/to_", "proj_mlp"], key=jax.random.key(3))
+    adapters = jax.tree.map(lambda a: a + 0.1, adapters)  # non-zero B, so the adapters matter
+    cond = make_cond(2)
+    x = jax.random.normal(jax.random.key(4), (2, *LATENT_SHAPE))
+    merged = lora.merge_lora(params, adapters, scale=0.5)
+    on_the_fly = sampler.velocity(lora.LoraWeights(params, adapters, 0.5), x, cond, 1)
+    np.testing.assert_allclose(on_the_fly, sampler.velocity(merged, x, cond, 1), atol=1e-5)
+    assert float(jnp.abs(on_the_fly - sampler.velocity(params, x, cond, 1)).max()) > 1e-3

@@ -131,6 +131,7 @@ def test_lora_kl_and_off_policy_updates_run_in_the_loop(cache_dir, tmp_path):
     with decoupled PPO and truncated importance weights."""
     c = small_config(cache_dir, iterations=2, eval_every=0, image_every=0, checkpoint_every=0)
     c.rl.lora_rank, c.rl.kl_beta = 2, 0.05
+    c.rl.lora_merge_for_sampling = False
     c.rl.num_updates_per_batch, c.rl.decoupled, c.rl.is_cap = 2, True, 2.0
     c.rl.micro_batch_size = 6  # 4 prompts x 2 samples x 3 trained steps, halved per update
     c.rl.clip_range = 1e-3

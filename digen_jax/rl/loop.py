@@ -199,7 +199,7 @@ class Run:
             rl, config.sampling.num_steps, config.sampling.noise_level, batch, k, np.random.default_rng([config.seed, k])
         )
 
-        params = self.trainer.params_for(self.state.trainable)  # LoRA merged once for sampling
+        params = self.trainer.sampling_params(self.state.trainable, merge=rl.lora_merge_for_sampling)
         traj = self.sampler.rollout(params, cond, sample_keys, plan.noise_levels, self.latent_shape, self.state.version)
         rewards_np, _ = self.score(traj.final, sample_ids)
         rewards = jnp.asarray(rewards_np)

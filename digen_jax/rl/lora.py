@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Sequence
 
+import flax
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
@@ -156,3 +157,25 @@ def _check_kernel(path: str, kernel: Any) -> None:
 def _check_rank(rank: int) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise ValueError(f"LoRA rank must be a positive int, got {rank!r}")
+
+
+@flax.struct.dataclass
+class LoraWeights:
+    """Base weights plus adapters, merged inside whatever jitted function consumes them.
+
+    Passing this instead of merged params applies the adapters on the fly: each step's
+    compiled function merges ``W + scale * A @ B`` itself, so no merged copy of the model
+    outlives the step (at the cost of one merge per step).
+    """
+
+    base: Any
+    adapters: Any
+    scale: float = flax.struct.field(pytree_node=False)
+
+    def merged(self) -> dict[str, Any]:
+        return merge_lora(self.base, self.adapters, scale=self.scale)
+
+
+def materialize(params: Any) -> Any:
+    """``params`` as a plain tree: LoraWeights are merged, anything else is returned as is."""
+    return params.merged() if isinstance(params, LoraWeights) else params

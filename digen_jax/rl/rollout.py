@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from digen_jax import diffusion
+from digen_jax.rl import lora
 
 SDE_TYPES = ("sde", "cps", "wan", "dance")
 # fold_in tag of a sample's initial noise (step noises use the step index 0..N-1).
@@ -40,7 +41,8 @@ class Conditioning:
         return jax.tree.map(lambda a: jnp.repeat(a, times, axis=0), self)
 
 
-# denoiser(params, latents (B, S, C), cond, sigma (B,)) -> velocity (B, S, C)
+# denoiser(params, latents (B, S, C), cond, sigma (B,)) -> velocity (B, S, C); params may be
+# lora.LoraWeights (adapters applied on the fly inside the step).
 Denoiser = Callable[[Any, jax.Array, Conditioning, jax.Array], jax.Array]
 
 
@@ -50,7 +52,7 @@ def flux_denoiser(module, *, img_ids: jax.Array, txt_ids: jax.Array, guidance: f
     def denoise(params, latents, cond, sigma):
         batch = latents.shape[0]
         return module.apply(
-            {"params": params},
+            {"params": lora.materialize(params)},
             hidden_states=latents,
             encoder_hidden_states=cond.text,
             pooled_projections=cond.pooled,

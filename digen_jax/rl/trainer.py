@@ -118,6 +118,12 @@ class Trainer:
             return trainable
         return lora.merge_lora(self.frozen, trainable, scale=self.cfg.lora_scale)
 
+    def sampling_params(self, trainable, merge: bool = True):
+        """Weights for rollout: LoRA merged once (`merge`) or applied on the fly in every step."""
+        if self.cfg.lora_scale is None or merge:
+            return self.params_for(trainable)
+        return lora.LoraWeights(self.frozen, trainable, self.cfg.lora_scale)
+
     def _log_prob(self, trainable, units: TrainUnits):
         return self.sampler.transition(
             self._params_for(trainable), units.latents, units.cond, units.step_index, units.noise_level,
