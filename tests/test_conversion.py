@@ -110,3 +110,28 @@ def test_corrupt_and_incomplete_checkpoints_fail_clearly(tiny_model, tmp_path):
     assert json.loads(index_path.read_text())["weight_map"]
     with pytest.raises(FileNotFoundError, match="diffusers_to_orbax.py"):
         load_checkpoint(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize(
+    "name", ["FluxTransformer2DModel", "QwenImageTransformer2DModel", "WanTransformer3DModel", "HunyuanVideoTransformer3DModel"]
+)
+def test_the_four_transformer_families_are_registered(name):
+    from digen_jax.models import family_for_class
+
+    assert family_for_class(name).diffusers_class == name
+
+
+def test_from_diffusers_ports_a_video_transformer():
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
+    ).eval()
+    x, t, text = torch.randn(2, 4, 2, 4, 6), torch.tensor([999.0, 250.0]), torch.randn(2, 5, 32)
+    with torch.no_grad():
+        ref = model(hidden_states=x, timestep=t, encoder_hidden_states=text).sample.numpy()
+    apply_fn, params = from_diffusers(model)
+    out = apply_fn(params, hidden_states=x.numpy(), timestep=t.numpy(), encoder_hidden_states=text.numpy())
+    assert rel_err(out, ref) <= 1e-5

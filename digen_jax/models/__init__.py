@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import jax
 
-from digen_jax.models import flux
+from digen_jax.models import flux, hunyuan_video, qwenimage, wan
 from digen_jax.models.checkpoints import load_checkpoint, save_checkpoint
 from digen_jax.models.conversion import (
     ConversionError,
@@ -25,7 +25,9 @@ from digen_jax.models.conversion import (
     torch_state_dict_arrays,
 )
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (flux.FAMILY,)}
+FAMILIES: dict[str, ModelFamily] = {
+    f.name: f for f in (flux.FAMILY, qwenimage.FAMILY, wan.FAMILY, hunyuan_video.FAMILY)
+}
 
 __all__ = [
     "FAMILIES",
