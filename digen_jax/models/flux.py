@@ -157,12 +157,12 @@ class FluxDoubleBlock(nn.Module):
             sin,
         )
         img = img + gate_a[:, None] * img_attn
-        img_mlp = layers.GeluMLP(cfg.mlp_dim, cfg.inner_dim, name="ff", **cfg.kw)(
+        img_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff", **cfg.kw)(
             layers.modulate(layers.layer_norm(img), shift_m, scale_m)
         )
         img = nn.with_logical_constraint(img + gate_m[:, None] * img_mlp, ACT)
         txt = txt + c_gate_a[:, None] * txt_attn
-        txt_mlp = layers.GeluMLP(cfg.mlp_dim, cfg.inner_dim, name="ff_context", **cfg.kw)(
+        txt_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff_context", **cfg.kw)(
             layers.modulate(layers.layer_norm(txt), c_shift_m, c_scale_m)
         )
         txt = nn.with_logical_constraint(txt + c_gate_m[:, None] * txt_mlp, ACT)

@@ -152,54 +152,6 @@ class AffineLayerNorm(nn.Module):
         return out.astype(x.dtype)
 
 
-class SiluMLP(nn.Module):
-    """Dense -> SiLU -> Dense, the token refiner's feed-forward (diffusers 'linear-silu')."""
-
-    hidden_dim: int
-    out_dim: int
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h = layers.logical_dense(self.hidden_dim, ("embed", "mlp"), name="proj_in", **kw)(x)
-        h = nn.with_logical_constraint(nn.silu(h), ("activation_batch", "activation_length", "activation_mlp"))
-        return layers.logical_dense(self.out_dim, ("mlp", "embed"), name="proj_out", **kw)(h)
-
-
-class PatchEmbed3D(nn.Module):
-    """Conv3d with kernel = stride = (pt, p, p) on (B, C, T, H, W), as patchify + matmul.
-
-    Returns (B, T'H'W', D) tokens in (t, h, w) order, like diffusers'
-    `proj(x).flatten(2).transpose(1, 2)`. The kernel keeps the conv layout
-    (pt, p, p, C, D); the window axes are never sharded.
-    """
-
-    patch: tuple[int, int, int]
-    features: int
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        b, c, t, h, w = x.shape
-        pt, ph, pw = self.patch
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(nn.initializers.xavier_uniform(), (None, None, None, "cond", "embed")),
-            (pt, ph, pw, c, self.features),
-            self.param_dtype,
-        )
-        bias = self.param(
-            "bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)), (self.features,), self.param_dtype
-        )
-        x = x.reshape(b, c, t // pt, pt, h // ph, ph, w // pw, pw)
-        x = x.transpose(0, 2, 4, 6, 3, 5, 7, 1).reshape(b, -1, pt * ph * pw * c)  # (B, S, pt*ph*pw*C)
-        out = jnp.dot(x.astype(self.dtype), kernel.reshape(-1, self.features).astype(self.dtype))
-        return out + bias.astype(self.dtype)
-
-
 def _rope_image_tokens(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """RoPE on the leading `cos.shape[0]` (image) tokens of x (B, S, N, H); the text is left as is."""
     n = cos.shape[0]
@@ -272,12 +224,12 @@ class HunyuanVideoDoubleBlock(nn.Module):
             kv_lengths,
         )
         img = img + gate_a[:, None] * img_attn
-        img_mlp = layers.GeluMLP(cfg.mlp_dim, cfg.inner_dim, name="ff", **cfg.kw)(
+        img_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff", **cfg.kw)(
             layers.modulate(layers.layer_norm(img), shift_m, scale_m)
         )
         img = nn.with_logical_constraint(img + gate_m[:, None] * img_mlp, ACT)
         txt = txt + c_gate_a[:, None] * txt_attn
-        txt_mlp = layers.GeluMLP(cfg.mlp_dim, cfg.inner_dim, name="ff_context", **cfg.kw)(
+        txt_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff_context", **cfg.kw)(
             layers.modulate(layers.layer_norm(txt), c_shift_m, c_scale_m)
         )
         txt = nn.with_logical_constraint(txt + c_gate_m[:, None] * txt_mlp, ACT)
@@ -325,7 +277,7 @@ class RefinerBlock(nn.Module):
         attn = layers.logical_dense(cfg.inner_dim, ("heads", "embed"), name="to_out", **cfg.kw)(attn)
         gate_a, gate_m = layers.Modulation(2, cfg.inner_dim, name="norm_out", **cfg.kw)(temb)
         x = x + attn * gate_a[:, None]
-        mlp = SiluMLP(cfg.refiner_mlp_dim, cfg.inner_dim, name="ff", **cfg.kw)(AffineLayerNorm(name="norm2", **norm_kw)(x))
+        mlp = layers.FeedForward(cfg.refiner_mlp_dim, cfg.inner_dim, "silu", name="ff", **cfg.kw)(AffineLayerNorm(name="norm2", **norm_kw)(x))
         return nn.with_logical_constraint(x + mlp * gate_m[:, None], ACT), None
 
 
@@ -409,7 +361,7 @@ class HunyuanVideoTransformer(nn.Module):
         cos, sin = layers.rope_tables(jnp.asarray(ids, jnp.float32), cfg.rope_axes_dim, cfg.rope_theta)
         temb = HunyuanVideoConditioning(cfg, name="time_text_embed")(timestep, pooled_projections, guidance)
 
-        img = PatchEmbed3D(cfg.patch, cfg.inner_dim, name="x_embedder", **cfg.kw)(hidden_states.astype(dtype))
+        img = layers.PatchEmbed3D(cfg.patch, cfg.inner_dim, name="x_embedder", **cfg.kw)(hidden_states.astype(dtype))
         text_lengths = jnp.sum(encoder_attention_mask != 0, axis=-1, dtype=jnp.int32)
         txt = TokenRefiner(cfg, name="context_embedder")(encoder_hidden_states, timestep, encoder_attention_mask, text_lengths)
         img, txt = nn.with_logical_constraint(img, ACT), nn.with_logical_constraint(txt, ACT)

@@ -157,11 +157,15 @@ class MLPEmbedder(nn.Module):
         return logical_dense(self.dim, ("embed", "embed"), name="linear_2", **kw)(nn.silu(x))
 
 
-class GeluMLP(nn.Module):
-    """Dense -> GELU(tanh) -> Dense, the transformer feed-forward."""
+class FeedForward(nn.Module):
+    """Dense -> activation -> Dense, the transformer feed-forward.
+
+    `activation` is 'gelu_tanh' (every DiT MLP here) or 'silu' (HunyuanVideo's token refiner).
+    """
 
     hidden_dim: int
     out_dim: int
+    activation: str = "gelu_tanh"
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -169,21 +173,71 @@ class GeluMLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h = logical_dense(self.hidden_dim, ("embed", "mlp"), name="proj_in", **kw)(x)
-        h = nn.with_logical_constraint(
-            nn.gelu(h, approximate=True), ("activation_batch", "activation_length", "activation_mlp")
-        )
+        if self.activation == "gelu_tanh":
+            h = nn.gelu(h, approximate=True)
+        elif self.activation == "silu":
+            h = nn.silu(h)
+        else:
+            raise ValueError(f"FeedForward activation must be 'gelu_tanh' or 'silu', got {self.activation!r}")
+        h = nn.with_logical_constraint(h, ("activation_batch", "activation_length", "activation_mlp"))
         return logical_dense(self.out_dim, ("mlp", "embed"), name="proj_out", **kw)(h)
 
 
-def rope_frequencies(axes_dims: Sequence[int], theta: float) -> list[np.ndarray]:
-    """Per-axis inverse frequencies `theta^(-2k/d)`, computed in float64 on the host."""
+class PatchEmbed3D(nn.Module):
+    """Conv3d with kernel = stride = `patch` on (B, C, T, H, W), as patchify + one matmul.
+
+    Returns (B, T'H'W', features) tokens in (t, h, w) order, like diffusers'
+    `proj(x).flatten(2).transpose(1, 2)`. The kernel keeps the Flax conv layout
+    (pt, ph, pw, C, features), so a PyTorch Conv3d weight converts with the 'conv'
+    transform; the window axes are never sharded.
+    """
+
+    patch: tuple[int, int, int]
+    features: int
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, c, t, h, w = x.shape
+        pt, ph, pw = self.patch
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(nn.initializers.xavier_uniform(), (None, None, None, "cond", "embed")),
+            (pt, ph, pw, c, self.features),
+            self.param_dtype,
+        )
+        bias = self.param(
+            "bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)), (self.features,), self.param_dtype
+        )
+        x = x.reshape(b, c, t // pt, pt, h // ph, ph, w // pw, pw)
+        x = x.transpose(0, 2, 4, 6, 3, 5, 7, 1).reshape(b, -1, pt * ph * pw * c)  # (B, S, pt*ph*pw*C)
+        out = jnp.dot(x.astype(self.dtype), kernel.reshape(-1, self.features).astype(self.dtype))
+        return out + bias.astype(self.dtype)
+
+
+def rope_frequencies(axes_dims: Sequence[int], theta: float, *, float32_exponent: bool = False) -> list[np.ndarray]:
+    """Per-axis inverse frequencies `theta^(-2k/d)`, computed on the host.
+
+    FLUX's reference builds them in float64. Qwen-Image's computes the exponent 2k/d and
+    the reciprocal in float32 (`float32_exponent=True` reproduces it bit for bit): a few
+    ulp apart, which shows at text positions in the thousands.
+    """
+    out = []
     for d in axes_dims:
         if d % 2:
             raise ValueError(f"every RoPE axis dim must be even, got axes_dims={tuple(axes_dims)}")
-    return [1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d) for d in axes_dims]
+        if float32_exponent:
+            exponent = np.arange(0, d, 2).astype(np.float32) / np.float32(d)
+            out.append(np.float32(1.0) / (np.float64(theta) ** exponent.astype(np.float64)).astype(np.float32))
+        else:
+            out.append(1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    return out
 
 
-def rope_tables(ids: jax.Array, axes_dims: Sequence[int], theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_tables(
+    ids: jax.Array, axes_dims: Sequence[int], theta: float, *, float32_exponent: bool = False
+) -> tuple[jax.Array, jax.Array]:
     """RoPE (cos, sin) tables of shape (S, sum(axes_dims)) for (S, n_axes) position ids.
 
     Each axis i rotates `axes_dims[i]` channels; pairs are interleaved, so every
@@ -194,7 +248,7 @@ def rope_tables(ids: jax.Array, axes_dims: Sequence[int], theta: float) -> tuple
     pos = ids.astype(jnp.float32)
     angles = [
         pos[:, i : i + 1] * jnp.asarray(np.repeat(f, 2), jnp.float32)[None, :]
-        for i, f in enumerate(rope_frequencies(axes_dims, theta))
+        for i, f in enumerate(rope_frequencies(axes_dims, theta, float32_exponent=float32_exponent))
     ]
     angles = jnp.concatenate(angles, axis=-1)
     return jnp.cos(angles), jnp.sin(angles)

@@ -124,21 +124,6 @@ VARIANTS = {
 }
 
 
-def rope_frequencies(axes_dims: tuple[int, ...], theta: float = ROPE_THETA) -> list[np.ndarray]:
-    """Per-axis float32 inverse frequencies `1 / theta^(2k/d)`, bit-equal to diffusers' Qwen RoPE.
-
-    Diffusers computes the exponent 2k/d in float32 (FLUX's RoPE uses float64), which
-    moves some frequencies by a few ulp: visible at text positions in the thousands.
-    """
-    out = []
-    for d in axes_dims:
-        if d % 2:
-            raise ValueError(f"every RoPE axis dim must be even, got axes_dims={tuple(axes_dims)}")
-        exponent = np.arange(0, d, 2).astype(np.float32) / np.float32(d)
-        out.append(np.float32(1.0) / (np.float64(theta) ** exponent.astype(np.float64)).astype(np.float32))
-    return out
-
-
 def _image_list(img_shapes) -> list:
     """The (frames, h, w) list diffusers' `QwenEmbedRope` uses: the first sample's, for all."""
     if img_shapes is None:
@@ -173,17 +158,6 @@ def rope_position_ids(img_shapes, image_seq_len: int, text_seq_len: int) -> tupl
         text_start = jnp.maximum(text_start, jnp.maximum(h // 2, w // 2))
     txt_ids = jnp.broadcast_to((text_start + jnp.arange(text_seq_len, dtype=jnp.int32))[:, None], (text_seq_len, 3))
     return img_ids, txt_ids
-
-
-def rope_tables(ids: jax.Array, axes_dims: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) tables (S, sum(axes_dims)) with interleaved pairs, for `layers.apply_rope`."""
-    pos = ids.astype(jnp.float32)
-    angles = [
-        pos[:, i : i + 1] * jnp.asarray(np.repeat(f, 2), jnp.float32)[None, :]
-        for i, f in enumerate(rope_frequencies(axes_dims))
-    ]
-    angles = jnp.concatenate(angles, axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
 
 
 class QwenImageAttention(nn.Module):
@@ -244,11 +218,11 @@ class QwenImageBlock(nn.Module):
         )
         img = img + gate_a[:, None] * img_attn
         txt = txt + t_gate_a[:, None] * txt_attn
-        img_mlp = layers.GeluMLP(cfg.mlp_dim, cfg.inner_dim, name="img_mlp", **cfg.kw)(
+        img_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="img_mlp", **cfg.kw)(
             layers.modulate(layers.layer_norm(img), shift_m, scale_m)
         )
         img = nn.with_logical_constraint(img + gate_m[:, None] * img_mlp, ACT)
-        txt_mlp = layers.GeluMLP(cfg.mlp_dim, cfg.inner_dim, name="txt_mlp", **cfg.kw)(
+        txt_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="txt_mlp", **cfg.kw)(
             layers.modulate(layers.layer_norm(txt), t_shift_m, t_scale_m)
         )
         txt = nn.with_logical_constraint(txt + t_gate_m[:, None] * txt_mlp, ACT)
@@ -319,7 +293,9 @@ class QwenImageTransformer(nn.Module):
         temb = QwenImageTimestepEmbedding(cfg, name="time_text_embed")(timestep)
 
         img_ids, txt_ids = rope_position_ids(img_shapes, img_len, txt_len)
-        cos, sin = rope_tables(jnp.concatenate([img_ids, txt_ids], axis=0), cfg.axes_dims_rope)
+        cos, sin = layers.rope_tables(
+            jnp.concatenate([img_ids, txt_ids], axis=0), cfg.axes_dims_rope, ROPE_THETA, float32_exponent=True
+        )
         kv_lengths = None
         if encoder_hidden_states_mask is not None:
             kv_lengths = img_len + jnp.sum(encoder_hidden_states_mask != 0, axis=1, dtype=jnp.int32)

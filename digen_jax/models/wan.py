@@ -219,7 +219,7 @@ class WanBlock(nn.Module):
         x = x + WanAttention(cfg, cross=True, name="attn2")(h, ctx, None, None)
 
         h = layers.modulate(fp32_layer_norm(x, cfg.eps), shift_m, scale_m).astype(x.dtype)
-        ff = layers.GeluMLP(cfg.ffn_dim, cfg.inner_dim, name="ffn", **cfg.kw)(h)
+        ff = layers.FeedForward(cfg.ffn_dim, cfg.inner_dim, name="ffn", **cfg.kw)(h)
         x = (x.astype(jnp.float32) + ff.astype(jnp.float32) * gate_m[:, None]).astype(x.dtype)
         return nn.with_logical_constraint(x, ACT), None
 
@@ -250,40 +250,6 @@ class WanConditioning(nn.Module):
             nn.gelu(text, approximate=True)
         )
         return temb, timestep_proj.reshape(-1, 6, cfg.inner_dim), text
-
-
-class WanPatchEmbed(nn.Module):
-    """Conv3d with kernel = stride = patch size, as patchify + one matmul.
-
-    The kernel has the Flax conv layout (pt, ph, pw, C, dim), so the diffusers Conv3d
-    weight converts with the shared 'conv' transform; patches are flattened in the
-    same (pt, ph, pw, C) order. Input (B, C, T, H, W); output (B, F*H'*W', dim) in
-    (f, h, w) token order, as diffusers' `flatten(2).transpose(1, 2)`.
-    """
-
-    cfg: WanConfig
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.cfg
-        pt, ph, pw = cfg.patch_size
-        b, c, t, h, w = x.shape
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(nn.initializers.xavier_uniform(), (None, None, None, "cond", "embed")),
-            (pt, ph, pw, c, cfg.inner_dim),
-            cfg.kw["param_dtype"],
-        )
-        bias = self.param(
-            "bias",
-            nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
-            (cfg.inner_dim,),
-            cfg.kw["param_dtype"],
-        )
-        x = x.reshape(b, c, t // pt, pt, h // ph, ph, w // pw, pw).transpose(0, 2, 4, 6, 3, 5, 7, 1)
-        x = x.reshape(b, -1, pt * ph * pw * c)
-        dtype = cfg.kw["dtype"]
-        return x.astype(dtype) @ kernel.reshape(-1, cfg.inner_dim).astype(dtype) + bias.astype(dtype)
 
 
 class WanTransformer(nn.Module):
@@ -320,7 +286,8 @@ class WanTransformer(nn.Module):
         grid = (t // pt, h // ph, w // pw)
         cos, sin = rope_tables(cfg, grid)
 
-        x = nn.with_logical_constraint(WanPatchEmbed(cfg, name="patch_embedding")(hidden_states), ACT)
+        patch_embed = layers.PatchEmbed3D(cfg.patch_size, cfg.inner_dim, name="patch_embedding", **cfg.kw)
+        x = nn.with_logical_constraint(patch_embed(hidden_states), ACT)
         temb, timestep_proj, ctx = WanConditioning(cfg, name="condition_embedder")(timestep, encoder_hidden_states)
         ctx = nn.with_logical_constraint(ctx, ACT)
 
