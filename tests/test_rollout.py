@@ -12,7 +12,7 @@ import pytest
 from digen_jax import diffusion
 from digen_jax.models import flux
 from digen_jax.rl import lora, optim
-from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, flux_denoiser
+from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, make_denoiser
 from digen_jax.rl.timesteps import plan_steps, validate_step_selection
 from digen_jax.rl.trainer import LossConfig, Trainer, build_units
 
@@ -29,9 +29,7 @@ def make_params(seed=0):
 
 def make_sampler(spec=SamplerSpec(), negative=None):
     sigmas = diffusion.sigma_ladder("flux", STEPS, image_seq_len=LATENT_SHAPE[0]).sigmas
-    denoiser = flux_denoiser(
-        flux.FluxTransformer(CFG), img_ids=diffusion.flux_image_ids(RES, RES), txt_ids=jnp.zeros((TEXT_LEN, 3)), guidance=3.5
-    )
+    denoiser = make_denoiser("flux", flux.FluxTransformer(CFG), guidance=3.5, image_grid=(RES // 2, RES // 2))
     return Sampler(denoiser, spec, sigmas, negative)
 
 

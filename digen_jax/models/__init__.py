@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import jax
 
-from digen_jax.models import flux, hunyuan_video, qwenimage, wan
+from digen_jax.models import flux, hunyuan_video, qwenimage, vae_flux, wan
 from digen_jax.models.checkpoints import load_checkpoint, save_checkpoint
 from digen_jax.models.conversion import (
     ConversionError,
@@ -26,7 +26,8 @@ from digen_jax.models.conversion import (
 )
 
 FAMILIES: dict[str, ModelFamily] = {
-    f.name: f for f in (flux.FAMILY, qwenimage.FAMILY, wan.FAMILY, hunyuan_video.FAMILY)
+    f.name: f
+    for f in (flux.FAMILY, qwenimage.FAMILY, wan.FAMILY, hunyuan_video.FAMILY, vae_flux.FAMILY)
 }
 
 __all__ = [
@@ -107,6 +108,7 @@ def convert_diffusers_folder(model_dir: str, out: str, dtype: str = "source", lo
         family.abstract_params(cfg),
         dtype=None if dtype == "source" else dtype,
         source=model_dir,
+        ignored_prefixes=family.ignored_prefixes,
     )
     shards = safetensors_shards(model_dir)
     start = time.time()

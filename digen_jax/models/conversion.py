@@ -64,6 +64,9 @@ class ModelFamily:
     weight_rules: Callable[[Any], list[WeightRule]]
     example_inputs: Callable[..., dict]
     variants: Mapping[str, Any]
+    # State-dict key prefixes the port deliberately does not take (e.g. a VAE's encoder when
+    # only decoding is ported); any other unknown key is an error.
+    ignored_prefixes: tuple[str, ...] = ()
 
     def config_from_diffusers(self, diffusers_config: Mapping[str, Any], **policy) -> Any:
         """Build the family config from a diffusers `config.json` dict plus policy overrides.
@@ -117,10 +120,19 @@ class ParamBuilder:
       abstract_params: the module's parameters as (possibly boxed) ShapeDtypeStructs.
       dtype: dtype to store; None keeps each weight's source dtype.
       source: a name for the checkpoint, used in error messages.
+      ignored_prefixes: keys starting with these are skipped (ModelFamily.ignored_prefixes).
     """
 
-    def __init__(self, rules: list[WeightRule], abstract_params: Mapping, dtype=None, source: str = "checkpoint"):
+    def __init__(
+        self,
+        rules: list[WeightRule],
+        abstract_params: Mapping,
+        dtype=None,
+        source: str = "checkpoint",
+        ignored_prefixes: tuple[str, ...] = (),
+    ):
         self.source = source
+        self.ignored_prefixes = tuple(ignored_prefixes)
         self.dtype = None if dtype is None else np.dtype(dtype)
         self.expected = {path: tuple(v.shape) for path, v in _flat(nn.unbox(abstract_params))}
         self.buffers: dict[tuple[str, ...], np.ndarray] = {}
@@ -142,6 +154,8 @@ class ParamBuilder:
 
     def add(self, key: str, array: np.ndarray) -> None:
         """Place one weight. Raises ConversionError on an unknown, repeated or mis-shaped key."""
+        if key.startswith(self.ignored_prefixes) and key not in self.by_key:
+            return
         if key not in self.by_key:
             raise ConversionError(f"{self.source}: unexpected weight {key!r}: no parameter of this model takes it")
         if key in self.seen:
@@ -180,7 +194,10 @@ def convert_weights(
     family: ModelFamily, cfg: Any, weights: Iterable[tuple[str, np.ndarray]], dtype=None, source: str = "checkpoint"
 ) -> dict:
     """Convert (key, array) pairs of a diffusers state dict into the family's Flax params."""
-    builder = ParamBuilder(family.weight_rules(cfg), family.abstract_params(cfg), dtype=dtype, source=source)
+    builder = ParamBuilder(
+        family.weight_rules(cfg), family.abstract_params(cfg), dtype=dtype, source=source,
+        ignored_prefixes=family.ignored_prefixes,
+    )
     for key, array in weights:
         builder.add(key, array)
     return builder.finish()

@@ -10,9 +10,9 @@ de-normalisation `z / scaling_factor + shift_factor` in front. The output is not
 clamped, as in diffusers; the pipeline's image processor maps [-1, 1] to pixels.
 
 Only the decoder is ported: rollouts and rewards need images from latents, and the
-encoder is optional in this design. A full `AutoencoderKL` state dict therefore
-carries weights no parameter here takes; drop the keys starting with
-`IGNORED_PREFIXES` before `convert_weights`, which otherwise rejects them.
+encoder is optional in this design. The family declares the encoder keys
+(`IGNORED_PREFIXES`) as ignored, so a full `AutoencoderKL` state dict converts;
+any other unknown key is still an error.
 
 Layout: NCHW at the API boundary (as diffusers), NHWC inside (flax convolutions).
 Numerics: every GroupNorm (eps 1e-6, as diffusers) and the attention softmax run in
@@ -143,12 +143,9 @@ class GroupNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         channels = x.shape[-1]
-        scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("channels",)), (channels,), self.param_dtype
-        )
-        bias = self.param(
-            "bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("channels",)), (channels,), self.param_dtype
-        )
+        ones, zeros = nn.initializers.ones_init(), nn.initializers.zeros_init()
+        scale = self.param("scale", nn.with_logical_partitioning(ones, ("channels",)), (channels,), self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(zeros, ("channels",)), (channels,), self.param_dtype)
         grouped = x.astype(jnp.float32).reshape(*x.shape[:-1], self.num_groups, channels // self.num_groups)
         axes = tuple(range(1, x.ndim - 1)) + (x.ndim,)  # spatial dims and channels within a group
         mean = jnp.mean(grouped, axis=axes, keepdims=True)
@@ -341,4 +338,5 @@ FAMILY = ModelFamily(
     weight_rules=weight_rules,
     example_inputs=example_inputs,
     variants=VARIANTS,
+    ignored_prefixes=IGNORED_PREFIXES,
 )

@@ -29,7 +29,7 @@ from digen_jax.rewards import registry
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import lora, optim
 from digen_jax.rl.pretrain import pretrained_params
-from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, flux_denoiser
+from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, make_denoiser
 from digen_jax.rl.timesteps import plan_steps, validate_step_selection
 from digen_jax.rl.trainer import LossConfig, Trainer, TrainState, build_units
 
@@ -100,12 +100,7 @@ class Run:
         res = config.task.resolution
         self.latent_shape = ((res // 2) ** 2, 12)
         sigmas = diffusion.sigma_ladder(s.ladder, s.num_steps, image_seq_len=self.latent_shape[0]).sigmas
-        denoiser = flux_denoiser(
-            module,
-            img_ids=diffusion.flux_image_ids(res, res),
-            txt_ids=jnp.zeros((config.task.text_len, 3)),
-            guidance=s.guidance,
-        )
+        denoiser = make_denoiser(config.model.family, module, guidance=s.guidance, image_grid=(res // 2, res // 2))
         self.sampler = Sampler(denoiser, SamplerSpec(s.sde_type, s.cfg_scale, s.cfg_rescale), sigmas)
         optimizer = optim.make_optimizer(
             rl.learning_rate, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm

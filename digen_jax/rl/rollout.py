@@ -28,10 +28,15 @@ _INITIAL_NOISE_TAG = 1 << 20
 
 @flax.struct.dataclass
 class Conditioning:
-    """Prompt conditioning of a batch: text states (B, L, D) and pooled vectors (B, P)."""
+    """Prompt conditioning of a batch.
+
+    text: (B, L, D) text-encoder states; pooled: (B, P) pooled vector (FLUX, HunyuanVideo)
+    or None; mask: (B, L) right-padded validity mask (Qwen-Image, HunyuanVideo) or None.
+    """
 
     text: jax.Array
-    pooled: jax.Array
+    pooled: jax.Array | None = None
+    mask: jax.Array | None = None
 
     def take(self, index: jax.Array) -> "Conditioning":
         return jax.tree.map(lambda a: a[index], self)
@@ -41,25 +46,62 @@ class Conditioning:
         return jax.tree.map(lambda a: jnp.repeat(a, times, axis=0), self)
 
 
-# denoiser(params, latents (B, S, C), cond, sigma (B,)) -> velocity (B, S, C); params may be
+# denoiser(params, latents, cond, sigma (B,)) -> velocity shaped like latents; params may be
 # lora.LoraWeights (adapters applied on the fly inside the step).
 Denoiser = Callable[[Any, jax.Array, Conditioning, jax.Array], jax.Array]
 
 
-def flux_denoiser(module, *, img_ids: jax.Array, txt_ids: jax.Array, guidance: float) -> Denoiser:
-    """A FLUX-family transformer as a denoiser; `guidance` feeds its guidance embedding."""
+def make_denoiser(family: str, module, *, guidance: float = 0.0, image_grid: tuple[int, int] | None = None) -> Denoiser:
+    """A transformer of `family` as a denoiser of latents at noise level sigma in [0, 1].
+
+    Latent layouts: packed (B, S, C) tokens for 'flux' and 'qwenimage' (`image_grid` is the
+    (rows, cols) token grid), (B, C, T, H, W) for 'wan' and 'hunyuan_video'. Each family gets
+    the timestep and guidance in its own convention (MODELS.md section 2): FLUX and
+    Qwen-Image take sigma, Wan and HunyuanVideo sigma * 1000; FLUX embeds the raw guidance
+    scale, HunyuanVideo the scale * 1000; Qwen-Image and Wan use true CFG instead.
+    """
+    cfg = module.cfg
+    if family in ("flux", "qwenimage") and image_grid is None:
+        raise ValueError(f"a {family} denoiser needs image_grid, the (rows, cols) grid of packed tokens")
+    if family not in ("flux", "qwenimage", "wan", "hunyuan_video"):
+        raise ValueError(f"no denoiser for model family {family!r}")
+
+    def run(params, **inputs):
+        return module.apply({"params": lora.materialize(params)}, **inputs)
 
     def denoise(params, latents, cond, sigma):
         batch = latents.shape[0]
-        return module.apply(
-            {"params": lora.materialize(params)},
+        embedded_guidance = jnp.full((batch,), guidance, jnp.float32)
+        if family == "flux":
+            return run(
+                params,
+                hidden_states=latents,
+                encoder_hidden_states=cond.text,
+                pooled_projections=cond.pooled,
+                timestep=sigma,
+                img_ids=diffusion.flux_image_ids(2 * image_grid[0], 2 * image_grid[1]),
+                txt_ids=jnp.zeros((cond.text.shape[1], 3)),
+                guidance=embedded_guidance if cfg.guidance_embeds else None,
+            )
+        if family == "qwenimage":
+            return run(
+                params,
+                hidden_states=latents,
+                encoder_hidden_states=cond.text,
+                encoder_hidden_states_mask=cond.mask,
+                timestep=sigma,
+                img_shapes=[[(1, *image_grid)]] * batch,
+            )
+        if family == "wan":
+            return run(params, hidden_states=latents, timestep=sigma * 1000.0, encoder_hidden_states=cond.text)
+        return run(
+            params,
             hidden_states=latents,
+            timestep=sigma * 1000.0,
             encoder_hidden_states=cond.text,
+            encoder_attention_mask=cond.mask,
             pooled_projections=cond.pooled,
-            timestep=sigma,
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            guidance=jnp.full((batch,), guidance, jnp.float32) if module.cfg.guidance_embeds else None,
+            guidance=embedded_guidance * 1000.0 if cfg.guidance_embeds else None,
         )
 
     return denoise
