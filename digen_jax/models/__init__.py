@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import jax
 
-from digen_jax.models import flux, hunyuan_video, qwenimage, vae_flux, wan
+from digen_jax.models import flux, hunyuan_video, qwenimage, vae_flux, vae_wan, wan
 from digen_jax.models.checkpoints import load_checkpoint, save_checkpoint
 from digen_jax.models.conversion import (
     ConversionError,
@@ -27,7 +27,15 @@ from digen_jax.models.conversion import (
 
 FAMILIES: dict[str, ModelFamily] = {
     f.name: f
-    for f in (flux.FAMILY, qwenimage.FAMILY, wan.FAMILY, hunyuan_video.FAMILY, vae_flux.FAMILY)
+    for f in (
+        flux.FAMILY,
+        qwenimage.FAMILY,
+        wan.FAMILY,
+        hunyuan_video.FAMILY,
+        vae_flux.FAMILY,
+        vae_wan.FAMILY,
+        vae_wan.QWEN_FAMILY,
+    )
 }
 
 __all__ = [

@@ -11,8 +11,8 @@ keys and `_decode`; `QWEN_FAMILY` ports it with the same module.
 
 Like diffusers, the latent frames are decoded one at a time, each causal
 convolution carrying the last two frames of its input from chunk to chunk: the
-first chunk runs on its own, the rest in a `lax.scan` (`nn.scan`), so activations
-are only ever held for one latent frame. The first chunk is special, as in
+first chunk runs on its own, the rest in a `lax.scan` (`nn.scan`), so intermediate
+activations are only ever held for one latent frame. The first chunk is special, as in
 diffusers: its temporal upsamplers skip their `time_conv` (one latent frame gives
 one video frame) and leave an all-zero history (diffusers' "Rep" marker), so the
 second chunk's `time_conv` sees zeros where frame 0 would be.
@@ -27,15 +27,16 @@ Logical axis names: `vae_in` / `vae_out` for conv input / output channels,
 `vae_channels` for norm scales; kernel taps are unnamed (never sharded).
 
 Not ported: the encoder (`IGNORED_PREFIXES` lists its keys), Wan2.2's residual
-variant (`is_residual=True`, with `patch_size`) and diffusers' optional spatial
-tiling (`enable_tiling`, off by default): such configs are rejected.
+variant (`is_residual=True`, with `patch_size`; such configs are rejected) and
+diffusers' optional spatial tiling (`enable_tiling`, off by default: decoding here
+is always untiled, which is what diffusers computes unless tiling is enabled).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import flax.linen as nn
 import jax
@@ -409,13 +410,6 @@ def example_inputs(cfg: WanVAEConfig, batch: int = 1, latent_frames: int = 2, he
     return dict(z=jax.ShapeDtypeStruct((batch, cfg.z_dim, latent_frames, height, width), jnp.float32))
 
 
-def decoder_weights(weights: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
-    """The (key, array) pairs of a full `AutoencoderKLWan` state dict that the decoder takes."""
-    for key, array in weights:
-        if not key.startswith(IGNORED_PREFIXES):
-            yield key, array
-
-
 def weight_rules(cfg: WanVAEConfig) -> list[WeightRule]:
     """Every Flax parameter and the diffusers state-dict key it comes from (decoder + post_quant_conv)."""
 
@@ -462,6 +456,7 @@ FAMILY = ModelFamily(
     weight_rules=weight_rules,
     example_inputs=example_inputs,
     variants=VARIANTS,
+    ignored_prefixes=IGNORED_PREFIXES,
 )
 
 # Same decoder, keys and latent statistics; only the config spells the channels `input_channels`.
