@@ -113,9 +113,19 @@ def test_corrupt_and_incomplete_checkpoints_fail_clearly(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["FluxTransformer2DModel", "QwenImageTransformer2DModel", "WanTransformer3DModel", "HunyuanVideoTransformer3DModel"]
+    "name",
+    [
+        "FluxTransformer2DModel",
+        "QwenImageTransformer2DModel",
+        "WanTransformer3DModel",
+        "HunyuanVideoTransformer3DModel",
+        "AutoencoderKL",
+        "AutoencoderKLWan",
+        "AutoencoderKLQwenImage",
+        "AutoencoderKLHunyuanVideo",
+    ],
 )
-def test_the_four_transformer_families_are_registered(name):
+def test_the_four_transformers_and_four_vaes_are_registered(name):
     from digen_jax.models import family_for_class
 
     assert family_for_class(name).diffusers_class == name

@@ -1,0 +1,363 @@
+"""HunyuanVideo VAE decoder (diffusers `AutoencoderKLHunyuanVideo.decode`) in flax.linen.
+
+Computes what diffusers' untiled `decode` computes (fp32 parity is tested): a 1x1x1
+`post_quant_conv`, then `HunyuanVideoDecoder3D`: a causal `conv_in`, a mid block
+(ResNet, single-head self-attention over all pixels of all frames with a causal
+frame mask, ResNet), four up blocks (`layers_per_block + 1` ResNets, then an
+upsampler on all but the last), GroupNorm -> SiLU -> causal `conv_out`. The output
+is not clamped, as in diffusers. (B, 16, T', h, w) latents become
+(B, 3, 4(T' - 1) + 1, 8h, 8w) videos. `decode_latents` adds the HunyuanVideo
+pipeline's de-normalisation `z / scaling_factor` (no shift) in front.
+
+Quirks reproduced:
+* `HunyuanVideoCausalConv3d` pads *replicating* edge values, not zeros: kt - 1
+  copies of the first frame in front (none behind) and k // 2 edge pixels on each
+  side in space, then runs a valid convolution.
+* `HunyuanVideoUpsampleCausal3D` upsamples the first frame in space only and the
+  others in time and space (nearest), so T frames become 1 + 2(T - 1).
+* The mid attention lets a pixel of frame i attend to every pixel of frames <= i
+  (`prepare_causal_attention_mask`), so its output is causal in time.
+
+The whole clip is decoded at once. diffusers' `use_framewise_decoding` (on by
+default) instead decodes more than 4 latent frames in overlapping temporal tiles and
+blends them, which changes the output; set `vae.use_framewise_decoding = False`
+(and leave tiling off) for the reference this module matches. Not ported: the
+encoder (`IGNORED_PREFIXES`), temporal / spatial tiling and blending.
+
+Layout: activations are channels-last (B, T, H, W, C) inside; the public entry
+points take and return diffusers' channels-first (B, C, T, H, W). Conv kernels are
+(kt, kh, kw, in, out) (the 'conv' layout change of diffusers' (out, in, kt, kh, kw)).
+Numerics: GroupNorms (eps 1e-6) and the attention softmax run in float32 whatever the
+compute dtype.
+
+Logical axis names: `vae_in` / `vae_out` for conv and attention input / output
+channels, `vae_channels` for norm scales and biases; kernel taps are unnamed (never
+sharded).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from digen_jax.models import layers
+from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
+
+# State-dict prefixes of a full `AutoencoderKLHunyuanVideo` that the decoder does not use.
+IGNORED_PREFIXES = ("encoder.", "quant_conv.")
+
+GROUP_NORM_EPS = 1e-6  # diffusers' `resnet_eps` for every norm of the decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class HunyuanVideoVAEConfig:
+    """Architecture (the diffusers `AutoencoderKLHunyuanVideo` config fields) plus the execution policy.
+
+    Defaults are the released HunyuanVideo `vae/config.json`. `in_channels` and
+    `down_block_types` describe the encoder; they are accepted so that a full config loads.
+    """
+
+    in_channels: int = 3
+    out_channels: int = 3
+    latent_channels: int = 16
+    down_block_types: tuple[str, ...] = ("HunyuanVideoDownBlock3D",) * 4
+    up_block_types: tuple[str, ...] = ("HunyuanVideoUpBlock3D",) * 4
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
+    layers_per_block: int = 2
+    act_fn: str = "silu"
+    norm_num_groups: int = 32
+    scaling_factor: float = 0.476986
+    spatial_compression_ratio: int = 8
+    temporal_compression_ratio: int = 4
+    mid_block_add_attention: bool = True
+    # Execution policy: not part of the weights.
+    dtype: str = "float32"  # compute dtype of convolutions, attention and activations
+    param_dtype: str = "float32"  # master weights
+
+    def __post_init__(self):
+        for name in ("down_block_types", "up_block_types", "block_out_channels"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if len(self.up_block_types) != len(self.block_out_channels):
+            raise ValueError(
+                f"up_block_types has {len(self.up_block_types)} entries but block_out_channels has "
+                f"{len(self.block_out_channels)}: diffusers pairs them one to one"
+            )
+        unsupported = sorted(set(self.up_block_types) - {"HunyuanVideoUpBlock3D"})
+        if unsupported:
+            raise ValueError(f"up block types {unsupported} are not supported (diffusers rejects them too)")
+        if self.temporal_compression_ratio != 4:
+            # diffusers' decoder raises for any other ratio as well.
+            raise ValueError(f"temporal_compression_ratio must be 4, got {self.temporal_compression_ratio}")
+        if self.act_fn not in ("silu", "swish"):
+            raise ValueError(f"act_fn {self.act_fn!r} is not implemented; HunyuanVideo uses 'silu'")
+        bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
+        if bad:
+            raise ValueError(f"block_out_channels {bad} do not divide into norm_num_groups={self.norm_num_groups}")
+
+    def upsample_factor(self, i: int) -> tuple[int, int, int] | None:
+        """Up block i's (t, h, w) upsampling factor, or None where it has no upsampler (diffusers' rule)."""
+        n = len(self.block_out_channels)
+        spatial = i < int(math.log2(self.spatial_compression_ratio))
+        temporal = i >= n - 1 - int(math.log2(self.temporal_compression_ratio)) and i != n - 1
+        if not (spatial or temporal):
+            return None
+        return (2 if temporal else 1,) + ((2, 2) if spatial else (1, 1))
+
+    def num_frames(self, latent_frames: int) -> int:
+        """Video frames decoded from `latent_frames`: the first gives one, each later one 2^k."""
+        k = sum(f[0] == 2 for f in map(self.upsample_factor, range(len(self.block_out_channels))) if f)
+        return 1 + (latent_frames - 1) * 2**k
+
+    @property
+    def kw(self) -> dict:
+        return dict(dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype))
+
+
+VARIANTS = {
+    "hunyuan_video": HunyuanVideoVAEConfig(),
+    # The released structure with 8-channel bases (MODELS.md section 4), for CPU tests.
+    "tiny": HunyuanVideoVAEConfig(block_out_channels=(8, 16, 32, 32), latent_channels=4, norm_num_groups=4),
+}
+
+
+class CausalConv3d(nn.Module):
+    """`HunyuanVideoCausalConv3d` (stride 1) on (B, T, H, W, C): replicate padding, causal in time."""
+
+    features: int
+    kernel_size: int
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        k = self.kernel_size
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(nn.initializers.lecun_normal(), (None, None, None, "vae_in", "vae_out")),
+            (k, k, k, x.shape[-1], self.features),
+            self.param_dtype,
+        )
+        bias_init = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vae_out",))
+        bias = self.param("bias", bias_init, (self.features,), self.param_dtype)
+        if k > 1:
+            # F.pad(..., mode="replicate") with (k//2, k//2, k//2, k//2, k - 1, 0): W, H, then T (front only).
+            x = jnp.pad(x, ((0, 0), (k - 1, 0), (k // 2, k // 2), (k // 2, k // 2), (0, 0)), mode="edge")
+        y = jax.lax.conv_general_dilated(
+            x.astype(self.dtype),
+            kernel.astype(self.dtype),
+            window_strides=(1, 1, 1),
+            padding="VALID",
+            dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
+        )
+        return y + bias.astype(self.dtype)
+
+
+class GroupNorm(nn.Module):
+    """`torch.nn.GroupNorm` (biased variance, affine) over (T, H, W) and each group's channels, in float32."""
+
+    num_groups: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = x.shape[-1]
+        ones, zeros = nn.initializers.ones_init(), nn.initializers.zeros_init()
+        scale = self.param("scale", nn.with_logical_partitioning(ones, ("vae_channels",)), (c,), self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(zeros, ("vae_channels",)), (c,), self.param_dtype)
+        grouped = x.astype(jnp.float32).reshape(*x.shape[:-1], self.num_groups, c // self.num_groups)
+        axes = tuple(range(1, x.ndim - 1)) + (x.ndim,)  # all positions and the channels within a group
+        mean = jnp.mean(grouped, axis=axes, keepdims=True)
+        var = jnp.mean(jnp.square(grouped - mean), axis=axes, keepdims=True)
+        normed = ((grouped - mean) * jax.lax.rsqrt(var + GROUP_NORM_EPS)).reshape(x.shape)
+        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+class ResnetBlock(nn.Module):
+    """`HunyuanVideoResnetBlockCausal3D`: (GroupNorm, SiLU, causal 3x3x3 conv) twice, plus a skip.
+
+    The skip is a 1x1x1 `conv_shortcut` where the channel count changes.
+    """
+
+    cfg: HunyuanVideoVAEConfig
+    features: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        norm_kw = dict(num_groups=cfg.norm_num_groups, param_dtype=cfg.kw["param_dtype"])
+        h = nn.silu(GroupNorm(name="norm1", **norm_kw)(x))
+        h = CausalConv3d(self.features, 3, name="conv1", **cfg.kw)(h)
+        h = nn.silu(GroupNorm(name="norm2", **norm_kw)(h))
+        h = CausalConv3d(self.features, 3, name="conv2", **cfg.kw)(h)
+        if x.shape[-1] != self.features:
+            x = CausalConv3d(self.features, 1, name="conv_shortcut", **cfg.kw)(x)
+        return h + x
+
+
+class MidAttention(nn.Module):
+    """The mid block's `Attention`: GroupNorm, one head over all pixels of all frames, residual add.
+
+    diffusers builds it with `attention_head_dim = channels`, hence one head, and
+    passes `prepare_causal_attention_mask`: pixels of frame i see frames 0..i only.
+    Every query sees its own frame, so no row of the mask is fully masked.
+    """
+
+    cfg: HunyuanVideoVAEConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, t, h, w, c = x.shape
+        normed = GroupNorm(cfg.norm_num_groups, cfg.kw["param_dtype"], name="group_norm")(x)
+        tokens = normed.reshape(b, t * h * w, c)
+        dense = functools.partial(layers.logical_dense, c, ("vae_in", "vae_out"), **cfg.kw)
+        q, k, v = (dense(name=n)(tokens) for n in ("to_q", "to_k", "to_v"))
+        frame = jnp.repeat(jnp.arange(t), h * w)
+        causal = frame[None, :] <= frame[:, None]  # (query, key)
+        logits = jnp.einsum("bqc,bkc->bqk", q, k).astype(jnp.float32) / math.sqrt(c)
+        weights = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1).astype(cfg.kw["dtype"])
+        out = jnp.einsum("bqk,bkc->bqc", weights, v)
+        return x + dense(name="to_out")(out).reshape(b, t, h, w, c)
+
+
+class Upsample(nn.Module):
+    """`HunyuanVideoUpsampleCausal3D`: nearest upsampling (first frame in space only), then a causal conv."""
+
+    cfg: HunyuanVideoVAEConfig
+    factor: tuple[int, int, int]
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        ft, fh, fw = self.factor
+        x = jnp.repeat(jnp.repeat(x, fh, axis=2), fw, axis=3)
+        # Frame 0 stays one frame; nearest interpolation repeats each later frame ft times.
+        x = jnp.concatenate([x[:, :1], jnp.repeat(x[:, 1:], ft, axis=1)], axis=1)
+        return CausalConv3d(x.shape[-1], 3, name="conv", **self.cfg.kw)(x)
+
+
+class Decoder(nn.Module):
+    """`HunyuanVideoDecoder3D` on channels-last (B, T', h, w, C) latents."""
+
+    cfg: HunyuanVideoVAEConfig
+
+    @nn.compact
+    def __call__(self, z: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        channels = cfg.block_out_channels[::-1]
+        x = CausalConv3d(channels[0], 3, name="conv_in", **cfg.kw)(z)
+        x = ResnetBlock(cfg, channels[0], name="mid_block_resnets_0")(x)
+        if cfg.mid_block_add_attention:
+            x = MidAttention(cfg, name="mid_block_attentions_0")(x)
+        x = ResnetBlock(cfg, channels[0], name="mid_block_resnets_1")(x)
+        for i, out in enumerate(channels):
+            for j in range(cfg.layers_per_block + 1):
+                x = ResnetBlock(cfg, out, name=f"up_blocks_{i}_resnets_{j}")(x)
+            factor = cfg.upsample_factor(i)
+            if factor is not None:
+                x = Upsample(cfg, factor, name=f"up_blocks_{i}_upsamplers_0")(x)
+        x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.kw["param_dtype"], name="conv_norm_out")(x))
+        return CausalConv3d(cfg.out_channels, 3, name="conv_out", **cfg.kw)(x)
+
+
+class HunyuanVideoVAEDecoder(nn.Module):
+    """`AutoencoderKLHunyuanVideo.decode` (untiled): (B, C, T', h, w) -> (B, 3, 4(T'-1)+1, 8h, 8w), unclamped.
+
+    Takes latents already de-normalised (what the pipeline passes to `vae.decode`);
+    `decode_latents` starts from the transformer's latents instead.
+    """
+
+    cfg: HunyuanVideoVAEConfig
+
+    @nn.compact
+    def __call__(self, z: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        _check_latents(cfg, z)
+        x = jnp.transpose(z, (0, 2, 3, 4, 1)).astype(cfg.kw["dtype"])
+        x = CausalConv3d(cfg.latent_channels, 1, name="post_quant_conv", **cfg.kw)(x)
+        x = Decoder(cfg, name="decoder")(x)
+        return jnp.transpose(x, (0, 4, 1, 2, 3))
+
+
+def _check_latents(cfg: HunyuanVideoVAEConfig, z: jax.Array) -> None:
+    if z.ndim != 5 or z.shape[1] != cfg.latent_channels:
+        raise ValueError(f"z must have shape (B, {cfg.latent_channels}, T', h, w), got {z.shape}")
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def decode(params: dict, cfg: HunyuanVideoVAEConfig, z: jax.Array) -> jax.Array:
+    """diffusers' `vae.decode(z).sample` (untiled) for already de-normalised latents (B, C, T', h, w)."""
+    return HunyuanVideoVAEDecoder(cfg).apply({"params": params}, z)
+
+
+def decode_latents(params: dict, cfg: HunyuanVideoVAEConfig, z: jax.Array) -> jax.Array:
+    """Decode the denoiser's latents as the HunyuanVideo pipeline does: `vae.decode(z / scaling_factor)`.
+
+    De-normalised in float32 (the pipeline does it in the VAE's dtype). Not jitted
+    itself: the jitted `decode` is shared with raw latents.
+    """
+    _check_latents(cfg, z)
+    return decode(params, cfg, jnp.asarray(z, jnp.float32) / cfg.scaling_factor)
+
+
+def example_inputs(
+    cfg: HunyuanVideoVAEConfig, batch: int = 1, latent_frames: int = 2, height: int = 2, width: int = 2
+) -> dict:
+    """Abstract inputs (ShapeDtypeStructs) for `init`/`eval_shape`; sizes in latent units."""
+    return dict(z=jax.ShapeDtypeStruct((batch, cfg.latent_channels, latent_frames, height, width), jnp.float32))
+
+
+def weight_rules(cfg: HunyuanVideoVAEConfig) -> list[WeightRule]:
+    """Every Flax parameter and the diffusers state-dict key it comes from (decoder + post_quant_conv)."""
+
+    def conv(path, key):
+        return [WeightRule(path + ("kernel",), f"{key}.weight", "conv"), WeightRule(path + ("bias",), f"{key}.bias")]
+
+    def norm(path, key):
+        return [WeightRule(path + ("scale",), f"{key}.weight"), WeightRule(path + ("bias",), f"{key}.bias")]
+
+    def resnet(path, key, shortcut):
+        rules = norm(path + ("norm1",), f"{key}.norm1") + conv(path + ("conv1",), f"{key}.conv1.conv")
+        rules += norm(path + ("norm2",), f"{key}.norm2") + conv(path + ("conv2",), f"{key}.conv2.conv")
+        if shortcut:
+            rules += conv(path + ("conv_shortcut",), f"{key}.conv_shortcut.conv")
+        return rules
+
+    d, dk = ("decoder",), "decoder"
+    rules = conv(("post_quant_conv",), "post_quant_conv")
+    rules += conv(d + ("conv_in",), f"{dk}.conv_in.conv")
+    for j in range(2):
+        rules += resnet(d + (f"mid_block_resnets_{j}",), f"{dk}.mid_block.resnets.{j}", shortcut=False)
+    if cfg.mid_block_add_attention:
+        attn, attnk = d + ("mid_block_attentions_0",), f"{dk}.mid_block.attentions.0"
+        rules += norm(attn + ("group_norm",), f"{attnk}.group_norm")
+        for flax_name, key_name in (("to_q", "to_q"), ("to_k", "to_k"), ("to_v", "to_v"), ("to_out", "to_out.0")):
+            rules += linear_rules(attn + (flax_name,), f"{attnk}.{key_name}")
+    channels = cfg.block_out_channels[::-1]
+    prev = channels[0]
+    for i, out in enumerate(channels):
+        for j in range(cfg.layers_per_block + 1):
+            in_channels = prev if j == 0 else out
+            rules += resnet(d + (f"up_blocks_{i}_resnets_{j}",), f"{dk}.up_blocks.{i}.resnets.{j}", in_channels != out)
+        if cfg.upsample_factor(i) is not None:
+            up = d + (f"up_blocks_{i}_upsamplers_0", "conv")
+            rules += conv(up, f"{dk}.up_blocks.{i}.upsamplers.0.conv.conv")
+        prev = out
+    rules += norm(d + ("conv_norm_out",), f"{dk}.conv_norm_out")
+    rules += conv(d + ("conv_out",), f"{dk}.conv_out.conv")
+    return rules
+
+
+FAMILY = ModelFamily(
+    name="vae_hunyuan_video",
+    diffusers_class="AutoencoderKLHunyuanVideo",
+    config_cls=HunyuanVideoVAEConfig,
+    module_cls=HunyuanVideoVAEDecoder,
+    weight_rules=weight_rules,
+    example_inputs=example_inputs,
+    variants=VARIANTS,
+    ignored_prefixes=IGNORED_PREFIXES,
+)

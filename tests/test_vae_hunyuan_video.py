@@ -1,0 +1,91 @@
+"""HunyuanVideo VAE decoder port: fp32 parity with diffusers' untiled `decode`, full-size shapes, conversion errors."""
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLHunyuanVideo
+
+from digen_jax.models import vae_hunyuan_video as vae_hv
+from digen_jax.models.conversion import ConversionError, convert_weights, torch_state_dict_arrays
+
+# MODELS.md's tiny HunyuanVideo VAE: the released structure with 8-channel bases.
+TINY = dict(block_out_channels=[8, 16, 32, 32], layers_per_block=2, norm_num_groups=4, latent_channels=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_vae():
+    """A tiny diffusers VAE with every weight perturbed (so unit norm scales and zero biases
+    are non-trivial and a wrong mapping shows), decoding untiled, and its conversion."""
+    torch.manual_seed(0)
+    model = AutoencoderKLHunyuanVideo(**TINY).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        # Push one output channel well past 1 so clamping (which diffusers does not do) would show.
+        model.decoder.conv_out.conv.bias[0] += 3.0
+    # Framewise decoding tiles and blends clips of more than 4 latent frames; the port decodes untiled.
+    model.use_framewise_decoding = False
+    cfg = vae_hv.FAMILY.config_from_diffusers(dict(model.config))
+    params = convert_weights(vae_hv.FAMILY, cfg, torch_state_dict_arrays(model))
+    return model, cfg, params
+
+
+def rel_err(a, b):
+    return float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("latent_frames,batch,latent_hw", [(1, 2, (3, 2)), (3, 2, (2, 3))])  # an image, then a video
+def test_decode_latents_parity(tiny_vae, latent_frames, batch, latent_hw):
+    model, cfg, params = tiny_vae
+    assert cfg == vae_hv.VARIANTS["tiny"]
+    latents = torch.randn(batch, 4, latent_frames, *latent_hw, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        # What the HunyuanVideo pipeline does with the denoised latents.
+        ref = model.decode(latents / model.config.scaling_factor).sample.numpy()
+    out = vae_hv.decode_latents(params, cfg, latents.numpy())
+    frames = cfg.num_frames(latent_frames)
+    assert frames == 4 * (latent_frames - 1) + 1
+    assert out.shape == ref.shape == (batch, 3, frames, 8 * latent_hw[0], 8 * latent_hw[1])
+    assert rel_err(out, ref) <= 1e-5
+    assert float(out.max()) > 1.5  # unclamped, like diffusers
+
+
+def test_full_size_parameter_count_and_logical_axes():
+    cfg = vae_hv.FAMILY.config_from_diffusers(
+        dict(_class_name="AutoencoderKLHunyuanVideo", block_out_channels=[128, 256, 512, 512], latent_channels=16)
+    )
+    assert cfg == vae_hv.VARIANTS["hunyuan_video"]
+    with torch.device("meta"):
+        model = AutoencoderKLHunyuanVideo()
+    expected = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(vae_hv.IGNORED_PREFIXES))
+    abstract = vae_hv.FAMILY.abstract_params(cfg)
+    leaves = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    assert sum(int(np.prod(x.value.shape)) for x in leaves) == expected
+    assert round(expected / 1e6, 1) == 146.1  # MODELS.md: 146.1 M decoder parameters
+    for leaf in leaves:
+        assert isinstance(leaf, nn.LogicallyPartitioned)
+        assert len(leaf.names) == leaf.value.ndim
+    # 33 frames at 480x848 come from 9 latent frames of 60x106.
+    out = jax.eval_shape(
+        lambda p, x: vae_hv.HunyuanVideoVAEDecoder(cfg).apply({"params": p}, **x),
+        nn.unbox(abstract),
+        vae_hv.example_inputs(cfg, 1, 9, 60, 106),
+    )
+    assert out.shape == (1, 3, 33, 480, 848)
+
+
+def test_conversion_rejects_bad_checkpoints(tiny_vae):
+    model, cfg, params = tiny_vae
+    bad_key = "decoder.up_blocks.1.resnets.2.conv1.conv.weight"
+    arrays = [
+        (k, np.zeros((16, 16, 1, 3, 3), np.float32) if k == bad_key else a) for k, a in torch_state_dict_arrays(model)
+    ]
+    with pytest.raises(ConversionError, match="up_blocks.1.resnets.2.conv1.conv.weight"):
+        convert_weights(vae_hv.FAMILY, cfg, arrays)
+    with pytest.raises(ConversionError, match="unexpected weight 'decoder.bogus.weight'"):
+        bogus = [("decoder.bogus.weight", np.zeros(1))]
+        convert_weights(vae_hv.FAMILY, cfg, list(torch_state_dict_arrays(model)) + bogus)
+    # The encoder keys are ignored by the family: a decoder-only state dict converts to the same parameters.
+    decoder_only = ((k, a) for k, a in torch_state_dict_arrays(model) if not k.startswith(vae_hv.IGNORED_PREFIXES))
+    jax.tree.map(np.testing.assert_array_equal, params, convert_weights(vae_hv.FAMILY, cfg, decoder_only))
