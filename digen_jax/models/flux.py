@@ -311,6 +311,16 @@ def weight_rules(cfg: FluxConfig) -> list[WeightRule]:
         rules += linear_rules((name,), name)
     rules += linear_rules(("norm_out", "linear"), "norm_out.linear")
 
+    rules += mmdit_block_rules()
+    return rules
+
+
+def mmdit_block_rules() -> list[WeightRule]:
+    """Rules of the scanned double- and single-stream blocks, shared with HunyuanVideo,
+    whose blocks carry the same diffusers key names (`transformer_blocks.{i}`,
+    `single_transformer_blocks.{i}`)."""
+    rules: list[WeightRule] = []
+
     def attn(flax_root, key_root, names):
         out = []
         for flax_name, key_name in names:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from digen_jax.models import layers
+from digen_jax.models import flux, layers
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
@@ -465,35 +465,7 @@ def weight_rules(cfg: HunyuanVideoConfig) -> list[WeightRule]:
     rules += linear_rules(r + ("ff", "proj_out"), f"{rk}.ff.net.2")
     rules += linear_rules(r + ("norm_out", "linear"), f"{rk}.norm_out.linear")
 
-    def attn(flax_root, key_root, names):
-        out = []
-        for flax_name, key_name in names:
-            out += linear_rules(flax_root + ("attn", flax_name), f"{key_root}.attn.{key_name}")
-        return out
-
-    def qk_norms(flax_root, key_root, names):
-        return [WeightRule(flax_root + ("attn", n, "scale"), f"{key_root}.attn.{n}.weight") for n in names]
-
-    d, dk = ("double_blocks",), "transformer_blocks.{i}"
-    rules += linear_rules(d + ("norm1", "linear"), f"{dk}.norm1.linear")
-    rules += linear_rules(d + ("norm1_context", "linear"), f"{dk}.norm1_context.linear")
-    rules += attn(
-        d,
-        dk,
-        [("to_q", "to_q"), ("to_k", "to_k"), ("to_v", "to_v"), ("to_out", "to_out.0"),
-         ("add_q", "add_q_proj"), ("add_k", "add_k_proj"), ("add_v", "add_v_proj"), ("to_add_out", "to_add_out")],
-    )
-    rules += qk_norms(d, dk, ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))
-    for ff in ("ff", "ff_context"):
-        rules += linear_rules(d + (ff, "proj_in"), f"{dk}.{ff}.net.0.proj")
-        rules += linear_rules(d + (ff, "proj_out"), f"{dk}.{ff}.net.2")
-
-    s, sk = ("single_blocks",), "single_transformer_blocks.{i}"
-    rules += linear_rules(s + ("norm", "linear"), f"{sk}.norm.linear")
-    rules += linear_rules(s + ("proj_mlp",), f"{sk}.proj_mlp")
-    rules += linear_rules(s + ("proj_out",), f"{sk}.proj_out")
-    rules += attn(s, sk, [("to_q", "to_q"), ("to_k", "to_k"), ("to_v", "to_v")])
-    rules += qk_norms(s, sk, ("norm_q", "norm_k"))
+    rules += flux.mmdit_block_rules()  # same block key names as FLUX
     return rules
 
 

@@ -87,6 +87,32 @@ def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
+class GroupNorm(nn.Module):
+    """`torch.nn.GroupNorm` (affine, biased variance) on channels-last input, in float32.
+
+    Statistics run over every non-batch position and the channels of each group, so one
+    module serves images (B, H, W, C) and videos (B, T, H, W, C).
+    """
+
+    num_groups: int
+    eps: float = 1e-6
+    axis_name: str = "vae_channels"
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        channels = x.shape[-1]
+        ones, zeros = nn.initializers.ones_init(), nn.initializers.zeros_init()
+        scale = self.param("scale", nn.with_logical_partitioning(ones, (self.axis_name,)), (channels,), self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(zeros, (self.axis_name,)), (channels,), self.param_dtype)
+        grouped = x.astype(jnp.float32).reshape(*x.shape[:-1], self.num_groups, channels // self.num_groups)
+        axes = tuple(range(1, x.ndim - 1)) + (x.ndim,)  # positions and the channels within a group
+        mean = jnp.mean(grouped, axis=axes, keepdims=True)
+        var = jnp.mean(jnp.square(grouped - mean), axis=axes, keepdims=True)
+        normed = ((grouped - mean) * jax.lax.rsqrt(var + self.eps)).reshape(x.shape)
+        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
 def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
     """AdaLN modulation `x * (1 + scale) + shift` with per-sample (B, D) shift/scale."""
     return x * (1 + scale[:, None, :]) + shift[:, None, :]

@@ -49,6 +49,7 @@ from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
 IGNORED_PREFIXES = ("encoder.", "quant_conv.")
 
 GROUP_NORM_EPS = 1e-6  # diffusers' `resnet_eps` for every norm of the VAE decoder
+_group_norm = functools.partial(layers.GroupNorm, eps=GROUP_NORM_EPS, axis_name="channels")
 CONV_AXES = ("conv_kernel", "conv_kernel", "channels_in", "channels")
 
 
@@ -134,26 +135,6 @@ def _conv(cfg: VAEConfig, features: int, kernel: int, name: str) -> nn.Conv:
     )
 
 
-class GroupNorm(nn.Module):
-    """`torch.nn.GroupNorm` (biased variance, affine) on NHWC input, computed in float32."""
-
-    num_groups: int
-    param_dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        channels = x.shape[-1]
-        ones, zeros = nn.initializers.ones_init(), nn.initializers.zeros_init()
-        scale = self.param("scale", nn.with_logical_partitioning(ones, ("channels",)), (channels,), self.param_dtype)
-        bias = self.param("bias", nn.with_logical_partitioning(zeros, ("channels",)), (channels,), self.param_dtype)
-        grouped = x.astype(jnp.float32).reshape(*x.shape[:-1], self.num_groups, channels // self.num_groups)
-        axes = tuple(range(1, x.ndim - 1)) + (x.ndim,)  # spatial dims and channels within a group
-        mean = jnp.mean(grouped, axis=axes, keepdims=True)
-        var = jnp.mean(jnp.square(grouped - mean), axis=axes, keepdims=True)
-        normed = ((grouped - mean) * jax.lax.rsqrt(var + GROUP_NORM_EPS)).reshape(x.shape)
-        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-
-
 class ResnetBlock(nn.Module):
     """diffusers `ResnetBlock2D` without time embedding: two GN-SiLU-conv stages plus a skip.
 
@@ -167,9 +148,9 @@ class ResnetBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         norm_kw = dict(num_groups=cfg.norm_num_groups, param_dtype=cfg.kw["param_dtype"])
-        h = nn.silu(GroupNorm(name="norm1", **norm_kw)(x))
+        h = nn.silu(_group_norm(name="norm1", **norm_kw)(x))
         h = _conv(cfg, self.out_channels, 3, "conv1")(h)
-        h = nn.silu(GroupNorm(name="norm2", **norm_kw)(h))
+        h = nn.silu(_group_norm(name="norm2", **norm_kw)(h))
         h = _conv(cfg, self.out_channels, 3, "conv2")(h)
         if x.shape[-1] != self.out_channels:
             x = _conv(cfg, self.out_channels, 1, "conv_shortcut")(x)
@@ -190,7 +171,7 @@ class MidAttention(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         b, h, w, c = x.shape
-        normed = GroupNorm(cfg.norm_num_groups, cfg.kw["param_dtype"], name="group_norm")(x)
+        normed = _group_norm(num_groups=cfg.norm_num_groups, param_dtype=cfg.kw["param_dtype"], name="group_norm")(x)
         tokens = normed.reshape(b, h * w, c)
         dense = functools.partial(layers.logical_dense, c, ("channels_in", "channels"), **cfg.kw)
         q, k, v = (dense(name=n)(tokens).reshape(b, h * w, 1, c) for n in ("to_q", "to_k", "to_v"))
@@ -243,7 +224,7 @@ class Decoder(nn.Module):
         x = MidBlock(cfg, name="mid_block")(x)
         for i, out in enumerate(channels):
             x = UpBlock(cfg, out, add_upsample=i < len(channels) - 1, name=f"up_blocks_{i}")(x)
-        x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.kw["param_dtype"], name="conv_norm_out")(x))
+        x = nn.silu(_group_norm(num_groups=cfg.norm_num_groups, param_dtype=cfg.kw["param_dtype"], name="conv_norm_out")(x))
         return _conv(cfg, cfg.out_channels, 3, "conv_out")(x)
 
 

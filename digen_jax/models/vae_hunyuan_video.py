@@ -51,6 +51,7 @@ from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
 IGNORED_PREFIXES = ("encoder.", "quant_conv.")
 
 GROUP_NORM_EPS = 1e-6  # diffusers' `resnet_eps` for every norm of the decoder
+_group_norm = functools.partial(layers.GroupNorm, eps=GROUP_NORM_EPS, axis_name="vae_channels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,26 +157,6 @@ class CausalConv3d(nn.Module):
         return y + bias.astype(self.dtype)
 
 
-class GroupNorm(nn.Module):
-    """`torch.nn.GroupNorm` (biased variance, affine) over (T, H, W) and each group's channels, in float32."""
-
-    num_groups: int
-    param_dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        c = x.shape[-1]
-        ones, zeros = nn.initializers.ones_init(), nn.initializers.zeros_init()
-        scale = self.param("scale", nn.with_logical_partitioning(ones, ("vae_channels",)), (c,), self.param_dtype)
-        bias = self.param("bias", nn.with_logical_partitioning(zeros, ("vae_channels",)), (c,), self.param_dtype)
-        grouped = x.astype(jnp.float32).reshape(*x.shape[:-1], self.num_groups, c // self.num_groups)
-        axes = tuple(range(1, x.ndim - 1)) + (x.ndim,)  # all positions and the channels within a group
-        mean = jnp.mean(grouped, axis=axes, keepdims=True)
-        var = jnp.mean(jnp.square(grouped - mean), axis=axes, keepdims=True)
-        normed = ((grouped - mean) * jax.lax.rsqrt(var + GROUP_NORM_EPS)).reshape(x.shape)
-        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-
-
 class ResnetBlock(nn.Module):
     """`HunyuanVideoResnetBlockCausal3D`: (GroupNorm, SiLU, causal 3x3x3 conv) twice, plus a skip.
 
@@ -189,9 +170,9 @@ class ResnetBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         norm_kw = dict(num_groups=cfg.norm_num_groups, param_dtype=cfg.kw["param_dtype"])
-        h = nn.silu(GroupNorm(name="norm1", **norm_kw)(x))
+        h = nn.silu(_group_norm(name="norm1", **norm_kw)(x))
         h = CausalConv3d(self.features, 3, name="conv1", **cfg.kw)(h)
-        h = nn.silu(GroupNorm(name="norm2", **norm_kw)(h))
+        h = nn.silu(_group_norm(name="norm2", **norm_kw)(h))
         h = CausalConv3d(self.features, 3, name="conv2", **cfg.kw)(h)
         if x.shape[-1] != self.features:
             x = CausalConv3d(self.features, 1, name="conv_shortcut", **cfg.kw)(x)
@@ -212,7 +193,7 @@ class MidAttention(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         b, t, h, w, c = x.shape
-        normed = GroupNorm(cfg.norm_num_groups, cfg.kw["param_dtype"], name="group_norm")(x)
+        normed = _group_norm(num_groups=cfg.norm_num_groups, param_dtype=cfg.kw["param_dtype"], name="group_norm")(x)
         tokens = normed.reshape(b, t * h * w, c)
         dense = functools.partial(layers.logical_dense, c, ("vae_in", "vae_out"), **cfg.kw)
         q, k, v = (dense(name=n)(tokens) for n in ("to_q", "to_k", "to_v"))
@@ -259,7 +240,7 @@ class Decoder(nn.Module):
             factor = cfg.upsample_factor(i)
             if factor is not None:
                 x = Upsample(cfg, factor, name=f"up_blocks_{i}_upsamplers_0")(x)
-        x = nn.silu(GroupNorm(cfg.norm_num_groups, cfg.kw["param_dtype"], name="conv_norm_out")(x))
+        x = nn.silu(_group_norm(num_groups=cfg.norm_num_groups, param_dtype=cfg.kw["param_dtype"], name="conv_norm_out")(x))
         return CausalConv3d(cfg.out_channels, 3, name="conv_out", **cfg.kw)(x)
 
 
