@@ -11,6 +11,8 @@ then trains it against a programmatic reward that checks colour, shape and posit
 """
 import ml_collections
 
+from digen_jax.runtime.config import runtime_section, sharding_section
+
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -101,14 +103,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 10
     c.train.keep_checkpoints = 2
 
-    # Logical axis -> mesh axis rules (digen_jax.models.layers lists the logical names).
-    # The tiny model runs on one device: everything replicated.
-    c.sharding = ml_collections.ConfigDict()
-    c.sharding.rules = (
-        ("embed", None),
-        ("heads", None),
-        ("mlp", None),
-        ("layers", None),
-        ("activation_batch", None),
-    )
+    c.runtime = runtime_section()  # colocated, one micro-batch: the plain Flow-GRPO loop
+    c.sharding = sharding_section()
     return c

@@ -1,0 +1,430 @@
+"""The executor: runs the planner's task lists on role meshes from one host thread.
+
+Per iteration it asks the planner for the task list (`plan.plan_iteration`) and dispatches
+it in order. Device work (rollout steps, weight transfers, gradients, the update) is
+asynchronous JAX dispatch: the thread only enqueues it, and JAX's data dependencies and
+cross-mesh `device_put` do the overlap. Rewards run on a host thread pool as soon as a
+micro-batch's rollout is dispatched (queue scheduling). The only places the dispatching
+thread waits are the rewards a training task needs (all device work that can run meanwhile
+is already enqueued) and the metrics of the previous iteration (read one step late).
+
+Micro-batches are whole groups: iteration k's P prompts are cut into M contiguous slices,
+each carrying its prompts' G samples. Advantages are normalised per micro-batch (the grain
+that flows from reward to trainer; `rl.std_mode='global'` means micro-batch-global), so
+every mode trains the same numbers on the same batch.
+
+Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
+split of each iteration is chosen by `plan.choose_split` from the task times measured in
+the previous iteration; the first iteration uses no trainer rollouts and no prefetch.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from digen_jax.rl import advantages as adv_lib
+from digen_jax.rl import lora
+from digen_jax.rl.rollout import Conditioning, Trajectory
+from digen_jax.rl.timesteps import plan_steps
+from digen_jax.rl.trainer import TrainState, build_units
+from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime.trace import Tracer, iteration_summary
+
+# fold_in tag of an iteration's per-sample keys (shared with rl.loop so both draw the same noise)
+SAMPLES_TAG = 1
+
+
+def validate_runtime_config(config, num_devices: int) -> None:
+    """Reject a bad `runtime` section before any compute, naming the key."""
+    rt, rl = config.runtime, config.rl
+    flags = plan_lib.mode_flags(rt.mode)
+    if rt.micro_batches < 1 or rl.prompts_per_iteration % rt.micro_batches:
+        raise ValueError(
+            f"runtime.micro_batches={rt.micro_batches} must divide rl.prompts_per_iteration={rl.prompts_per_iteration}"
+            " (micro-batches hold whole groups)"
+        )
+    if rt.staleness < 0:
+        raise ValueError(f"runtime.staleness must be >= 0, got {rt.staleness}")
+    if not flags.colocated and rl.num_updates_per_batch != 1:
+        raise ValueError(f"rl.num_updates_per_batch must be 1 in runtime.mode={rt.mode!r} (one update per iteration)")
+    if flags.colocated and rt.micro_batches % rl.num_updates_per_batch:
+        raise ValueError(
+            f"rl.num_updates_per_batch={rl.num_updates_per_batch} must divide runtime.micro_batches={rt.micro_batches}"
+        )
+    for key in ("tag_microbatches", "prefetch_microbatches"):
+        value = rt[key]
+        if value > rt.micro_batches:
+            raise ValueError(f"runtime.{key}={value} exceeds runtime.micro_batches={rt.micro_batches}")
+    for key in ("rollout_devices", "train_devices", "reward_devices"):
+        if rt[key] < 0:
+            raise ValueError(f"runtime.{key} must be >= 0, got {rt[key]}")
+    wanted = rt.rollout_devices + rt.train_devices + rt.reward_devices
+    if not flags.colocated and wanted > num_devices:
+        raise ValueError(
+            f"runtime.rollout_devices + train_devices + reward_devices = {wanted} exceeds the {num_devices} devices"
+        )
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch of an iteration: its inputs, and once rolled out its trajectory and rewards."""
+
+    iteration: int
+    index: int
+    sample_ids: np.ndarray  # global sample ids (iteration * batch + position)
+    prompt_ids: np.ndarray  # (samples,) the prompt of each sample
+    cond: Conditioning  # (samples, ...)
+    sample_keys: jax.Array
+    noise_levels: np.ndarray  # (N,) the iteration's per-step noise levels
+    trained: np.ndarray  # (samples, S) trained step indices
+    group: str | None = None  # where it was rolled out
+    version: int | None = None  # the policy version that generated it
+    traj: Trajectory | None = None
+    rewards: concurrent.futures.Future | None = None
+
+
+class Executor:
+    """Runs iterations of `run` (a `rl.loop.Run`) in `config.runtime.mode`."""
+
+    def __init__(self, run, *, config=None, trace_path: str | None = None, log: Callable[[str], None] = print):
+        """`config` overrides `run.config`'s runtime and sharding sections (one Run, several modes);
+        the trace goes to `trace_path` (default WORKDIR/trace.json)."""
+        self.run, self.config, self.log = run, config or run.config, log
+        rt = self.config.runtime
+        self.mode, self.flags = rt.mode, plan_lib.mode_flags(rt.mode)
+        validate_runtime_config(self.config, len(jax.devices()))
+        self.meshes = mesh_lib.build_role_meshes(rt)
+        self.microbatches = rt.micro_batches
+        self.tracer = Tracer((trace_path or os.path.join(run.workdir, "trace.json")) if rt.trace else None)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=rt.reward_workers, thread_name_prefix="reward")
+        self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
+        self.measured: dict[tuple[str, str], list[float]] = {}  # (kind, group) -> recent durations
+        self._iteration_start: dict[int, float] = {}
+        self._place_weights()
+
+    # ------------------------------------------------------------------ weights
+    def _place_weights(self) -> None:
+        run, trainer = self.run, self.run.trainer
+        rules = self.config.sharding
+        boxed = run.workload.family.abstract_params(run.workload.model_cfg)
+        self._sharding = {
+            "train": mesh_lib.param_shardings(boxed, self.meshes.train, rules.train_rules),
+            "rollout": mesh_lib.param_shardings(boxed, self.meshes.rollout, rules.rollout_rules),
+        }
+        self.lora_scale = trainer.cfg.lora_scale
+        train_mesh = self.meshes.train
+        trainable_sh = mesh_lib.like_params(run.state.trainable, self._sharding["train"], train_mesh)
+        state_sh = TrainState(
+            version=mesh_lib.replicated(train_mesh),
+            trainable=trainable_sh,
+            opt_state=mesh_lib.optimizer_state_shardings(trainer.optimizer, run.state.trainable, trainable_sh, train_mesh),
+            ema=None if run.state.ema is None else trainable_sh,
+            nonfinite_streak=mesh_lib.replicated(train_mesh),
+        )
+        self.state_sharding = state_sh
+        # Fresh buffers: the update donates the state, and run.state must survive (resume, other modes).
+        self.state = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=state_sh)(run.state)
+        if trainer.frozen is not None:
+            trainer.frozen = jax.device_put(trainer.frozen, self._sharding["train"])
+        self.frozen_on_rollout = None
+        if self.lora_scale is not None and not self.meshes.colocated:
+            self.frozen_on_rollout = jax.device_put(trainer.frozen, self._sharding["rollout"])
+        self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
+        self.rollout_params = None
+        self.rollout_version = -1
+
+    def _weights_for_sampling(self, trainable, frozen):
+        """Sampling weights from trainable (+ frozen base for LoRA) where they live."""
+        if self.lora_scale is None:
+            return trainable
+        if self.config.rl.lora_merge_for_sampling:
+            return self._merge(frozen, trainable)
+        return lora.LoraWeights(frozen, trainable, self.lora_scale)
+
+    def _sync(self, version: int) -> None:
+        """Trainer -> rollout weight transfer of `version` (asynchronous; only adapters with LoRA)."""
+        task = plan_lib.Task("sync", "link", version, 0, version)
+        start = self.tracer.now()
+        if self.lora_scale is None:
+            moved = jax.device_put(self.state.trainable, self._sharding["rollout"])
+        else:
+            moved = jax.device_put(self.state.trainable, mesh_lib.replicated(self.meshes.rollout))
+        self.tracer.record(task, moved, start)
+        self.rollout_params = self._weights_for_sampling(moved, self.frozen_on_rollout)
+        self.rollout_version = version
+
+    def _params_on(self, group: str, version: int):
+        if group == "rollout":
+            if self.rollout_version != version:
+                self._sync(version)  # the initial weights, or a sync the plan did not place
+            return self.rollout_params
+        return self._weights_for_sampling(self.state.trainable, self.run.trainer.frozen)
+
+    # ------------------------------------------------------------------ inputs
+    def microbatches_of(self, k: int) -> list[MicroBatch]:
+        """Iteration k's micro-batches: pure functions of (seed, k), like `Run.iteration`."""
+        run, rl, s = self.run, self.config.rl, self.config.sampling
+        prompt_ids, cond = run.prompt_batch(k)
+        group = rl.group_size
+        batch = len(prompt_ids) * group
+        key = jax.random.fold_in(run.root_key, k)
+        sample_keys = jax.random.split(jax.random.fold_in(key, SAMPLES_TAG), batch)
+        steps = plan_steps(rl, s.num_steps, s.noise_level, batch, k, np.random.default_rng([self.config.seed, k]))
+        per_mb = batch // self.microbatches
+        sample_prompts = np.repeat(np.asarray(prompt_ids), group, axis=0)
+        cond = cond.repeat(group)
+        out = []
+        for m in range(self.microbatches):
+            rows = slice(m * per_mb, (m + 1) * per_mb)
+            out.append(
+                MicroBatch(
+                    iteration=k,
+                    index=m,
+                    sample_ids=np.arange(k * batch, (k + 1) * batch)[rows],
+                    prompt_ids=sample_prompts[rows],
+                    cond=jax.tree.map(lambda a: a[rows], cond),
+                    sample_keys=sample_keys[rows],
+                    noise_levels=steps.noise_levels,
+                    trained=steps.trained[rows],
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------ tasks
+    def _rollout(self, task: plan_lib.Task, mb: MicroBatch) -> None:
+        mesh = self.meshes.for_group(task.group)
+        params = self._params_on(task.group, task.version)
+        start = self.tracer.now()
+        cond, keys = mesh_lib.put_batch((mb.cond, mb.sample_keys), mesh)
+        mb.traj = self.run.sampler.rollout(params, cond, keys, mb.noise_levels, self.run.latent_shape, task.version)
+        mb.group, mb.version = task.group, task.version
+        self.tracer.record(task, mb.traj.latents, start, sample_ids=mb.sample_ids.tolist())
+        mb.rewards = self.pool.submit(self._score, task, mb)
+
+    def _score(self, task: plan_lib.Task, mb: MicroBatch):
+        final = mb.traj.final
+        if self.meshes.reward is not None:
+            final = mesh_lib.put_batch(final, self.meshes.reward)
+        jax.block_until_ready(final)
+        start = self.tracer.now()
+        rewards, _ = self.run.score(final, jnp.asarray(mb.prompt_ids))
+        rewards = np.asarray(rewards, np.float32)
+        reward_task = plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version)
+        self.tracer.record_done(reward_task, start, self.tracer.now(), sample_ids=mb.sample_ids.tolist())
+        return rewards
+
+    def _chunks(self, units, per_sample: int):
+        """Gradient micro-batches of a micro-batch's units.
+
+        TSP: units (samples x trained steps) flattened and cut into `rl.micro_batch_size`
+        pieces split over every trainer device. Without TSP the grain is the trajectory: one
+        trained step of all the micro-batch's samples at a time, split over samples only.
+        """
+        if self.flags.tsp or self.flags.colocated:
+            step = self.config.rl.micro_batch_size
+            return [units.slice(i, i + step) for i in range(0, units.size, step)]
+        return [jax.tree.map(lambda a: a[t::per_sample], units) for t in range(per_sample)]
+
+    def _train(self, task: plan_lib.Task, mb: MicroBatch, acc: dict) -> None:
+        rl = self.config.rl
+        rewards = mb.rewards.result()  # the one wait: everything that can run meanwhile is enqueued
+        mesh = self.meshes.train
+        acc["finite"] = acc["finite"] and bool(np.all(np.isfinite(rewards)))
+        groups = len(rewards) // rl.group_size
+        group_ids = np.repeat(np.arange(groups), rl.group_size)
+        start = self.tracer.now()
+        adv = adv_lib.group_advantages(
+            jnp.asarray(np.where(np.isfinite(rewards), rewards, 0.0)), jnp.asarray(group_ids), groups,
+            std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof,
+        )
+        traj, cond, adv, trained = mesh_lib.put_batch((mb.traj, mb.cond, adv, jnp.asarray(mb.trained)), mesh)
+        units = build_units(traj, cond, adv, trained)
+        trainer = self.run.trainer
+        outputs = []
+        for chunk in self._chunks(units, mb.trained.shape[1]):
+            chunk = mesh_lib.put_batch(chunk, mesh)
+            if trainer.cfg.decoupled:
+                chunk = chunk.replace(proximal_log_prob=trainer.log_prob_fn(self.state.trainable, chunk))
+            (_, metrics), grads = trainer.grad_fn(self.state.trainable, chunk)
+            acc["grads"] = grads if acc["grads"] is None else trainer.accumulate(acc["grads"], grads)
+            acc["metrics"] = metrics if acc["metrics"] is None else jax.tree.map(jnp.add, acc["metrics"], metrics)
+            acc["count"] += 1
+            outputs.append(metrics["loss"])
+        self.tracer.record(task, outputs, start, sample_ids=mb.sample_ids.tolist())
+
+    def _update(self, task: plan_lib.Task, acc: dict) -> dict:
+        start = self.tracer.now()
+        finite = jnp.asarray(acc["finite"]) & jnp.isfinite(acc["metrics"]["loss"])
+        self.state, update_metrics = self.run.trainer.apply_update(self.state, acc["grads"], jnp.float32(acc["count"]), finite)
+        self.tracer.record(task, update_metrics["version"], start)
+        metrics = {k: v / acc["count"] for k, v in acc["metrics"].items()}
+        return {**metrics, **update_metrics}
+
+    # ------------------------------------------------------------------ one iteration
+    def split_for(self, k: int) -> tuple[int, int]:
+        """(tag, prefetch) of iteration k: fixed by config, or chosen from measured costs."""
+        rt = self.config.runtime
+        fixed_tag = rt.tag_microbatches if rt.tag_microbatches >= 0 or not self.flags.tag else None
+        fixed_prefetch = rt.prefetch_microbatches if rt.prefetch_microbatches >= 0 or not self.flags.tcss else None
+        if not self.flags.tag:
+            fixed_tag = 0
+        if not self.flags.tcss or rt.staleness == 0:
+            fixed_prefetch = 0
+        carried = len(self.carried)
+        costs = self.measured_costs()
+        if costs is None or (fixed_tag is not None and fixed_prefetch is not None):
+            return (fixed_tag or 0, fixed_prefetch or 0)
+        tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag, fixed_prefetch=fixed_prefetch)
+        return min(tag, self.microbatches - carried), prefetch
+
+    def measured_costs(self) -> plan_lib.Costs | None:
+        def mean(kind, group):
+            values = self.measured.get((kind, group))
+            return float(np.mean(values)) if values else None
+
+        roll_r, roll_t, train = mean("rollout", "rollout"), mean("rollout", "train"), mean("train", "train")
+        if roll_r is None or train is None:
+            return None
+        if roll_t is None:  # never measured: assume the trainer's speed per device matches rollout's
+            roll_t = roll_r * self.meshes.rollout.devices.size / self.meshes.train.devices.size
+        return plan_lib.Costs(
+            rollout={"rollout": roll_r, "train": roll_t, "shared": roll_r},
+            reward=mean("reward", "reward") or 0.0,
+            train=train,
+            update=mean("update", "train") or 0.0,
+            sync=mean("sync", "link") or 0.0,
+        )
+
+    def iteration(self, k: int) -> tuple[plan_lib.IterationPlan, dict]:
+        """Dispatch iteration k; returns its plan and metrics (device arrays; read them later)."""
+        tag, prefetch = self.split_for(k)
+        carried = len(self.carried)
+        plan = plan_lib.plan_iteration(
+            self.mode, k, self.microbatches, carried=carried, tag=tag, prefetch=prefetch,
+            updates=self.config.rl.num_updates_per_batch,
+        )
+        self._iteration_start[k] = self.tracer.now()
+        mbs = {(k, m.index): m for m in self.microbatches_of(k)[carried:]}
+        mbs.update({(k, m.index): m for m in self.carried})
+        next_mbs = {}
+        if prefetch:
+            next_mbs = {(k + 1, m.index): m for m in self.microbatches_of(k + 1)[:prefetch]}
+        acc = self._fresh_acc()
+        update_metrics = []
+        for task in plan.tasks:
+            if task.kind == "rollout":
+                self._rollout(task, mbs.get((task.iteration, task.index)) or next_mbs[(task.iteration, task.index)])
+            elif task.kind == "train":
+                self._train(task, mbs[(task.iteration, task.index)], acc)
+            elif task.kind == "update":
+                update_metrics.append(self._update(task, acc))
+                acc = self._fresh_acc()
+            elif task.kind == "sync":
+                self._sync(task.version)
+        self.carried = list(next_mbs.values())
+        all_rewards = np.concatenate([mb.rewards.result() for mb in sorted(mbs.values(), key=lambda m: m.index)])
+        last = update_metrics[-1]
+        metrics = {name: jnp.mean(jnp.stack([m[name] for m in update_metrics])) for name in last}
+        metrics.update(
+            step=k + 1,
+            version=last["version"],
+            nonfinite_streak=last["nonfinite_streak"],
+            skipped=jnp.sum(jnp.stack([m["skipped"] for m in update_metrics])),
+            reward_mean=float(np.mean(all_rewards)),
+            reward_std=float(np.std(all_rewards)),
+            mode=self.mode,
+            tag_microbatches=tag,
+            prefetch_microbatches=prefetch,
+            carried_microbatches=carried,
+        )
+        return plan, metrics
+
+    @staticmethod
+    def _fresh_acc() -> dict:
+        return {"grads": None, "metrics": None, "count": 0, "finite": True}
+
+    def timing(self, k: int, plan: plan_lib.IterationPlan) -> dict:
+        """Iteration k's measured figures (blocks until its tasks completed: call one step late)."""
+        self.tracer.wait()
+        events = self.tracer.events
+        mine = [e for e in events if e["args"]["iteration"] == k or (e["args"]["kind"] == "sync" and e["args"]["iteration"] == k + 1)]
+        for e in mine:
+            key = (e["args"]["kind"], e["args"]["group"])
+            self.measured.setdefault(key, []).append(e["dur"] / 1e6)
+            self.measured[key] = self.measured[key][-2 * self.microbatches :]
+        end_of = lambda it: max((e["ts"] + e["dur"]) / 1e6 for e in events if e["args"]["kind"] == "update" and e["args"]["iteration"] == it)  # noqa: E731
+        end = end_of(k)
+        start = end_of(k - 1) if k - 1 in self._iteration_start else self._iteration_start[k]
+        groups = ["shared"] if self.meshes.colocated else ["rollout", "train"]
+        summary = iteration_summary(events, k, (start, end), groups)
+        batch = self.config.rl.prompts_per_iteration * self.config.rl.group_size
+        seconds = max(end - start, 1e-9)
+        return {
+            **summary,
+            "seconds": seconds,
+            "samples_per_s": batch / seconds,
+            "samples_per_s_per_device": batch / seconds / self.meshes.num_devices,
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def _carried_tree(self) -> dict:
+        return {
+            str(m.index): {
+                "traj": {f.name: getattr(m.traj, f.name) for f in dataclasses.fields(Trajectory) if f.name != "sample_keys"},
+                "rewards": m.rewards.result(),
+                "version": np.int32(m.version),
+                "group": np.int32(plan_lib.GROUPS.index(m.group)),
+            }
+            for m in self.carried
+        }
+
+    def save(self, manager: ocp.CheckpointManager, iterations_done: int) -> None:
+        meta = {"carried": [m.index for m in self.carried], "mode": self.mode}
+        manager.save(
+            iterations_done,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(self.state),
+                carried=ocp.args.StandardSave(jax.device_get(self._carried_tree())),
+                meta=ocp.args.JsonSave(meta),
+            ),
+        )
+
+    def restore(self, manager: ocp.CheckpointManager) -> int:
+        """Restore the latest checkpoint (state and prefetched micro-batches); the iteration to start from."""
+        latest = manager.latest_step()
+        if latest is None:
+            return 0
+        meta = manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        abstract_state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.state, self.state_sharding
+        )
+        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        if meta["carried"]:
+            items["carried"] = ocp.args.StandardRestore()
+        restored = manager.restore(latest, args=ocp.args.Composite(**items))
+        self.state = restored["state"]
+        self.carried = []
+        for mb in self.microbatches_of(latest)[: len(meta["carried"])]:
+            saved = restored["carried"][str(mb.index)]
+            mb.traj = Trajectory(sample_keys=mb.sample_keys, **{name: jnp.asarray(a) for name, a in saved["traj"].items()})
+            mb.version = int(saved["version"])
+            mb.group = plan_lib.GROUPS[int(saved["group"])]
+            mb.rewards = concurrent.futures.Future()
+            mb.rewards.set_result(np.asarray(saved["rewards"], np.float32))
+            self.carried.append(mb)
+        self.rollout_version = -1
+        self.log(f"resumed from checkpoint {latest} (policy version {int(self.state.version)}, {len(self.carried)} prefetched micro-batches)")
+        return latest
+
+    def close(self) -> None:
+        self.tracer.close()
+        self.pool.shutdown(wait=True)

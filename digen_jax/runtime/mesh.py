@@ -1,0 +1,129 @@
+"""Role meshes and shardings: which devices roll out, which train, and how arrays lie on them.
+
+Every role gets a one-axis Mesh (axis `data`) over its own devices. Parameters carry logical
+axis names in the model code; a per-role rule table from the config (`sharding.rollout_rules`,
+`sharding.train_rules`) maps them to the mesh axis: rollout usually replicates the weights
+(no per-step all-gathers, the batch is split over `data`), training shards them (FSDP: the
+`embed` dimension over `data`, gathered per layer by XLA). A dimension that the axis does
+not divide stays replicated. Colocated runs use one mesh for both roles.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+AXIS = "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMeshes:
+    rollout: Mesh
+    train: Mesh
+    reward: Mesh | None
+    colocated: bool
+
+    def for_group(self, group: str) -> Mesh:
+        """The mesh of a plan group ('shared' is the colocated mesh)."""
+        if group in ("shared", "train"):
+            return self.train
+        if group == "rollout":
+            return self.rollout
+        if group == "reward":
+            return self.reward or self.rollout
+        raise ValueError(f"no mesh for group {group!r}")
+
+    @property
+    def num_devices(self) -> int:
+        meshes = [self.train] if self.colocated else [self.rollout, self.train]
+        if self.reward is not None and not self.colocated:
+            meshes.append(self.reward)
+        return sum(m.devices.size for m in meshes)
+
+
+def build_role_meshes(runtime, devices: Sequence[jax.Device] | None = None) -> RoleMeshes:
+    """Meshes for the `runtime` config section (keys rollout_devices, train_devices, reward_devices)."""
+    from digen_jax.runtime.distributed import role_devices
+
+    devices = list(jax.devices() if devices is None else devices)
+    colocated = runtime.mode == "colocated"
+    sizes = {"rollout": runtime.rollout_devices, "train": runtime.train_devices, "reward": runtime.reward_devices}
+    roles = role_devices(devices, sizes, colocated=colocated)
+    mesh = lambda ds: Mesh(np.array(ds), (AXIS,))  # noqa: E731
+    if colocated:
+        shared = mesh(roles["train"])
+        return RoleMeshes(shared, shared, None, True)
+    reward = mesh(roles["reward"]) if roles.get("reward") else None
+    return RoleMeshes(mesh(roles["rollout"]), mesh(roles["train"]), reward, False)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+    """Leading (batch) axis split over the mesh when it divides, else replicated."""
+    if shape and shape[0] % mesh.devices.size == 0:
+        return NamedSharding(mesh, PartitionSpec(AXIS))
+    return replicated(mesh)
+
+
+def put_batch(tree: Any, mesh: Mesh) -> Any:
+    """Every array of `tree` onto `mesh`, batch-split (asynchronous, cross-mesh allowed)."""
+    return jax.tree.map(lambda a: jax.device_put(a, batch_sharding(mesh, np.shape(a))), tree)
+
+
+def _mesh_spec(logical: PartitionSpec, shape: Sequence[int], mesh: Mesh, rules: dict) -> PartitionSpec:
+    """Mesh axes of one parameter: each logical name through `rules`; a mesh axis is used once
+    (the first dimension that maps to it) and only where it divides the dimension."""
+    used, axes = set(), []
+    for name, dim in zip(tuple(logical) + (None,) * (len(shape) - len(logical)), shape):
+        axis = rules.get(name) if isinstance(name, str) else None
+        if axis is None or axis in used or dim % mesh.shape[axis]:
+            axes.append(None)
+        else:
+            used.add(axis)
+            axes.append(axis)
+    return PartitionSpec(*axes)
+
+
+def param_shardings(boxed_abstract: Any, mesh: Mesh, rules: Sequence[tuple[str, str | None]]) -> Any:
+    """NamedShardings of a parameter tree from its boxed abstract (logical names) and `rules`."""
+    logical = nn.get_partition_spec(boxed_abstract)
+    shapes = nn.unbox(boxed_abstract)
+    table = {name: axis for name, axis in rules}
+    return jax.tree.map(
+        lambda spec, s: NamedSharding(mesh, _mesh_spec(spec, s.shape, mesh, table)),
+        logical,
+        shapes,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def like_params(tree: Any, params_sharding: Any, mesh: Mesh) -> Any:
+    """Shardings for `tree` (adapters, EMA): the parameter's where shapes agree, else replicated."""
+    flat_params = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(params_sharding)}
+
+    def pick(path, leaf):
+        sharding = flat_params.get(jax.tree_util.keystr(path))
+        return sharding if sharding is not None else replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def optimizer_state_shardings(optimizer: optax.GradientTransformation, trainable: Any, trainable_sharding: Any, mesh: Mesh) -> Any:
+    """Optimizer-state shardings: per-parameter statistics sharded like their parameter."""
+    abstract = jax.eval_shape(optimizer.init, trainable)
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        abstract,
+        trainable_sharding,
+        transform_non_params=lambda _: replicated(mesh),
+    )

@@ -1,0 +1,232 @@
+"""The planner: what every device group does in one iteration, in order, for each schedule mode.
+
+A plan is an ordered list of tasks (DESIGN.md section 4). The executor dispatches it from
+one host thread; the simulator (`schedule`) runs the same list against a cost model. Both
+read the same plan, so what the simulator predicts is what the executor does.
+
+Groups: `rollout` and `train` are the two device roles of a disaggregated run; colocated
+runs use the single group `shared`; `reward` is the reward queue (host threads or reward
+devices); `link` is the trainer -> rollout weight transfer.
+
+Versions: weights of version v are the parameters after v optimizer updates. In iteration k
+of a disaggregated run the trainer holds version k, and rollout holds version k once the
+sync that carries it has landed. A task records the version of the weights it *uses*;
+a training task also records the version that *generated* its samples (`sample_version`),
+so staleness = version - sample_version.
+
+Modes (DESIGN.md section 4):
+  colocated           one group rolls out the whole batch, then trains it.
+  disagg_sync         rollout generates the whole batch; training starts when all of it is scored.
+  gap                 training of micro-batch m starts as soon as m is scored.
+  gap+tsp             as gap; training units are flattened over samples x steps and sharded
+                      over every trainer device (an executor/cost difference, same task list).
+  gap+tsp+tag         the trainer also rolls out `tag` micro-batches at the head of the iteration.
+  gap+tsp+tag+tcss    rollout generates the next iteration's first `prefetch` micro-batches with
+                      the current weights while the trainer finishes (staleness 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping, Sequence
+
+MODES = ("colocated", "disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss")
+GROUPS = ("shared", "rollout", "train", "reward", "link")
+
+TaskKey = tuple  # (kind, iteration, microbatch-or-update-index)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeFlags:
+    colocated: bool
+    pipelined: bool  # gap: train a micro-batch as soon as it is scored
+    tsp: bool
+    tag: bool
+    tcss: bool
+
+
+def mode_flags(mode: str) -> ModeFlags:
+    if mode not in MODES:
+        raise ValueError(f"runtime.mode={mode!r} is unknown; known: {list(MODES)}")
+    return ModeFlags(
+        colocated=mode == "colocated",
+        pipelined=mode.startswith("gap"),
+        tsp="tsp" in mode,
+        tag="tag" in mode,
+        tcss="tcss" in mode,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    kind: str  # 'rollout' | 'reward' | 'train' | 'update' | 'sync'
+    group: str  # one of GROUPS
+    iteration: int  # the iteration whose batch (rollout/reward/train) or update this is
+    index: int  # micro-batch (rollout/reward/train), update index (update), 0 (sync)
+    version: int  # weights used (rollout, train), produced (update), carried (sync)
+    sample_version: int | None = None  # train: the version that generated the micro-batch
+    deps: tuple[TaskKey, ...] = ()
+
+    @property
+    def key(self) -> TaskKey:
+        return (self.kind, self.iteration, self.index)
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationPlan:
+    iteration: int
+    microbatches: int
+    tasks: tuple[Task, ...]  # in dispatch order (a topological order)
+    carried: int  # micro-batches of this iteration generated during the previous one
+    tag: int  # micro-batches the trainer rolls out
+    prefetch: int  # micro-batches of the next iteration generated with this iteration's weights
+
+    def of_kind(self, kind: str) -> list[Task]:
+        return [t for t in self.tasks if t.kind == kind]
+
+
+def plan_iteration(
+    mode: str, iteration: int, microbatches: int, *, carried: int = 0, tag: int = 0, prefetch: int = 0, updates: int = 1
+) -> IterationPlan:
+    """The task list of `iteration`; `carried` micro-batches were prefetched by the last one."""
+    flags = mode_flags(mode)
+    k, m_total = iteration, microbatches
+    if m_total < 1:
+        raise ValueError(f"runtime.micro_batches must be >= 1, got {m_total}")
+    if updates < 1 or m_total % updates:
+        raise ValueError(f"rl.num_updates_per_batch={updates} must divide runtime.micro_batches={m_total}")
+    if not flags.colocated and updates != 1:
+        raise ValueError(f"rl.num_updates_per_batch={updates}: runtime.mode={mode!r} makes one update per iteration")
+    if (tag and not flags.tag) or (prefetch and not flags.tcss) or (carried and not flags.tcss):
+        raise ValueError(f"runtime.mode={mode!r} has no trainer rollouts / prefetch (tag={tag}, prefetch={prefetch})")
+    if not (0 <= carried <= m_total and 0 <= tag <= m_total - carried and 0 <= prefetch <= m_total):
+        raise ValueError(f"bad split of {m_total} micro-batches: carried={carried}, tag={tag}, prefetch={prefetch}")
+    if flags.colocated:
+        return _plan_colocated(k, m_total, updates)
+
+    version = k
+    weights_on_rollout = (("sync", k, 0),) if k > 0 else ()
+    weights_on_train = (("update", k - 1, 0),) if k > 0 else ()
+    tasks: list[Task] = []
+    rollout_mbs = range(carried + tag, m_total)
+    for m in rollout_mbs:
+        tasks.append(Task("rollout", "rollout", k, m, version, deps=weights_on_rollout))
+    for m in range(prefetch):
+        tasks.append(Task("rollout", "rollout", k + 1, m, version, deps=weights_on_rollout))
+    tag_mbs = range(carried, carried + tag)
+    for m in tag_mbs:
+        tasks.append(Task("rollout", "train", k, m, version, deps=weights_on_train))
+    for t in list(tasks):
+        tasks.append(Task("reward", "reward", t.iteration, t.index, t.version, deps=(t.key,)))
+    train_order = [*range(carried), *tag_mbs, *rollout_mbs]
+    all_rewards = tuple(("reward", k, m) for m in range(m_total))
+    previous: tuple[TaskKey, ...] = weights_on_train
+    for m in train_order:
+        generated_by = version - 1 if m < carried else version
+        deps = (("reward", k, m),) if flags.pipelined else all_rewards
+        tasks.append(Task("train", "train", k, m, version, sample_version=generated_by, deps=deps + previous))
+        previous = (("train", k, m),)
+    tasks.append(Task("update", "train", k, 0, version + 1, deps=previous))
+    tasks.append(Task("sync", "link", k + 1, 0, version + 1, deps=(("update", k, 0),)))
+    return IterationPlan(k, m_total, tuple(tasks), carried, tag, prefetch)
+
+
+def _plan_colocated(k: int, m_total: int, updates: int) -> IterationPlan:
+    version = k * updates
+    after_last_update = (("update", k - 1, updates - 1),) if k > 0 else ()
+    tasks = [Task("rollout", "shared", k, m, version, deps=after_last_update) for m in range(m_total)]
+    tasks += [Task("reward", "reward", k, m, version, deps=(("rollout", k, m),)) for m in range(m_total)]
+    all_rewards = tuple(("reward", k, m) for m in range(m_total))
+    per_update = m_total // updates
+    previous: tuple[TaskKey, ...] = ()
+    for u in range(updates):
+        for m in range(u * per_update, (u + 1) * per_update):
+            tasks.append(Task("train", "shared", k, m, version + u, sample_version=version, deps=all_rewards + previous))
+            previous = (("train", k, m),)
+        tasks.append(Task("update", "shared", k, u, version + u + 1, deps=previous))
+        previous = (("update", k, u),)
+    return IterationPlan(k, m_total, tuple(tasks), 0, 0, 0)
+
+
+# ------------------------------------------------------------------ cost model and schedule
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Seconds per task: rollout of one micro-batch per group, and the rest per micro-batch/update."""
+
+    rollout: Mapping[str, float]  # group -> seconds per micro-batch ('rollout', 'train' or 'shared')
+    reward: float
+    train: float  # one micro-batch's forward+backward on the train (or shared) group
+    update: float
+    sync: float
+
+    def of(self, task: Task) -> float:
+        if task.kind == "rollout":
+            return self.rollout[task.group]
+        return {"reward": self.reward, "train": self.train, "update": self.update, "sync": self.sync}[task.kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    start: dict[TaskKey, float]
+    end: dict[TaskKey, float]
+    group: dict[TaskKey, str]
+
+
+def schedule(plans: Sequence[IterationPlan], costs: Costs, *, free_at: Mapping[str, float] | None = None) -> Timeline:
+    """Start/end of every task when each group runs its tasks in plan order, waiting on deps.
+
+    Dependencies on tasks outside `plans` count as done at time 0.
+    """
+    free = dict.fromkeys(GROUPS, 0.0)
+    free.update(free_at or {})
+    start: dict[TaskKey, float] = {}
+    end: dict[TaskKey, float] = {}
+    group: dict[TaskKey, str] = {}
+    for plan in plans:
+        for task in plan.tasks:
+            ready = max([free[task.group], *(end.get(d, 0.0) for d in task.deps)])
+            start[task.key], end[task.key] = ready, ready + costs.of(task)
+            group[task.key] = task.group
+            free[task.group] = end[task.key]
+    return Timeline(start, end, group)
+
+
+def iteration_time(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, prefetch: int = 0, updates: int = 1) -> float:
+    """Steady-state seconds per iteration: three iterations with the same split, the middle one timed."""
+    plans = [
+        plan_iteration(mode, k, microbatches, carried=prefetch, tag=tag, prefetch=prefetch, updates=updates)
+        for k in range(1, 4)
+    ]
+    timeline = schedule(plans, costs)
+    last_update = updates - 1
+    return timeline.end[("update", 2, last_update)] - timeline.end[("update", 1, last_update)]
+
+
+def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int | None = None, fixed_prefetch: int | None = None) -> tuple[int, int]:
+    """(tag, prefetch) minimising the predicted iteration time (ties: less trainer rollout, less staleness)."""
+    flags = mode_flags(mode)
+    tags = [fixed_tag] if fixed_tag is not None else (range(microbatches + 1) if flags.tag else [0])
+    prefetches = [fixed_prefetch] if fixed_prefetch is not None else (range(microbatches + 1) if flags.tcss else [0])
+    best = None
+    for prefetch in prefetches:
+        for tag in tags:
+            if tag > microbatches - prefetch:
+                continue
+            t = iteration_time(mode, microbatches, costs, tag=tag, prefetch=prefetch)
+            candidate = (round(t, 9), tag, prefetch)
+            if best is None or candidate < best:
+                best = candidate
+    if best is None:
+        raise ValueError(f"no valid split of {microbatches} micro-batches for tag={fixed_tag}, prefetch={fixed_prefetch}")
+    return best[1], best[2]
+
+
+def busy_fractions(timeline: Timeline, keys: Iterable[TaskKey], window: tuple[float, float]) -> dict[str, float]:
+    """Busy share of each group inside `window` over the tasks `keys`."""
+    lo, hi = window
+    span = max(hi - lo, 1e-12)
+    busy: dict[str, float] = {}
+    for key in keys:
+        g = timeline.group[key]
+        overlap = max(0.0, min(timeline.end[key], hi) - max(timeline.start[key], lo))
+        busy[g] = busy.get(g, 0.0) + overlap
+    return {g: min(1.0, b / span) for g, b in busy.items()}

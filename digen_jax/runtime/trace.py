@@ -1,0 +1,171 @@
+"""Task timing without blocking the dispatching thread, the Chrome trace, per-iteration metrics.
+
+The executor dispatches a task and hands its output arrays to `Tracer.record`; one watcher
+thread per device group waits for them (`block_until_ready`) in dispatch order and stamps
+the end time. A group runs its tasks in dispatch order, so a task starts when it was
+dispatched or when the group's previous task ended, whichever is later. The dispatching
+thread never waits on a device here.
+
+`trace.json` is a Chrome trace (JSON array format, opens in Perfetto or chrome://tracing).
+Events are appended as they complete, one per line, and the closing bracket is left out
+(the format allows it), so the trace of a killed run is still readable (`read_trace`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from typing import Any, Iterable, Sequence
+
+import jax
+
+from digen_jax.runtime.plan import GROUPS, Task
+
+_THREAD_IDS = {g: i for i, g in enumerate(GROUPS)}
+
+
+class Tracer:
+    def __init__(self, path: str | None, *, clock=time.perf_counter):
+        self.clock = clock
+        self.origin = clock()
+        self.events: list[dict] = []  # completed task events (args included), in completion order
+        self._lock = threading.Lock()
+        self._queues: dict[str, queue.Queue] = {}
+        self._threads: list[threading.Thread] = []
+        self._last_end: dict[str, float] = {}
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._error: BaseException | None = None
+        self._file = None
+        if path:
+            fresh = not os.path.exists(path) or os.path.getsize(path) == 0
+            self._file = open(path, "a")
+            if fresh:
+                self._file.write("[\n")
+                for group, tid in _THREAD_IDS.items():
+                    meta = {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": group}}
+                    self._file.write(json.dumps(meta) + ",\n")
+            self._file.flush()
+
+    def now(self) -> float:
+        return self.clock() - self.origin
+
+    # ------------------------------------------------------------------ recording
+    def record(self, task: Task, outputs: Any, dispatched: float, **args: Any) -> None:
+        """Time `task` by waiting (in the group's watcher) for `outputs` to be ready."""
+        self._check()
+        with self._lock:
+            self._pending += 1
+            q = self._queues.get(task.group)
+            if q is None:
+                q = self._queues[task.group] = queue.Queue()
+                thread = threading.Thread(target=self._watch, args=(q,), daemon=True, name=f"trace-{task.group}")
+                thread.start()
+                self._threads.append(thread)
+        q.put((task, outputs, dispatched, args))
+
+    def record_done(self, task: Task, start: float, end: float, **args: Any) -> None:
+        """A task timed by whoever ran it (host work such as rewards)."""
+        with self._lock:
+            self._pending += 1
+        self._finish(task, start, end, args)
+
+    def _watch(self, q: queue.Queue) -> None:
+        while True:
+            task, outputs, dispatched, args = q.get()
+            try:
+                jax.block_until_ready(outputs)
+            except BaseException as e:  # surfaced to the dispatching thread on its next call
+                self._error = e
+            end = self.now()
+            start = max(dispatched, self._last_end.get(task.group, 0.0))
+            self._last_end[task.group] = end
+            self._finish(task, start, end, args)
+
+    def _finish(self, task: Task, start: float, end: float, args: dict) -> None:
+        event = {
+            "name": f"{task.kind} it{task.iteration} mb{task.index}",
+            "ph": "X",
+            "pid": 0,
+            "tid": _THREAD_IDS[task.group],
+            "ts": round(start * 1e6, 3),
+            "dur": round(max(end - start, 0.0) * 1e6, 3),
+            "args": {
+                "group": task.group,
+                "kind": task.kind,
+                "iteration": task.iteration,
+                "microbatch": task.index,
+                "version": task.version,
+                **({"sample_version": task.sample_version} if task.sample_version is not None else {}),
+                **args,
+            },
+        }
+        with self._lock:
+            self.events.append(event)
+            if self._file is not None:
+                self._file.write(json.dumps(event) + ",\n")
+                self._file.flush()
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def wait(self) -> None:
+        """Block until every recorded task has completed (end of run, or metrics one step late)."""
+        with self._lock:
+            self._idle.wait_for(lambda: self._pending == 0)
+        self._check()
+
+    def close(self) -> None:
+        self.wait()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_trace(path: str) -> list[dict]:
+    """Events of a trace written by `Tracer` (tolerates a missing bracket and a cut last line)."""
+    events = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip().rstrip(",")
+            if line in ("", "[", "]"):
+                continue
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def group_busy(events: Iterable[dict], window: tuple[float, float]) -> dict[str, float]:
+    """Busy seconds of each group inside `window` (seconds) from trace events."""
+    lo, hi = window
+    busy: dict[str, float] = {}
+    for e in events:
+        start, end = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
+        group = e["args"]["group"]
+        busy[group] = busy.get(group, 0.0) + max(0.0, min(end, hi) - max(start, lo))
+    return busy
+
+
+def iteration_summary(events: Sequence[dict], iteration: int, window: tuple[float, float], device_groups: Sequence[str]) -> dict:
+    """bubble_frac per device group, staleness histogram and weight-sync time of one iteration."""
+    span = max(window[1] - window[0], 1e-12)
+    busy = group_busy(events, window)
+    trained = [e for e in events if e["args"]["kind"] == "train" and e["args"]["iteration"] == iteration]
+    staleness: dict[str, int] = {}
+    for e in trained:
+        lag = str(e["args"]["version"] - e["args"]["sample_version"])
+        staleness[lag] = staleness.get(lag, 0) + 1
+    syncs = [e["dur"] / 1e6 for e in events if e["args"]["kind"] == "sync" and e["args"]["iteration"] == iteration + 1]
+    return {
+        "bubble_frac": {g: max(0.0, 1.0 - busy.get(g, 0.0) / span) for g in device_groups},
+        "staleness_hist": staleness,
+        "staleness_max": max((int(s) for s in staleness), default=0),
+        "sync_s": sum(syncs),
+    }

@@ -1,0 +1,216 @@
+"""The disaggregated runtime on 8 fake CPU devices: plans, mode equivalence, trace invariants, TAG, resume."""
+import collections
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from digen_jax.rl import loop
+from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime.executor import Executor, validate_runtime_config
+from digen_jax.runtime.trace import read_trace
+
+PIPELINED = ("disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss")
+
+
+# ---------------------------------------------------------------- planner (pure)
+def _rollouts_and_trains(plans):
+    rolled = collections.Counter((t.iteration, t.index) for p in plans for t in p.tasks if t.kind == "rollout")
+    trained = collections.Counter((t.iteration, t.index) for p in plans for t in p.tasks if t.kind == "train")
+    return rolled, trained
+
+
+@pytest.mark.parametrize("mode", plan_lib.MODES)
+def test_plans_roll_out_and_train_every_microbatch_once(mode):
+    flags = plan_lib.mode_flags(mode)
+    m_total, prefetch, tag = 4, (2 if flags.tcss else 0), (1 if flags.tag else 0)
+    plans, carried = [], 0
+    for k in range(3):
+        plans.append(plan_lib.plan_iteration(mode, k, m_total, carried=carried, tag=tag, prefetch=prefetch))
+        carried = prefetch
+    rolled, trained = _rollouts_and_trains(plans)
+    for k in range(3):
+        for m in range(m_total):
+            assert rolled[(k, m)] == 1 and trained[(k, m)] == 1, (k, m)
+    assert all(v == 1 for v in rolled.values())
+    # Dependencies always point backwards in dispatch order (the executor relies on it).
+    seen = set()
+    for p in plans:
+        for t in p.tasks:
+            assert all(d in seen or d[1] < p.iteration or d[0] in ("update", "sync") and d[1] < t.iteration + 1 for d in t.deps), t
+            seen.add(t.key)
+    for p in plans:
+        for t in p.of_kind("train"):
+            assert 0 <= t.version - t.sample_version <= (1 if flags.tcss else 0)
+
+
+def test_disagg_sync_waits_for_the_whole_batch_and_gap_does_not():
+    sync = plan_lib.plan_iteration("disagg_sync", 1, 3)
+    gap = plan_lib.plan_iteration("gap", 1, 3)
+    first_sync = sync.of_kind("train")[0]
+    first_gap = gap.of_kind("train")[0]
+    assert {("reward", 1, m) for m in range(3)} <= set(first_sync.deps)
+    assert ("reward", 1, 1) not in first_gap.deps
+
+
+def test_bad_plan_arguments():
+    with pytest.raises(ValueError, match="runtime.mode"):
+        plan_lib.plan_iteration("gap+tag", 0, 2)
+    with pytest.raises(ValueError, match="trainer rollouts"):
+        plan_lib.plan_iteration("gap", 0, 2, tag=1)
+    with pytest.raises(ValueError, match="num_updates_per_batch"):
+        plan_lib.plan_iteration("gap", 0, 2, updates=2)
+
+
+def _costs(rollout, train):
+    return plan_lib.Costs(rollout={"rollout": rollout, "train": rollout, "shared": rollout}, reward=0.01, train=train, update=0.05, sync=0.05)
+
+
+def test_tag_share_is_elastic():
+    # Rollout 4x slower than training: the trainer takes micro-batches at the head.
+    slow_tag, _ = plan_lib.choose_split("gap+tsp+tag", 8, _costs(rollout=4.0, train=1.0))
+    # Rollout much faster than training: the trainer is the bottleneck and rolls out nothing.
+    fast_tag, _ = plan_lib.choose_split("gap+tsp+tag", 8, _costs(rollout=0.1, train=1.0))
+    assert slow_tag > 0 and fast_tag == 0
+    # The prediction moves with the costs: TAG helps exactly when rollout is the bottleneck.
+    slow = _costs(rollout=4.0, train=1.0)
+    assert plan_lib.iteration_time("gap+tsp+tag", 8, slow, tag=slow_tag) < plan_lib.iteration_time("gap+tsp", 8, slow)
+
+
+def test_tcss_prefetch_fills_the_training_tail():
+    costs = _costs(rollout=1.0, train=1.0)
+    tag, prefetch = plan_lib.choose_split("gap+tsp+tag+tcss", 4, costs)
+    assert prefetch > 0
+    with_tcss = plan_lib.iteration_time("gap+tsp+tag+tcss", 4, costs, tag=tag, prefetch=prefetch)
+    assert with_tcss < plan_lib.iteration_time("gap+tsp+tag", 4, costs, tag=tag)
+    assert plan_lib.iteration_time("gap", 4, costs) < plan_lib.iteration_time("disagg_sync", 4, costs)
+
+
+# ---------------------------------------------------------------- executor on fake devices
+def runtime_config(cache_dir, mode, **runtime):
+    c = tiny.get_config()
+    c.pretrain.steps = 3
+    c.pretrain.batch_size = 8
+    c.pretrain.cache_dir = str(cache_dir)
+    c.sampling.num_steps = 4
+    c.rl.prompts_per_iteration = 4
+    c.rl.group_size = 4
+    c.rl.micro_batch_size = 4  # 4 samples x 3 trained steps = 12 units per micro-batch
+    c.rl.learning_rate = 1e-3
+    c.rl.std_mode = "group"
+    c.train.iterations = 3
+    c.train.eval_every = 0
+    c.train.image_every = 0
+    c.train.checkpoint_every = 0
+    c.runtime.mode = mode
+    c.runtime.micro_batches = 4
+    if mode != "colocated":
+        c.runtime.rollout_devices, c.runtime.train_devices = 4, 4
+    c.runtime.tag_microbatches = 1 if "tag" in mode else 0
+    c.runtime.prefetch_microbatches = 1 if "tcss" in mode else 0
+    c.runtime.update(runtime)
+    return c
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pretrained")
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir, tmp_path_factory):
+    """Every mode for two iterations from the same Run (same initial weights, shared compiled steps)."""
+    workdir = tmp_path_factory.mktemp("runtime")
+    run = loop.Run(runtime_config(cache_dir, "colocated"), str(workdir), log=lambda _: None)
+    out = {"initial": jax.device_get(run.state.trainable)}
+    for mode in plan_lib.MODES:
+        config = runtime_config(cache_dir, mode)
+        trace_path = os.path.join(workdir, mode.replace("+", "_") + ".json")
+        executor = Executor(run, config=config, trace_path=trace_path, log=lambda _: None)
+        plans, metrics, after_first = [], [], None
+        for k in range(ITERATIONS):
+            plan, m = executor.iteration(k)
+            plans.append(plan)
+            metrics.append(m)
+            if k == 0:
+                after_first = jax.device_get(executor.state.trainable)
+        timings = [executor.timing(k, p) for k, p in enumerate(plans)]
+        executor.close()
+        out[mode] = dict(executor=executor, after_first=after_first, metrics=metrics, timings=timings, trace=read_trace(trace_path))
+    return out
+
+
+ITERATIONS = 2
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_pipelined_modes_make_the_same_update_as_disagg_sync(runs):
+    reference = runs["disagg_sync"]["after_first"]
+    moved = _max_diff(reference, runs["initial"])
+    assert moved > 1e-5  # the update did something
+    for mode in ("colocated", "gap", "gap+tsp", "gap+tsp+tag"):  # tag: the same samples, rolled out elsewhere
+        assert _max_diff(runs[mode]["after_first"], reference) < 1e-5 * max(moved, 1.0), mode
+
+
+@pytest.mark.parametrize("mode", plan_lib.MODES)
+def test_trace_shows_every_sample_trained_once_at_bounded_staleness(runs, mode):
+    result = runs[mode]
+    executor, events, timings = result["executor"], result["trace"], result["timings"]
+    batch = 16
+    rollouts = [e for e in events if e["args"]["kind"] == "rollout"]
+    trains = [e for e in events if e["args"]["kind"] == "train"]
+    generated_by = {}
+    for e in rollouts:
+        for sid in e["args"]["sample_ids"]:
+            assert sid not in generated_by, f"sample {sid} generated twice"
+            generated_by[sid] = e["args"]["version"]
+    trained = collections.Counter(sid for e in trains for sid in e["args"]["sample_ids"])
+    assert sorted(trained) == list(range(ITERATIONS * batch))  # nothing lost
+    assert set(trained.values()) == {1}  # nothing doubled
+    bound = executor.config.runtime.staleness if "tcss" in mode else 0
+    for e in trains:
+        versions = {generated_by[sid] for sid in e["args"]["sample_ids"]}
+        assert versions == {e["args"]["sample_version"]}  # one version per trajectory batch
+        assert 0 <= e["args"]["version"] - e["args"]["sample_version"] <= bound
+    groups = {e["args"]["group"] for e in rollouts}
+    assert groups == ({"shared"} if mode == "colocated" else {"rollout", "train"} if "tag" in mode else {"rollout"})
+    for t in timings:
+        assert t["samples_per_s"] > 0 and all(0 <= f <= 1 for f in t["bubble_frac"].values())
+        assert t["staleness_max"] <= bound
+    if "tcss" in mode:
+        assert timings[1]["staleness_max"] == 1  # iteration 1 trained a micro-batch prefetched with version 0
+    assert [int(m["version"]) for m in result["metrics"]] == list(range(1, ITERATIONS + 1))
+
+
+def test_tag_share_follows_measured_costs(cache_dir, tmp_path):
+    config = runtime_config(cache_dir, "gap+tsp+tag", tag_microbatches=-1)
+    run = loop.Run(config, str(tmp_path), log=lambda _: None)
+    executor = Executor(run, log=lambda _: None)
+    assert executor.split_for(0) == (0, 0)  # nothing measured yet
+    executor.measured = {("rollout", "rollout"): [4.0], ("train", "train"): [1.0], ("rollout", "train"): [4.0]}
+    slow = executor.split_for(1)
+    executor.measured = {("rollout", "rollout"): [0.1], ("train", "train"): [1.0], ("rollout", "train"): [0.1]}
+    fast = executor.split_for(1)
+    assert slow[0] > 0 and fast[0] == 0
+    executor.close()
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (dict(mode="gap+tag"), "runtime.mode"),
+        (dict(micro_batches=3), "runtime.micro_batches"),
+        (dict(staleness=-1), "runtime.staleness"),
+        (dict(rollout_devices=6, train_devices=4), "runtime.rollout_devices"),
+        (dict(tag_microbatches=9), "runtime.tag_microbatches"),
+    ],
+)
+def test_bad_runtime_config_names_the_key(cache_dir, override, key):
+    config = runtime_config(cache_dir, "gap", **override)
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        validate_runtime_config(config, 8)
