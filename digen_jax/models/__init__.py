@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import jax
 
-from digen_jax.models import flux, hunyuan_video, qwenimage, vae_flux, vae_hunyuan_video, vae_wan, wan
+from digen_jax.models import clip, flux, hunyuan_video, qwenimage, vae_flux, vae_hunyuan_video, vae_wan, wan
 from digen_jax.models.checkpoints import load_checkpoint, save_checkpoint
 from digen_jax.models.conversion import (
     ConversionError,
@@ -36,6 +36,8 @@ FAMILIES: dict[str, ModelFamily] = {
         vae_wan.FAMILY,
         vae_wan.QWEN_FAMILY,
         vae_hunyuan_video.FAMILY,
+        clip.TRANSFORMERS_FAMILY,
+        clip.OPEN_CLIP_FAMILY,
     )
 }
 

@@ -1,5 +1,5 @@
 """Reward functions: a name registry and the built-in rewards (importing this registers them)."""
-from digen_jax.rewards import jpeg, shapes
+from digen_jax.rewards import clip_scores, jpeg, remote, shapes
 from digen_jax.rewards.jpeg import jpeg_size_kb
 from digen_jax.rewards.registry import (
     RewardFn,
@@ -11,12 +11,17 @@ from digen_jax.rewards.registry import (
     validate_reward_config,
     weighted_reward,
 )
+from digen_jax.rewards.remote import RemoteRewardError, RemoteScorer
 
 __all__ = [
+    "RemoteRewardError",
+    "RemoteScorer",
     "RewardFn",
     "check_finite_rewards",
+    "clip_scores",
     "get_reward",
     "jpeg",
+    "remote",
     "shapes",
     "jpeg_size_kb",
     "register_reward",
