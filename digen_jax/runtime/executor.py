@@ -37,6 +37,7 @@ from digen_jax.rl.timesteps import plan_steps
 from digen_jax.rl.trainer import TrainState, build_units
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime.distributed import transfer
 from digen_jax.runtime.trace import Tracer, iteration_summary
 
 # fold_in tag of an iteration's per-sample keys (shared with rl.loop so both draw the same noise)
@@ -137,7 +138,7 @@ class Executor:
             trainer.frozen = jax.device_put(trainer.frozen, self._sharding["train"])
         self.frozen_on_rollout = None
         if self.lora_scale is not None and not self.meshes.colocated:
-            self.frozen_on_rollout = jax.device_put(trainer.frozen, self._sharding["rollout"])
+            self.frozen_on_rollout = transfer(trainer.frozen, self._sharding["rollout"])
         self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
         self.rollout_params = None
         self.rollout_version = -1
@@ -155,9 +156,9 @@ class Executor:
         task = plan_lib.Task("sync", "link", version, 0, version)
         start = self.tracer.now()
         if self.lora_scale is None:
-            moved = jax.device_put(self.state.trainable, self._sharding["rollout"])
+            moved = transfer(self.state.trainable, self._sharding["rollout"])
         else:
-            moved = jax.device_put(self.state.trainable, mesh_lib.replicated(self.meshes.rollout))
+            moved = transfer(self.state.trainable, mesh_lib.replicated(self.meshes.rollout))
         self.tracer.record(task, moved, start)
         self.rollout_params = self._weights_for_sampling(moved, self.frozen_on_rollout)
         self.rollout_version = version

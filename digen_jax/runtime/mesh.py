@@ -18,6 +18,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from digen_jax.runtime.distributed import role_devices, transfer
+
 
 AXIS = "data"
 
@@ -49,8 +51,6 @@ class RoleMeshes:
 
 def build_role_meshes(runtime, devices: Sequence[jax.Device] | None = None) -> RoleMeshes:
     """Meshes for the `runtime` config section (keys rollout_devices, train_devices, reward_devices)."""
-    from digen_jax.runtime.distributed import role_devices
-
     devices = list(jax.devices() if devices is None else devices)
     colocated = runtime.mode == "colocated"
     sizes = {"rollout": runtime.rollout_devices, "train": runtime.train_devices, "reward": runtime.reward_devices}
@@ -75,8 +75,9 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
 
 
 def put_batch(tree: Any, mesh: Mesh) -> Any:
-    """Every array of `tree` onto `mesh`, batch-split (asynchronous, cross-mesh allowed)."""
-    return jax.tree.map(lambda a: jax.device_put(a, batch_sharding(mesh, np.shape(a))), tree)
+    """Every array of `tree` onto `mesh`, batch-split (asynchronous; across roles and processes)."""
+    tree = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jax.numpy.asarray(a), tree)
+    return transfer(tree, jax.tree.map(lambda a: batch_sharding(mesh, a.shape), tree))
 
 
 def _mesh_spec(logical: PartitionSpec, shape: Sequence[int], mesh: Mesh, rules: dict) -> PartitionSpec:

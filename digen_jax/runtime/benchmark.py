@@ -1,0 +1,127 @@
+"""System-level benchmark: every schedule mode on the same devices, model and batch.
+
+One `rl.loop.Run` (model, sampler, trainer, reward) is built once; each mode gets its own
+`Executor` over it, so every mode starts from the same weights and shares compiled step
+functions where the meshes agree. After `warmup` iterations (compilation, first cost
+measurements for the elastic splits) `iterations` are timed from the trace: images (or
+videos) per second and per device, end-to-end MFU from exact FLOP counts, busy/bubble per
+device group, weight-sync time and the splits the elastic modes chose.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from digen_jax import flops
+from digen_jax.rl import loop
+from digen_jax.rl.timesteps import plan_steps
+from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime.executor import Executor
+
+
+def sample_flops(run) -> dict[str, int] | None:
+    """Exact FLOPs of one RL sample (rollout steps + trained units) of `run`, None for the shapes task."""
+    config, workload = run.config, run.workload
+    family = config.model.family
+    if not hasattr(workload, "zoo"):  # the shapes task: no transformer FLOP model
+        return None
+    s, rl = config.sampling, config.rl
+    trained = plan_steps(rl, s.num_steps, s.noise_level, 1, 0, np.random.default_rng(0)).trained.shape[1]
+    lora_targets = list(rl.lora_targets) if rl.lora_rank else []
+    return flops.rl_sample_flops(
+        family,
+        workload.model_cfg,
+        height=s.height,
+        width=s.width,
+        frames=s.num_frames if workload.zoo.video else 1,
+        text_len=config.data.text_len,
+        num_steps=s.num_steps,
+        trained_steps=trained,
+        cfg_forwards=2 if s.cfg_scale != 1.0 else 1,
+        lora_rank=rl.lora_rank,
+        lora_targets=lora_targets,
+    )
+
+
+def run_modes(
+    config,
+    modes: Sequence[str],
+    workdir: str,
+    *,
+    warmup: int = 1,
+    iterations: int = 2,
+    peak_flops: float | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Benchmark `modes` on `config`; returns one record per mode plus the shared figures."""
+    for mode in modes:
+        plan_lib.mode_flags(mode)
+    if warmup < 0 or iterations < 1:
+        raise ValueError(f"warmup must be >= 0 and iterations >= 1, got {warmup}, {iterations}")
+    os.makedirs(workdir, exist_ok=True)
+    started = time.time()
+    run = loop.Run(config, workdir, log=log)
+    log(f"built the run in {time.time() - started:.1f} s")
+    per_sample = sample_flops(run)
+    batch = config.rl.prompts_per_iteration * config.rl.group_size
+    records = {}
+    for mode in modes:
+        mode_config = copy.deepcopy(config)
+        mode_config.runtime.mode = mode
+        trace_path = os.path.join(workdir, f"trace_{mode.replace('+', '_')}.json")
+        if os.path.exists(trace_path):
+            os.remove(trace_path)
+        log(f"[{mode}] {warmup} warm-up + {iterations} timed iterations of {batch} samples")
+        executor = Executor(run, config=mode_config, trace_path=trace_path, log=log)
+        try:
+            plans = []
+            for k in range(warmup + iterations):
+                plan, _ = executor.iteration(k)
+                plans.append(plan)
+            timings = [executor.timing(k, p) for k, p in enumerate(plans)][warmup:]
+        finally:
+            executor.close()
+        devices = executor.meshes.num_devices
+        rate = statistics.mean(t["samples_per_s"] for t in timings)
+        groups = timings[0]["bubble_frac"].keys()
+        record = {
+            "samples_per_s": rate,
+            "samples_per_s_per_device": rate / devices,
+            "devices": devices,
+            "iteration_s": [t["seconds"] for t in timings],
+            "bubble_frac": {g: statistics.mean(t["bubble_frac"][g] for t in timings) for g in groups},
+            "sync_s": statistics.mean(t["sync_s"] for t in timings),
+            "staleness_max": max(t["staleness_max"] for t in timings),
+            "splits": [{"tag": p.tag, "prefetch": p.prefetch, "carried": p.carried} for p in plans[warmup:]],
+            "trace": os.path.basename(trace_path),
+        }
+        if per_sample is not None:
+            record["flops_per_sample"] = per_sample
+            achieved = rate * per_sample["total"] / devices
+            record["flops_per_s_per_device"] = achieved
+            if peak_flops:
+                record["mfu"] = achieved / peak_flops
+        records[mode] = record
+        log(
+            f"[{mode}] {rate:.3f} samples/s = {rate / devices:.3f} per device; bubbles "
+            + ", ".join(f"{g} {f:.0%}" for g, f in record["bubble_frac"].items())
+            + (f"; MFU {record['mfu']:.1%}" if "mfu" in record else "")
+        )
+        del executor
+        gc.collect()
+    if "disagg_sync" in records:
+        base = records["disagg_sync"]["samples_per_s"]
+        for r in records.values():
+            r["speedup_vs_disagg_sync"] = r["samples_per_s"] / base
+    if "colocated" in records:
+        base = records["colocated"]["samples_per_s"]
+        for r in records.values():
+            r["speedup_vs_colocated"] = r["samples_per_s"] / base
+    return {"modes": records, "batch": batch, "num_devices": len(jax.devices())}

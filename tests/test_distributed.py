@@ -1,0 +1,428 @@
+"""Multi-host layer: SLURM/env resolution, host-aligned roles, and a 2-process disaggregated step.
+
+The 2-process test starts two local processes (a simulated SLURM step with a loopback
+coordinator, 4 fake CPU devices each): rollout on process 0's devices, training on process
+1's. Run directly, this file is the worker: `python tests/test_distributed.py WORKER_OUT_DIR`.
+"""
+import os
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from digen_jax import diffusion
+from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, initial_noise
+from digen_jax.runtime import distributed
+from digen_jax.runtime.distributed import DistributedSettings, ProcessLayout, resolve_settings, role_devices
+
+# ---------------------------------------------------------------------------- role_devices
+
+
+def fake_devices(hosts: int, per_host: int):
+    # Shuffled, with ids numbered per host as multi-process backends do.
+    devices = [SimpleNamespace(id=h * 1000 + i, process_index=h) for h in range(hosts) for i in range(per_host)]
+    return devices[::-1]
+
+
+def layout(roles):
+    return {role: [(d.process_index, d.id % 1000) for d in ds] for role, ds in roles.items()}
+
+
+def test_roles_whole_hosts_2x8():
+    roles = role_devices(fake_devices(2, 8), {"rollout": 8, "train": 8, "reward": 0})
+    assert layout(roles) == {"rollout": [(0, i) for i in range(8)], "train": [(1, i) for i in range(8)]}
+
+
+def test_roles_even_share_and_small_roles_inside_hosts_4x4():
+    roles = role_devices(fake_devices(4, 4), {"rollout": 0, "train": 0, "reward": 8})
+    assert layout(roles) == {
+        "rollout": [(0, i) for i in range(4)],
+        "train": [(1, i) for i in range(4)],
+        "reward": [(h, i) for h in (2, 3) for i in range(4)],
+    }
+    # Roles smaller than a host may share one, as long as none straddles a boundary.
+    roles = role_devices(fake_devices(4, 4), {"reward": 2, "rollout": 2, "train": 12})
+    assert layout(roles)["reward"] == [(0, 0), (0, 1)] and layout(roles)["rollout"] == [(0, 2), (0, 3)]
+    assert layout(roles)["train"][0] == (1, 0) and len(roles["train"]) == 12
+
+
+def test_roles_colocated_share_every_device():
+    devices = fake_devices(2, 4)
+    roles = role_devices(devices, {"rollout": 3, "train": 0}, colocated=True)
+    assert roles["rollout"] == roles["train"] == sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+@pytest.mark.parametrize(
+    "hosts,per_host,sizes,message",
+    [
+        (2, 8, {"rollout": 4, "train": 8, "reward": 4}, r"runtime.train_devices=8 splits a host"),
+        (4, 4, {"rollout": 6, "train": 10}, r"runtime.rollout_devices=6 splits a host"),
+        (2, 8, {"rollout": 10, "train": 8}, r"add up to 18 devices, but there are 16"),
+        (4, 4, {"rollout": 0, "train": 0, "reward": 3}, r"13 devices left of 16 do not split evenly"),
+        (1, 8, {"rollout": -2, "train": 8}, r"runtime.rollout_devices must be a device count >= 0"),
+    ],
+)
+def test_roles_bad_sizes_name_the_key(hosts, per_host, sizes, message):
+    with pytest.raises(ValueError, match=message):
+        role_devices(fake_devices(hosts, per_host), sizes)
+
+
+def test_roles_single_host_need_no_alignment():
+    roles = role_devices(fake_devices(1, 8), {"rollout": 3, "train": 5})
+    assert [len(roles["rollout"]), len(roles["train"])] == [3, 5]
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def slurm_env(**overrides):
+    env = dict(
+        SLURM_JOB_ID="123456",
+        SLURM_NTASKS="16",
+        SLURM_PROCID="13",
+        SLURM_LOCALID="5",
+        SLURM_STEP_NODELIST="gpu[007-008]",
+        SLURM_STEP_NUM_NODES="2",
+        SLURM_STEP_TASKS_PER_NODE="8(x2)",
+    )
+    return {k: v for k, v in (env | overrides).items() if v is not None}
+
+
+def test_slurm_task_per_gpu():
+    port = 61440 + 123456 % 4096
+    assert resolve_settings(DistributedSettings(), slurm_env()) == ProcessLayout(
+        "slurm-task-per-gpu", 16, 13, f"gpu007:{port}", (5,)
+    )
+    # srun already bound one GPU to the task: jax sees only that one.
+    got = resolve_settings(DistributedSettings(), slurm_env(CUDA_VISIBLE_DEVICES="5", JAX_COORDINATOR_PORT="5000"))
+    assert (got.local_device_ids, got.coordinator_address) == (None, "gpu007:5000")
+
+
+def test_slurm_task_per_node():
+    env = slurm_env(SLURM_NTASKS="2", SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_STEP_TASKS_PER_NODE="1(x2)",
+                    SLURM_STEP_NODELIST="a-node01,b-node02", CUDA_VISIBLE_DEVICES="0,1,2,3")
+    got = resolve_settings(DistributedSettings(coordinator_address="10.0.0.1:1234"), env)
+    assert got == ProcessLayout("slurm-task-per-node", 2, 1, "10.0.0.1:1234", None)
+
+
+@pytest.mark.parametrize(
+    "nodelist,first",
+    [("node001", "node001"), ("node001,host2", "node001"), ("node[003-015],host2", "node003"),
+     ("node[001,007-015]", "node001"), ("rack[2-3]-gpu[10-11]", "rack2-gpu10")],
+)
+def test_first_slurm_host(nodelist, first):
+    assert distributed.first_slurm_host(nodelist) == first
+
+
+def test_explicit_env_and_single_process():
+    env = {"JAX_COORDINATOR_ADDRESS": "host:99", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    assert resolve_settings(DistributedSettings(), env) == ProcessLayout("explicit", 4, 3, "host:99", None)
+    assert resolve_settings(DistributedSettings(enabled=False), env).source == "single"
+    assert resolve_settings(DistributedSettings(), {}) == ProcessLayout("single")
+    # ml_collections-style config: runtime.distributed is a bool or a section.
+    config = {"runtime": {"distributed": {"enabled": True, "num_processes": 2, "process_id": 0,
+                                          "coordinator_address": "h:1", "local_device_ids": [0, 1]}}}
+    assert DistributedSettings.from_config(config) == DistributedSettings(True, "h:1", 2, 0, (0, 1))
+    assert DistributedSettings.from_config({"runtime": {"distributed": False}}).enabled is False
+
+
+@pytest.mark.parametrize(
+    "settings,env,message",
+    [
+        (DistributedSettings(num_processes=8), slurm_env(), r"num_processes=8 contradicts the SLURM step \(16\)"),
+        (DistributedSettings(process_id=2), slurm_env(), r"process_id=2 contradicts"),
+        (DistributedSettings(enabled=True), {}, r"runtime.distributed is on but there is no SLURM step and no coordinator"),
+        (DistributedSettings(num_processes=2), {}, r"num_processes and process_id must both be set"),
+        (DistributedSettings(num_processes=2, process_id=2, coordinator_address="h:1"), {}, r"process_id=2 must be in \[0, num_processes=2\)"),
+        (DistributedSettings(num_processes=2, process_id=0), {}, r"coordinator_address .* is needed for 2 processes"),
+        (DistributedSettings(num_processes=2, process_id=0, coordinator_address="h"), {}, r"must be 'host:port'"),
+        (DistributedSettings(enabled="yes"), {}, r"enabled must be True, False or 'auto'"),
+        (DistributedSettings(), {"JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"}, r"JAX_NUM_PROCESSES='two' is not an integer"),
+        (DistributedSettings(), slurm_env(SLURM_STEP_TASKS_PER_NODE="8,4"), r"nodes run different task counts"),
+        (DistributedSettings(), slurm_env(CUDA_VISIBLE_DEVICES="0,1,2,3"), r"8 SLURM tasks per node but CUDA_VISIBLE_DEVICES lists 4 GPUs"),
+    ],
+)
+def test_inconsistent_settings_fail_clearly(settings, env, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_settings(settings, env)
+
+
+def test_single_process_initialize_is_a_no_op():
+    assert distributed.initialize({"runtime": {"distributed": False}}, env=slurm_env()) == ProcessLayout("single")
+    assert distributed.initialize(env={}) == ProcessLayout("single")
+    assert not jax.distributed.is_initialized()
+
+
+def test_unknown_config_key():
+    with pytest.raises(ValueError, match=r"unknown keys runtime.distributed.\['port'\]"):
+        DistributedSettings.from_config({"runtime": {"distributed": {"port": 1}}})
+
+
+# ---------------------------------------------------------------------------- transfers in one process
+
+
+def test_transfer_in_one_process_is_device_put():
+    devices = jax.devices()
+    src = NamedSharding(Mesh(np.array(devices[:4]).reshape(2, 2), ("a", "b")), P("a", "b"))
+    dst = NamedSharding(Mesh(np.array(devices[4:]), ("data",)), P(None, "data"))
+    x = jax.device_put(jnp.arange(32.0).reshape(4, 8), src)
+    y = distributed.transfer({"w": x}, dst)["w"]
+    assert y.sharding == dst and np.array_equal(y, x)
+    # A prefix tree of shardings, as jax.device_put takes.
+    replicated = NamedSharding(dst.mesh, P())
+    moved = distributed.transfer({"a": x, "b": (x, None, x)}, {"a": dst, "b": replicated})
+    assert moved["a"].sharding == dst and moved["b"][1] is None
+    assert all(leaf.sharding == replicated and np.array_equal(leaf, x) for leaf in moved["b"][::2])
+
+
+@pytest.mark.parametrize("n_src,n_dst", [(4, 4), (3, 5), (4, 2)])
+def test_collective_paths_keep_every_bit(n_src, n_dst):
+    """The cross-process paths, run inside one process: 2-D meshes, scalars, -0.0, any sizes."""
+    devices = jax.devices()
+    grid = (2, 2) if n_src == 4 else (n_src, 1)
+    src_mesh = Mesh(np.array(devices[:n_src]).reshape(grid), ("fsdp", "tensor"))
+    dst_ids = tuple(d.id for d in devices[n_src:n_src + n_dst])
+    leaves = [
+        jax.device_put(jnp.arange(48.0).reshape(12, 4) - 7.5, NamedSharding(src_mesh, P(("fsdp", "tensor")))),
+        jax.device_put(jnp.arange(72, dtype=jnp.int32).reshape(2, 3, 12), NamedSharding(src_mesh, P(None, None, "fsdp"))),
+        jax.device_put(jnp.float32(-0.0), NamedSharding(src_mesh, P())),
+    ]
+    move = distributed._move_same_layout if n_src == n_dst else distributed._move_replicated
+    moved = move(src_mesh, dst_ids, leaves)
+    for x, y in zip(leaves, moved):
+        assert {d.id for d in y.sharding.device_set} == set(dst_ids)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        got, sent = np.asarray(y), np.asarray(x)
+        assert np.array_equal(got, sent) and np.array_equal(np.signbit(got), np.signbit(sent))  # -0.0 stays -0.0
+
+
+# ---------------------------------------------------------------------------- two processes
+
+BATCH, LATENT_SHAPE, TEXT_SHAPE, WORKER_TIMEOUT_S = 8, (16, 8), (4, 8), 120
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOISE_LEVEL, LEARNING_RATE = 0.7, 0.1
+
+
+class TinyDenoiser(nn.Module):
+    """A velocity model small enough to compile quickly in two processes on a busy CPU."""
+
+    @nn.compact
+    def __call__(self, latents, text, sigma):
+        context = jnp.broadcast_to(jnp.mean(text, axis=1, keepdims=True), latents.shape[:2] + text.shape[-1:])
+        level = jnp.broadcast_to(sigma[:, None, None], latents.shape[:2] + (1,))
+        hidden = nn.gelu(nn.Dense(32)(jnp.concatenate([latents, context, level], axis=-1)))
+        return nn.Dense(latents.shape[-1])(hidden)
+
+
+def make_params():
+    shapes = (1, *LATENT_SHAPE), (1, *TEXT_SHAPE), (1,)
+    return TinyDenoiser().init(jax.random.key(0), *(jnp.zeros(s) for s in shapes))["params"]
+
+
+def make_sampler():
+    model = TinyDenoiser()
+    denoiser = lambda params, latents, cond, sigma: model.apply({"params": params}, latents, cond.text, sigma)  # noqa: E731
+    sigmas = diffusion.sigma_ladder("flux", 4, image_seq_len=LATENT_SHAPE[0]).sigmas
+    return Sampler(denoiser, SamplerSpec("sde"), sigmas)
+
+
+def make_cond():
+    return Conditioning(jax.random.normal(jax.random.key(3), (BATCH, *TEXT_SHAPE)))
+
+
+def fsdp_spec(shape):
+    """The test's FSDP rule: split the last axis over the 4 train devices where it divides."""
+    return P(*([None] * (len(shape) - 1)), "fsdp") if shape and shape[-1] % 4 == 0 else P()
+
+
+def rollout_ladder(sampler, params, cond, sample_keys, latent_shape):
+    """Initial noise then every step of the ladder: the (B, N + 1, ...) path and (B, N) log-probs."""
+    latents = initial_noise(sample_keys, latent_shape)
+    path, log_probs = [latents], []
+    for i in range(sampler.num_steps):
+        latents, log_prob, _ = sampler.step(params, latents, cond, i, NOISE_LEVEL, sample_keys)
+        path.append(latents)
+        log_probs.append(log_prob)
+    return jnp.stack(path, axis=1), jnp.stack(log_probs, axis=1)
+
+
+def policy_gradient(sampler, params, latents, log_probs, cond):
+    """Gradient of a clip-free GRPO surrogate over every step, fixed advantages."""
+    advantages = jnp.linspace(-1.0, 1.0, latents.shape[0])
+
+    def loss(p):
+        total = 0.0
+        for j in range(sampler.num_steps):
+            out = sampler.transition(p, latents[:, j], cond, j, NOISE_LEVEL, prev_sample=latents[:, j + 1])
+            total += -jnp.mean(advantages * jnp.exp(out.log_prob - log_probs[:, j]))
+        return total / sampler.num_steps
+
+    return jax.grad(loss)(params)
+
+
+def stage(message: str) -> None:
+    # Progress on stdout: where a hung worker stopped shows in the test's failure message.
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def run_worker(out_dir: str) -> None:
+    """One process of the 2-process test: rollout on process 0's devices, training on 1's."""
+    layout = distributed.initialize()
+    stage("initialize")
+    jax.config.update("jax_default_matmul_precision", "highest")
+    assert layout == ProcessLayout("slurm-task-per-node", 2, jax.process_index(), f"127.0.0.1:{os.environ['JAX_COORDINATOR_PORT']}")
+    assert jax.process_count() == 2
+    me = jax.process_index()
+    roles = role_devices(jax.devices(), {"rollout": 0, "train": 0})
+    assert [d.process_index for d in roles["rollout"]] == [0] * 4
+    assert [d.process_index for d in roles["train"]] == [1] * 4
+    rollout_mesh = Mesh(np.array(roles["rollout"]), ("data",))
+    train_mesh = Mesh(np.array(roles["train"]), ("fsdp",))
+    rollout_batch, train_batch = NamedSharding(rollout_mesh, P("data")), NamedSharding(train_mesh, P("fsdp"))
+    sampler = make_sampler()
+
+    # Weights on the trainer (FSDP), then the weight sync to the rollout role (replicated).
+    abstract = jax.eval_shape(make_params)
+    train_shardings = jax.tree.map(lambda a: NamedSharding(train_mesh, fsdp_spec(a.shape)), abstract)
+    params = jax.jit(make_params, out_shardings=train_shardings)()
+    stage("params on the train role")
+    version = jax.device_put(np.int32(3), NamedSharding(train_mesh, P()))
+    synced = distributed.transfer((params, version), NamedSharding(rollout_mesh, P()))
+    stage("first weight sync dispatched")
+    start = time.perf_counter()
+    synced = jax.block_until_ready(distributed.transfer((params, version), NamedSharding(rollout_mesh, P())))
+    sync_s = time.perf_counter() - start
+    rollout_params, rollout_version = synced
+    stage("weight sync done")
+
+    # Rollout on process 0's devices, the batch split over them.
+    cond, sample_keys = jax.jit(
+        lambda: (make_cond(), jax.random.split(jax.random.key(7), BATCH)), out_shardings=rollout_batch
+    )()
+    latents, log_probs = jax.jit(
+        lambda p, c, k: rollout_ladder(sampler, p, c, k, LATENT_SHAPE), out_shardings=rollout_batch
+    )(rollout_params, cond, sample_keys)
+    stage("rollout dispatched")
+
+    # Trajectories back to the trainer, then one gradient step there.
+    trajectories = distributed.transfer((latents, log_probs, cond, sample_keys), train_batch)
+    stage("trajectories dispatched")
+    grads = jax.jit(
+        lambda p, l, lp, c: policy_gradient(sampler, p, l, lp, c), out_shardings=train_shardings
+    )(params, *trajectories[:3])
+    updated = jax.jit(lambda p, g: jax.tree.map(lambda a, b: a - LEARNING_RATE * b, p, g))(params, grads)
+    stage("update dispatched")
+
+    # Unequal role sizes: to 2 devices of the other process (the replicate-and-send path).
+    narrow_rollout = NamedSharding(Mesh(np.array(roles["rollout"][:2]), ("data",)), P())
+    narrow_train = NamedSharding(Mesh(np.array(roles["train"][1:3]), ("fsdp",)), P("fsdp"))
+    narrow_params = distributed.transfer(params, narrow_rollout)
+    narrow_latents = distributed.transfer(latents, narrow_train)
+    # Between two device sets of process 1: process 0 only keeps handles.
+    within_train = distributed.transfer((trajectories[0], trajectories[3]), narrow_train)
+    stage("unequal transfers dispatched")
+
+    def host(tree):
+        return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
+
+    if me == 0:
+        rows = dict(rollout_params=host(rollout_params), narrow_params=host(narrow_params), latents=host(latents),
+                    log_probs=host(log_probs), keys=host(jax.random.key_data(sample_keys)), version=host(rollout_version))
+        assert {s.device for s in jax.tree.leaves(narrow_params)[0].addressable_shards} == set(roles["rollout"][:2])
+    else:
+        assert all(leaf.sharding == train_batch for leaf in jax.tree.leaves(trajectories))
+        assert all(leaf.sharding == narrow_train for leaf in within_train)
+        within_train = (within_train[0], jax.random.key_data(within_train[1]))
+        trajectories = (*trajectories[:3], jax.random.key_data(trajectories[3]))
+        rows = dict(params=host(params), trajectories=host(trajectories), grads=host(grads), updated=host(updated),
+                    narrow_latents=host(narrow_latents), within_train=host(within_train), sync_s=[np.float64(sync_s)])
+    np.savez(os.path.join(out_dir, f"process{me}.npz"),
+             **{f"{name}/{i}": leaf for name, leaves in rows.items() for i, leaf in enumerate(leaves)})
+    stage("results written")
+
+
+def load(path):
+    with np.load(path) as data:
+        rows = {}
+        for key in sorted(data.files, key=lambda k: (k.split("/")[0], int(k.split("/")[1]))):
+            rows.setdefault(key.split("/")[0], []).append(data[key])
+        return rows
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_rollout_and_training(tmp_path):
+    """Weights synced trainer -> rollout across processes, trajectories back, one gradient step:
+    every transferred array bit-identical, numbers equal to a single-process reference."""
+    port, procs = free_port(), []
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_"))}
+    for pid in range(2):
+        # A SLURM step of two one-task "nodes" on the loopback interface: initialize() finds it.
+        env = inherited | {
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "JAX_PLATFORMS": "cpu",
+            "JAX_COORDINATOR_PORT": str(port),
+            "SLURM_JOB_ID": "4242",
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_PROCID": str(pid),
+            "SLURM_LOCALID": "0",
+            "SLURM_STEP_NODELIST": "127.0.0.1",
+            "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
+        }
+        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    # A hung collective must fail the test, not hang it; a crash stops the other process too.
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    hung = any(p.poll() is None for p in procs)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    outputs = [p.communicate()[0] for p in procs]
+    for pid, (p, out) in enumerate(zip(procs, outputs)):
+        assert not hung and p.returncode == 0, f"process {pid} (hung: {hung}) failed:\n{out[-5000:]}"
+    rollout, train = load(tmp_path / "process0.npz"), load(tmp_path / "process1.npz")
+
+    # Transfers move bits, nothing else (trainer -> rollout and back, equal and unequal sizes).
+    sent_trajectories = rollout["latents"] + rollout["log_probs"] + [np.asarray(make_cond().text)] + rollout["keys"]
+    for got, sent in [(rollout["rollout_params"], train["params"]), (rollout["narrow_params"], train["params"]),
+                      (train["trajectories"], sent_trajectories), (train["narrow_latents"], rollout["latents"]),
+                      (train["within_train"], rollout["latents"] + rollout["keys"])]:
+        assert len(got) == len(sent) and all(np.array_equal(a, b) for a, b in zip(got, sent))
+    assert rollout["version"] == [3]
+
+    # The same computation in this process on one device.
+    sampler, params = make_sampler(), make_params()
+    cond, sample_keys = make_cond(), jax.random.split(jax.random.key(7), BATCH)
+    latents, log_probs = rollout_ladder(sampler, params, cond, sample_keys, LATENT_SHAPE)
+    grads = jax.jit(lambda p: policy_gradient(sampler, p, latents, log_probs, cond))(params)
+    for got, want in zip(train["params"], jax.tree.leaves(params)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(rollout["latents"][0], latents, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(rollout["log_probs"][0], log_probs, rtol=1e-5, atol=1e-5)
+    for got, want in zip(train["grads"], jax.tree.leaves(grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(want))))
+    for got, p, g in zip(train["updated"], train["params"], train["grads"]):
+        np.testing.assert_allclose(got, p - LEARNING_RATE * g, rtol=1e-6, atol=1e-7)
+    assert max(float(np.max(np.abs(g))) for g in train["grads"]) > 0  # the step does move the weights
+
+
+if __name__ == "__main__":
+    run_worker(sys.argv[1])
