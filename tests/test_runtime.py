@@ -1,5 +1,6 @@
 """The disaggregated runtime on 8 fake CPU devices: plans, mode equivalence, trace invariants, TAG, resume."""
 import collections
+import json
 import os
 
 import jax
@@ -214,3 +215,53 @@ def test_bad_runtime_config_names_the_key(cache_dir, override, key):
     config = runtime_config(cache_dir, "gap", **override)
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         validate_runtime_config(config, 8)
+
+
+_TRAIN_SCRIPT = """
+import sys
+from tests.test_runtime import runtime_config
+from digen_jax.rl import loop
+config = runtime_config(sys.argv[1], sys.argv[2])
+config.train.iterations = 4
+config.train.checkpoint_every = 1
+loop.train(config, sys.argv[3], log=lambda m: print(m, flush=True))
+"""
+
+
+def _resume_config(cache_dir, mode):
+    config = runtime_config(cache_dir, mode)
+    config.train.iterations = 4
+    config.train.checkpoint_every = 1
+    return config
+
+
+@pytest.mark.parametrize("mode", ["colocated", "gap+tsp+tag+tcss"])
+def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(cache_dir, tmp_path, mode):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    reference = loop.train(_resume_config(cache_dir, mode), str(tmp_path / "reference"), log=lambda _: None)
+    workdir = tmp_path / "killed"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TRAIN_SCRIPT, str(cache_dir), mode, str(workdir)],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    deadline = time.time() + 240
+    checkpoint = workdir / "checkpoints" / "2"
+    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # iteration 3 is in flight
+    output = proc.communicate()[0].decode()
+    assert checkpoint.exists(), output[-2000:]
+    assert not (workdir / "checkpoints" / "4").exists(), "the run finished before it was killed"
+    logs = []
+    resumed = loop.train(_resume_config(cache_dir, mode), str(workdir), log=logs.append)
+    assert any("resumed from" in line for line in logs)
+    steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4]  # rows the killed run wrote past its last checkpoint were dropped
+    for a, b in zip(jax.tree.leaves(jax.device_get(resumed.trainable)), jax.tree.leaves(jax.device_get(reference.trainable))):
+        np.testing.assert_array_equal(a, b)

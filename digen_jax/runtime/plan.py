@@ -107,14 +107,15 @@ def plan_iteration(
     weights_on_rollout = (("sync", k, 0),) if k > 0 else ()
     weights_on_train = (("update", k - 1, 0),) if k > 0 else ()
     tasks: list[Task] = []
+    # The trainer's rollouts first: their rewards must not queue behind the rollout group's.
+    tag_mbs = range(carried, carried + tag)
+    for m in tag_mbs:
+        tasks.append(Task("rollout", "train", k, m, version, deps=weights_on_train))
     rollout_mbs = range(carried + tag, m_total)
     for m in rollout_mbs:
         tasks.append(Task("rollout", "rollout", k, m, version, deps=weights_on_rollout))
     for m in range(prefetch):
         tasks.append(Task("rollout", "rollout", k + 1, m, version, deps=weights_on_rollout))
-    tag_mbs = range(carried, carried + tag)
-    for m in tag_mbs:
-        tasks.append(Task("rollout", "train", k, m, version, deps=weights_on_train))
     for t in list(tasks):
         tasks.append(Task("reward", "reward", t.iteration, t.index, t.version, deps=(t.key,)))
     train_order = [*range(carried), *tag_mbs, *rollout_mbs]
@@ -190,34 +191,41 @@ def schedule(plans: Sequence[IterationPlan], costs: Costs, *, free_at: Mapping[s
     return Timeline(start, end, group)
 
 
-def iteration_time(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, prefetch: int = 0, updates: int = 1) -> float:
-    """Steady-state seconds per iteration: three iterations with the same split, the middle one timed."""
+def iteration_time(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, prefetch: int = 0, updates: int = 1,
+                   iterations: int = 6) -> float:
+    """Steady-state seconds per iteration: `iterations` iterations with the same split, the
+    next-to-last one timed (the first starts with its carried micro-batches already done, so
+    with prefetch it needs a few iterations to settle)."""
+    if iterations < 3:
+        raise ValueError(f"iterations must be >= 3, got {iterations}")
     plans = [
         plan_iteration(mode, k, microbatches, carried=prefetch, tag=tag, prefetch=prefetch, updates=updates)
-        for k in range(1, 4)
+        for k in range(1, iterations + 1)
     ]
     timeline = schedule(plans, costs)
     last_update = updates - 1
-    return timeline.end[("update", 2, last_update)] - timeline.end[("update", 1, last_update)]
+    return timeline.end[("update", iterations - 1, last_update)] - timeline.end[("update", iterations - 2, last_update)]
 
 
-def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int | None = None, fixed_prefetch: int | None = None) -> tuple[int, int]:
-    """(tag, prefetch) minimising the predicted iteration time (ties: less trainer rollout, less staleness)."""
+def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int | None = None, fixed_prefetch: int | None = None,
+                 iterations: int = 6, tolerance: float = 0.02) -> tuple[int, int]:
+    """(tag, prefetch) with the least trainer rollout and staleness among the splits predicted
+    within `tolerance` of the fastest: gains smaller than the noise of measured costs are not
+    worth moving work or training on stale samples."""
     flags = mode_flags(mode)
     tags = [fixed_tag] if fixed_tag is not None else (range(microbatches + 1) if flags.tag else [0])
     prefetches = [fixed_prefetch] if fixed_prefetch is not None else (range(microbatches + 1) if flags.tcss else [0])
-    best = None
-    for prefetch in prefetches:
-        for tag in tags:
-            if tag > microbatches - prefetch:
-                continue
-            t = iteration_time(mode, microbatches, costs, tag=tag, prefetch=prefetch)
-            candidate = (round(t, 9), tag, prefetch)
-            if best is None or candidate < best:
-                best = candidate
-    if best is None:
+    predicted = {
+        (tag, prefetch): iteration_time(mode, microbatches, costs, tag=tag, prefetch=prefetch, iterations=iterations)
+        for prefetch in prefetches
+        for tag in tags
+        if tag <= microbatches - prefetch
+    }
+    if not predicted:
         raise ValueError(f"no valid split of {microbatches} micro-batches for tag={fixed_tag}, prefetch={fixed_prefetch}")
-    return best[1], best[2]
+    fastest = min(predicted.values())
+    good = [split for split, t in predicted.items() if t <= fastest * (1 + tolerance)]
+    return min(good, key=lambda split: (split[0] + split[1], split[1], split[0]))
 
 
 def busy_fractions(timeline: Timeline, keys: Iterable[TaskKey], window: tuple[float, float]) -> dict[str, float]:

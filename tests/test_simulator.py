@@ -1,0 +1,294 @@
+"""The simulator: cost model, predictions from measured profiles, ablation logic, autosize, the grid."""
+import dataclasses
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from configs.paper import qwenimage as paper_qwen
+from digen_jax import flops
+from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime import simulator as sim
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FULL = "gap+tsp+tag+tcss"
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return sim.workload(paper_qwen.get_config())
+
+
+def test_workload_is_the_exact_flop_count(qwen):
+    c = paper_qwen.get_config()
+    from digen_jax.models import FAMILIES
+
+    counted = flops.rl_sample_flops(
+        "qwenimage", FAMILIES["qwenimage"].variants["qwen-image"], height=512, width=512, text_len=c.data.text_len,
+        num_steps=10, trained_steps=2, cfg_forwards=2, lora_rank=64, lora_targets=list(c.rl.lora_targets),
+    )
+    assert qwen.flops_per_sample == pytest.approx(counted["total"], rel=1e-12)
+    assert qwen.samples == 512 and qwen.trained_steps == 2
+    assert 20.0e9 < qwen.params < 20.6e9  # Qwen-Image's 20B transformer
+    # rank-64 adapters on every attention and MLP kernel of 60 blocks: r (in + out) each
+    assert 0.3e9 < qwen.trainable < 0.5e9 and qwen.lora
+
+
+def test_cost_model_divides_work_over_devices(qwen):
+    h100, eff = sim.device_kind("h100"), sim.Efficiency(step_call_s=0.0, train_call_s=0.0)
+    one = sim.rollout_mb_s(qwen, 64, h100, 4, eff)
+    assert sim.rollout_mb_s(qwen, 64, h100, 8, eff) == pytest.approx(one / 2)
+    assert one == pytest.approx(10 * 16 * qwen.step_flops / (h100.bf16_flops * eff.rollout))
+    # more devices than samples: the extra ones idle
+    assert sim.rollout_mb_s(qwen, 4, h100, 8, eff) == pytest.approx(sim.rollout_mb_s(qwen, 4, h100, 4, eff))
+    pool = sim.Pool.parse("h100:16")
+    # TSP flattens samples x steps: with fewer samples than devices it keeps them busy, without it not
+    tsp = sim.train_mb_s(qwen, 4, h100, 8, pool, eff, tsp=True)
+    no_tsp = sim.train_mb_s(qwen, 4, h100, 8, pool, eff, tsp=False)
+    assert tsp < no_tsp
+    # enough samples for every device and step: the same compute either way
+    assert sim.train_mb_s(qwen, 64, h100, 8, pool, dataclasses.replace(eff, link=1.0), tsp=True) == pytest.approx(
+        sim.train_mb_s(qwen, 64, h100, 8, pool, dataclasses.replace(eff, link=1.0), tsp=False), rel=0.01)
+
+
+def test_heterogeneous_pool_prices_and_kinds(qwen):
+    hetero = sim.Pool.parse("rollout=h800:16,train=l40s:16", devices=sim.with_prices({"l40s": 1.0, "h800": 2.0}))
+    assert hetero.heterogeneous and hetero.dollars_per_hour() == pytest.approx(48.0)
+    homo = sim.Pool.parse("rollout=h800:16,train=h800:16")
+    c_het, c_homo = (sim.model_costs(qwen, p, FULL, 8) for p in (hetero, homo))
+    assert c_het.train > 2 * c_homo.train  # L40S: ~1/3 of the peak, no NVLink
+    assert c_het.rollout["rollout"] == pytest.approx(c_homo.rollout["rollout"])
+    # colocated steps run in lockstep: bounded by the slowest kind
+    assert sim.model_costs(qwen, hetero, "colocated", 8).rollout["shared"] > sim.model_costs(qwen, homo, "colocated", 8).rollout["shared"]
+    # role transfers between machines cross hosts
+    assert hetero.role_link_bw() == hetero.cross_host_bw
+
+
+def _rate(mode, costs, **kw):
+    return sim.predict(mode, costs, batch=512, microbatches=8, devices=16, **kw).samples_per_s
+
+
+@pytest.fixture(scope="module")
+def base_costs(qwen):
+    return sim.model_costs(qwen, sim.Pool.parse("h800:16"), FULL, 8)
+
+
+def test_ablation_gains_follow_from_the_costs(base_costs):
+    """Each schedule's gain appears and vanishes with the cost it hides, not with a fixed factor."""
+    c = base_costs
+    assert _rate("gap", c) > 1.2 * _rate("disagg_sync", c)
+    # GAP overlaps training with rollout: with training nearly free there is nothing to overlap
+    free_train = dataclasses.replace(c, train=1e-4, update=1e-4)
+    assert _rate("gap", free_train) == pytest.approx(_rate("disagg_sync", free_train), rel=0.02)
+
+    # TAG: the trainer takes rollout work only while rollout dominates
+    rollout_heavy = dataclasses.replace(c, train=c.train * 0.05)
+    assert _rate("gap+tsp+tag", rollout_heavy) > 1.1 * _rate("gap+tsp", rollout_heavy)
+    cheap_rollout = dataclasses.replace(c, rollout={g: v * 0.01 for g, v in c.rollout.items()})
+    p = sim.predict("gap+tsp+tag", cheap_rollout, batch=512, microbatches=8, devices=16)
+    assert p.tag == 0 and p.samples_per_s == pytest.approx(_rate("gap+tsp", cheap_rollout))
+
+    # TCSS fills the training tail with next-iteration rollouts: a big tail gains (more than the
+    # 2% below which the planner keeps samples fresh), a tiny one does not
+    assert _rate(FULL, c) > 1.03 * _rate("gap+tsp+tag", c)
+    tiny_tail = dataclasses.replace(c, train=1e-4, update=1e-4, sync=1e-4, reward=1e-4)
+    assert _rate(FULL, tiny_tail) == pytest.approx(_rate("gap+tsp+tag", tiny_tail), rel=0.01)
+
+    # a huge weight sync slows every disaggregated mode; colocated has none to pay
+    slow_sync = dataclasses.replace(c, sync=100.0)
+    for mode in plan_lib.MODES[1:]:
+        assert _rate(mode, slow_sync) < 0.8 * _rate(mode, c)
+    colocated = dataclasses.replace(c, rollout={"shared": 10.0})
+    assert _rate("colocated", dataclasses.replace(colocated, sync=100.0)) == _rate("colocated", colocated)
+
+
+def test_cost_model_moves_with_efficiency(qwen):
+    """Predictions respond to the efficiency factors the way the cost formulas say."""
+    pool = sim.Pool.parse("h800:16")
+    big_chunks = sim.Efficiency(train_units_per_device=64)  # compute-bound chunks: no all-gather floor
+    base = sim.simulate(qwen, pool, "disagg_sync", microbatches=1, eff=big_chunks)
+    fast_train = sim.simulate(qwen, pool, "disagg_sync", microbatches=1, eff=dataclasses.replace(big_chunks, train=0.8))
+    assert fast_train.costs.train == pytest.approx(0.5 * base.costs.train, rel=0.02)
+    # small chunks: each pays the weight all-gather, which faster compute does not shorten
+    small = sim.simulate(qwen, pool, "disagg_sync", microbatches=1, eff=sim.Efficiency(train=0.8, train_units_per_device=1))
+    assert small.costs.train > 1.5 * fast_train.costs.train
+    assert fast_train.samples_per_s > base.samples_per_s
+    assert fast_train.costs.rollout == base.costs.rollout
+
+
+# ------------------------------------------------------------------ validation against bench runs
+class _Jittered(plan_lib.Costs):
+    """Task times of a pretend run: every task a few percent off the mean, the first iteration slow (compile)."""
+
+    def of(self, task):
+        noise = np.random.default_rng(zlib.crc32(repr((task.key, task.group)).encode())).normal(0.0, 0.05)
+        return super().of(task) * float(np.exp(noise)) * (3.0 if task.iteration == 0 else 1.0)
+
+
+def _emulated_bench(mode, costs, microbatches, batch, *, warmup=1, iterations=4):
+    """A system-bench record made the executor's way: the split of iteration k chosen from the task
+    times measured in k - 1 (none at first), carried micro-batches, timed from update to update."""
+    jittered = _Jittered(**dataclasses.asdict(costs))
+    plans, carried = [], 0
+    for k in range(warmup + iterations):
+        tag = prefetch = 0
+        if k:
+            timeline = plan_lib.schedule(plans, jittered)
+            measured = {}
+            for key, start in timeline.start.items():
+                if key[1] == k - 1 or (key[0] == "sync" and key[1] == k):
+                    measured.setdefault((key[0], timeline.group[key]), []).append(timeline.end[key] - start)
+            mean = lambda kind, group: statistics.mean(measured[(kind, group)]) if (kind, group) in measured else 0.0  # noqa: E731
+            group = "shared" if mode == "colocated" else "rollout"
+            train_group = "shared" if mode == "colocated" else "train"
+            seen = plan_lib.Costs(
+                rollout={group: mean("rollout", group), "train": mean("rollout", "train") or mean("rollout", group)},
+                reward=mean("reward", "reward"), train=mean("train", train_group), update=mean("update", train_group),
+                sync=mean("sync", "link"),
+            )
+            tag, prefetch = plan_lib.choose_split(mode, microbatches, seen)
+            tag = min(tag, microbatches - carried)
+        plans.append(plan_lib.plan_iteration(mode, k, microbatches, carried=carried, tag=tag, prefetch=prefetch))
+        carried = prefetch
+    timeline = plan_lib.schedule(plans, jittered)
+    timed = range(warmup, warmup + iterations)
+    seconds = [timeline.end[("update", k, 0)] - timeline.end[("update", k - 1, 0)] for k in timed]
+    durations = {}
+    for key, start in timeline.start.items():
+        if key[1] in timed:
+            durations.setdefault((key[0], timeline.group[key]), []).append(timeline.end[key] - start)
+    train_group = "shared" if mode == "colocated" else "train"
+    recorded = {
+        "rollout": {g: statistics.mean(v) for (kind, g), v in durations.items() if kind == "rollout"},
+        "reward": statistics.mean(durations[("reward", "reward")]),
+        "train": statistics.mean(durations[("train", train_group)]),
+        "update": statistics.mean(durations[("update", train_group)]),
+        "sync": statistics.mean(durations.get(("sync", "link"), [0.0])),
+    }
+    return {
+        "samples_per_s": statistics.mean(batch / s for s in seconds),
+        "devices": 8,
+        "costs": recorded,
+        "micro_batches": microbatches,
+        "splits": [{"tag": p.tag, "prefetch": p.prefetch, "carried": p.carried} for p in plans[warmup:]],
+    }
+
+
+def _check_record(record, name):
+    predicted = sim.predict_from_profile(record)
+    for mode, r in record["modes"].items():
+        measured = r["samples_per_s"]
+        assert abs(predicted[mode] / measured - 1) <= 0.10, (
+            f"{name}: {mode} predicted {predicted[mode]:.4g} samples/s vs measured {measured:.4g}"
+        )
+    return predicted
+
+
+def test_predictions_match_committed_bench_runs(qwen):
+    """Within 10% of every mode of every committed system bench run, and of a synthetic one.
+
+    The synthetic run stands in until runs land: task times jittered around the cost model's,
+    a slow first iteration, elastic splits chosen from the previous iteration's measured times
+    (so the timed iterations do not start in steady state) and costs recorded as means.
+    """
+    pool = sim.Pool.parse("h100:8")
+    batch, micro = qwen.samples, 4
+    modes = {}
+    for mode in plan_lib.MODES:
+        costs = sim.model_costs(qwen, pool, mode, micro)
+        modes[mode] = _emulated_bench(mode, costs, micro, batch)
+    synthetic = {"modes": modes, "batch": batch, "gpu": "synthetic (cost model + 5% jitter)"}
+    predicted = _check_record(synthetic, "synthetic")
+    assert predicted[FULL] > predicted["disagg_sync"]  # a record where the modes really differ
+    assert any(s["tag"] or s["prefetch"] for s in modes[FULL]["splits"])
+
+    files = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "system_*.json")))
+    for path in files:
+        with open(path) as f:
+            _check_record(json.load(f), os.path.basename(path))
+
+
+def test_profile_errors_name_what_is_missing():
+    with pytest.raises(ValueError, match="batch"):
+        sim.predict_from_profile({"modes": {}})
+    with pytest.raises(ValueError, match="micro_batches"):
+        sim.predict_from_profile({"batch": 8, "modes": {"gap": {"costs": {}}}})
+    with pytest.raises(ValueError, match="reward"):
+        sim.costs_from_profile({"rollout": {"rollout": 1.0}})
+
+
+# ------------------------------------------------------------------ autosize, input checks
+def test_autosize_is_at_least_as_good_as_the_naive_split(qwen):
+    pool = sim.Pool.parse("h100:8")
+    naive = sim.simulate(qwen, pool, FULL, microbatches=8)  # even split, the config's micro-batches
+    sized = sim.autosize(qwen, pool)
+    assert sized.prediction.samples_per_s >= naive.samples_per_s
+    assert sized.rollout_devices + sized.train_devices == 8
+    again = sim.simulate(qwen, dataclasses.replace(pool, rollout_devices=sized.rollout_devices, train_devices=sized.train_devices),
+                         FULL, microbatches=sized.microbatches)
+    assert again.samples_per_s == pytest.approx(sized.prediction.samples_per_s)
+    assert set(sized.runtime_overrides()) <= set(paper_qwen.get_config().runtime.keys())
+    with pytest.raises(ValueError, match="colocated"):
+        sim.autosize(qwen, pool, mode="colocated")
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("b200:8", "unknown"), ("h100:8/rollout=8", "rollout devices"), ("h100", "expected"), ("rollout=h100:4", "expected"),
+])
+def test_bad_pools_fail_with_a_clear_message(spec, match):
+    with pytest.raises(ValueError, match=match):
+        sim.Pool.parse(spec)
+
+
+def test_bad_inputs_name_the_key(qwen):
+    pool = sim.Pool.parse("h100:8")
+    with pytest.raises(ValueError, match="runtime.micro_batches"):
+        sim.model_costs(qwen, pool, "gap", 5)
+    with pytest.raises(ValueError, match="runtime.mode"):
+        sim.model_costs(qwen, pool, "gap+tag", 4)
+    with pytest.raises(ValueError, match="Efficiency.rollout"):
+        sim.Efficiency(rollout=1.5)
+    with pytest.raises(ValueError, match="do not fit"):
+        sim.simulate(qwen, sim.Pool.parse("rollout=l40s:1,train=h100:4"), "gap", microbatches=1,
+                     eff=sim.Efficiency(usable_hbm=0.5))
+
+
+# ------------------------------------------------------------------ the scripts
+def test_paper_grid_runs_under_a_minute(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    try:
+        import reproduce
+    finally:
+        sys.path.pop(0)
+    started = time.time()
+    grid = reproduce.run_grid()
+    body = reproduce.tables(grid)
+    elapsed = time.time() - started
+    assert elapsed < 60, f"the grid took {elapsed:.0f} s"
+    assert len(grid.cells) == 12 and all(len(row) == len(reproduce.SYSTEMS) + 1 for row in grid.cells.values())
+    for model, _ in reproduce.MODELS:
+        assert model in body
+    assert "Cost efficiency" in body and "16xH800+16xL40S" in body
+    written = reproduce.plots(grid, str(tmp_path))
+    assert written and all(os.path.getsize(p) > 10_000 for p in written)
+
+
+def test_simulate_cli_prints_every_mode():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "simulate.py"), "--config=configs/paper/qwenimage.py",
+         "--pool=h100:8", "--micro_batches=4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for mode in plan_lib.MODES:
+        assert f"| {mode}" in out.stdout
+    helped = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "simulate.py"), "--help"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "--pool" in helped.stdout and "--profile" in helped.stdout
