@@ -4,15 +4,26 @@ r"""Train a model with Flow-GRPO (colocated: rollout and training on the same de
     python launch/train.py --config=configs/tiny.py --workdir=/tmp/digen --config.train.iterations=10 \
         --config.rl.lora_rank=4
 
+The model-zoo configs (configs/flux.py, qwenimage.py, wan21.py, hunyuanvideo.py) need a
+converted checkpoint, a converted VAE and a prompt-embedding cache (--config.model.checkpoint,
+--config.model.vae_checkpoint, --config.data.embedding_cache; without them the error says how
+to make each), or run on random weights and embeddings for throughput:
+
+    python launch/train.py --config=configs/qwenimage.py --workdir=/tmp/qwen \
+        --config.model.random_init=True --config.data.random_embeddings=True
+    python launch/train.py --config=configs/qwenimage.py:tiny --workdir=/tmp/qwen-tiny  # CPU-sized
+
 Any config key can be overridden as `--config.a.b=value`. Writes `WORKDIR/metrics.jsonl`
 (one JSON object per iteration: step, reward_mean, reward_std, loss, kl, clip_frac,
 samples_per_s, ...), TensorBoard logs in `WORKDIR/tb` and checkpoints in
 `WORKDIR/checkpoints`; rerunning with the same workdir resumes from the latest checkpoint.
 """
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from digen_jax.rl.loop import train
+from digen_jax.rl.loop import ConfigError, train, validate_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (metrics, TensorBoard, checkpoints).", required=True)
@@ -21,6 +32,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (metrics, Tens
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    try:
+        validate_config(_CONFIG.value)  # bad input or missing files: a message, not a traceback
+    except ConfigError as e:
+        sys.exit(f"error in --config={flags.FLAGS['config'].config_filename}: {e}")
     train(_CONFIG.value, _WORKDIR.value, log=lambda msg: print(msg, flush=True))
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from configs import tiny
 from digen_jax.rewards import registry
-from digen_jax.rl import loop
+from digen_jax.rl import loop, workload
 
 
 def small_config(cache_dir, **train):
@@ -76,7 +76,7 @@ def test_bad_config_fails_before_any_compute(cache_dir, tmp_path, monkeypatch, k
     def no_compute(*args, **kwargs):
         raise AssertionError("pretraining started before the config was validated")
 
-    monkeypatch.setattr(loop, "pretrained_params", no_compute)
+    monkeypatch.setattr(workload, "pretrained_params", no_compute)
     c = small_config(cache_dir)
     section, name = key.split(".")
     if key == "reward.weights":

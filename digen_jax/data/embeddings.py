@@ -6,7 +6,7 @@ read here as memory-mapped numpy arrays.
 
 A cache is a directory::
 
-    meta.json            format name and version, family, sizes, dtype, source, encoder settings
+    meta.json            format name and version, family, sizes, dtype, source, encoder classes and settings
     prompts.jsonl        one {"id": int, "prompt": str} per row, in row order
     prompt_ids.npy       (N,) int64: each row's 0-based line number in the source prompt file
     text.npy             (N, L, D) text states, exactly what the family's transformer receives

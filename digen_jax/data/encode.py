@@ -198,7 +198,10 @@ def encode_to_cache(pipe, family: str, prompts: Sequence[str], out: str, *, prom
         out, family, prompts, text_len=text_len, text_dim=first["text"].shape[2],
         pooled_dim=first["pooled"].shape[1] if "pooled" in first else None, dtype=dtype, prompt_ids=prompt_ids,
         negative_prompt=negative_prompt,
-        info={"max_sequence_length": max_len, **(info or {})})
+        # Which encoders made the cache: training checks its widths, and errors name these.
+        info={"max_sequence_length": max_len,
+              "encoders": {name: type(getattr(pipe, name)).__name__ for name in PIPELINES[family][1]},
+              **(info or {})})
     if negative is not None:
         writer.write_negative(negative)
     for start in range(0, len(prompts), batch_size):

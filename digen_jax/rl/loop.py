@@ -1,6 +1,8 @@
 """Colocated Flow-GRPO training: rollout, reward, advantages, updates, on one device group.
 
-`train(config, workdir)` runs the loop of `launch/train.py`. Every iteration k is a pure
+`train(config, workdir)` runs the loop of `launch/train.py` for any workload
+(`digen_jax.rl.workload`): the shapes task of configs/tiny.py or one of the four model
+families of configs/{flux,qwenimage,wan21,hunyuanvideo}.py. Every iteration k is a pure
 function of (seed, k, state): prompts, noises and step selection derive from
 `fold_in(seed, k)`, so a run resumed from a checkpoint replays exactly what an
 uninterrupted run would have done.
@@ -22,62 +24,44 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from digen_jax import diffusion
-from digen_jax.data.shapes import ShapesTask
-from digen_jax.models import FAMILIES, load_checkpoint
 from digen_jax.rewards import registry
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import lora, optim
-from digen_jax.rl.pretrain import pretrained_params
-from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, make_denoiser
+from digen_jax.rl import workload as workload_lib
+from digen_jax.rl.rollout import Conditioning, SamplerSpec
 from digen_jax.rl.timesteps import plan_steps, validate_step_selection
 from digen_jax.rl.trainer import LossConfig, Trainer, TrainState, build_units
-
-# fold_in tags of one iteration's randomness
-_PROMPTS, _SAMPLES, _EVAL = 0, 1, 2
+from digen_jax.rl.workload import ConfigError
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Reject a bad config before any compute, naming the offending key."""
-    if config.model.family not in FAMILIES:
-        raise ValueError(f"model.family={config.model.family!r} is unknown; known: {sorted(FAMILIES)}")
-    if config.task.name != "shapes":
-        raise ValueError(f"task.name={config.task.name!r} is unknown; known: ['shapes']")
-    registry.validate_reward_config(dict(config.reward.weights))
+    """Reject a bad config before any compute, naming the offending key (raises ConfigError)."""
+    workload_lib.validate_config(config)
+    try:
+        registry.validate_reward_config(dict(config.reward.weights))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     rl = config.rl
-    adv_lib.validate_group_size(rl.group_size)
+    try:
+        adv_lib.validate_group_size(rl.group_size)
+        validate_step_selection(rl, config.sampling.num_steps)
+        SamplerSpec(config.sampling.sde_type, config.sampling.cfg_scale, config.sampling.cfg_rescale)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if rl.prompts_per_iteration < 1:
-        raise ValueError(f"rl.prompts_per_iteration must be >= 1, got {rl.prompts_per_iteration}")
-    validate_step_selection(rl, config.sampling.num_steps)
-    SamplerSpec(config.sampling.sde_type, config.sampling.cfg_scale, config.sampling.cfg_rescale)
-    if config.sampling.cfg_scale != 1.0:
-        raise ValueError("sampling.cfg_scale: the shapes task has no negative prompt; use 1 (embedded guidance)")
+        raise ConfigError(f"rl.prompts_per_iteration must be >= 1, got {rl.prompts_per_iteration}")
     batch = rl.prompts_per_iteration * rl.group_size
     if rl.num_updates_per_batch < 1 or batch % rl.num_updates_per_batch:
-        raise ValueError(
+        raise ConfigError(
             f"rl.num_updates_per_batch={rl.num_updates_per_batch} must divide the {batch} samples of an iteration"
         )
     per_update = batch // rl.num_updates_per_batch * _trained_per_sample(config)
     if rl.micro_batch_size < 1 or per_update % rl.micro_batch_size:
-        raise ValueError(
+        raise ConfigError(
             f"rl.micro_batch_size={rl.micro_batch_size} must divide the {per_update} training units of an update"
         )
     if rl.lora_rank < 0:
-        raise ValueError(f"rl.lora_rank must be >= 0 (0 = full fine-tuning), got {rl.lora_rank}")
-    try:
-        _task(config)
-    except ValueError as e:
-        raise ValueError(f"task: {e}") from None
-
-
-def _task(config) -> ShapesTask:
-    return ShapesTask(
-        resolution=config.task.resolution,
-        text_len=config.task.text_len,
-        embed_dim=config.model.arch.joint_attention_dim,
-        pooled_dim=config.model.arch.pooled_projection_dim,
-        label_noise=config.task.label_noise,
-    )
+        raise ConfigError(f"rl.lora_rank must be >= 0 (0 = full fine-tuning), got {rl.lora_rank}")
 
 
 def _trained_per_sample(config) -> int:
@@ -86,22 +70,18 @@ def _trained_per_sample(config) -> int:
 
 
 class Run:
-    """Everything built once per run: task, model, sampler, trainer, reward, writers."""
+    """Everything built once per run: workload (task, model, sampler, reward), trainer, writers."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print):
         validate_config(config)
         self.config, self.workdir, self.log = config, workdir, log
         os.makedirs(workdir, exist_ok=True)
-        rl, s = config.rl, config.sampling
-        self.task = _task(config)
-        self.reward_fn = registry.weighted_reward(dict(config.reward.weights))
-        self.family, self.model_cfg, base = self._base_model()
-        module = self.family.module_cls(self.model_cfg)
-        res = config.task.resolution
-        self.latent_shape = ((res // 2) ** 2, 12)
-        sigmas = diffusion.sigma_ladder(s.ladder, s.num_steps, image_seq_len=self.latent_shape[0]).sigmas
-        denoiser = make_denoiser(config.model.family, module, guidance=s.guidance, image_grid=(res // 2, res // 2))
-        self.sampler = Sampler(denoiser, SamplerSpec(s.sde_type, s.cfg_scale, s.cfg_rescale), sigmas)
+        rl = config.rl
+        self.workload = workload_lib.make_workload(config)
+        self.task = self.workload.task
+        self.sampler = self.workload.sampler
+        self.latent_shape = self.workload.latent_shape
+        base = self.workload.base_params
         optimizer = optim.make_optimizer(
             rl.learning_rate, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm
         )
@@ -133,31 +113,9 @@ class Run:
             ),
         )
         self.root_key = jax.random.key(config.seed)
-        eval_ids = self.task.sample_prompts(jax.random.fold_in(jax.random.key(config.seed + 7), _EVAL), config.train.eval_prompts)
-        self.eval_ids = eval_ids
-        self.eval_cond = Conditioning(*self.task.encode(eval_ids))
+        self.eval_ids, self.eval_cond = self.workload.eval_batch(config.train.eval_prompts)
         self.eval_keys = jax.random.split(jax.random.key(config.seed + 8), config.train.eval_prompts)
         self._writer = None
-
-    def _base_model(self):
-        c = self.config.model
-        policy = dict(dtype=c.dtype, param_dtype=c.param_dtype, attention_impl=c.attention_impl, remat_policy=c.remat_policy)
-        if c.checkpoint:
-            return load_checkpoint(c.checkpoint, **policy)
-        family = FAMILIES[c.family]
-        model_cfg = family.config_cls(**c.arch.to_dict(), **policy)
-        p = self.config.pretrain
-        params = pretrained_params(
-            model_cfg,
-            self.task,
-            steps=p.steps,
-            batch_size=p.batch_size,
-            learning_rate=p.learning_rate,
-            seed=self.config.seed,
-            guidance=self.config.sampling.guidance,
-            cache_dir=os.path.expanduser(p.cache_dir),
-        )
-        return family, model_cfg, params
 
     @property
     def writer(self):
@@ -167,15 +125,18 @@ class Run:
             self._writer = SummaryWriter(os.path.join(self.workdir, "tb"))
         return self._writer
 
-    # ---------------------------------------------------------------- decode + reward
+    # ---------------------------------------------------------------- prompts, decode + reward
+    def prompt_batch(self, k: int) -> tuple[jax.Array, Conditioning]:
+        """Iteration k's prompt ids (P,) and their conditioning (one row per prompt, not per sample)."""
+        return self.workload.prompt_batch(k)
+
     def images(self, latents: jax.Array) -> np.ndarray:
-        """(B, H, W, 3) float32 in [0, 1] from packed pixel latents."""
-        res = self.config.task.resolution
-        pixels = diffusion.unpack_latents(latents, res, res)
-        return np.asarray(jnp.clip((pixels + 1) / 2, 0, 1).transpose(0, 2, 3, 1))
+        """(B, H, W, 3) float32 in [0, 1] previews of final latents (a video's middle frame)."""
+        return self.workload.images(latents)
 
     def score(self, latents: jax.Array, ids: jax.Array) -> tuple[np.ndarray, dict]:
-        return self.reward_fn(self.images(latents), self.task.prompt_text(ids), self.task.prompt_metadata(ids))
+        """Rewards (B,) of final latents (decoded first) and the per-reward arrays, for sample prompt ids."""
+        return self.workload.score(latents, ids)
 
     # ---------------------------------------------------------------- one iteration
     def iteration(self, k: int) -> dict[str, Any]:
@@ -185,11 +146,11 @@ class Run:
         key = jax.random.fold_in(self.root_key, k)
         num_prompts, group = rl.prompts_per_iteration, rl.group_size
         batch = num_prompts * group
-        prompt_ids = self.task.sample_prompts(jax.random.fold_in(key, _PROMPTS), num_prompts)
-        cond = Conditioning(*self.task.encode(prompt_ids)).repeat(group)
+        prompt_ids, cond = self.prompt_batch(k)
+        cond = cond.repeat(group)
         sample_ids = jnp.repeat(prompt_ids, group, axis=0)
         group_ids = jnp.repeat(jnp.arange(num_prompts), group)
-        sample_keys = jax.random.split(jax.random.fold_in(key, _SAMPLES), batch)
+        sample_keys = jax.random.split(jax.random.fold_in(key, workload_lib.SAMPLES), batch)
         plan = plan_steps(
             rl, config.sampling.num_steps, config.sampling.noise_level, batch, k, np.random.default_rng([config.seed, k])
         )

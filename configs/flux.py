@@ -1,0 +1,98 @@
+r"""FLUX.1-dev (12B) Flow-GRPO, the reference recipe: 512x512, 6 sampling steps, embedded guidance
+3.5, SDE noise level 0.9 on every step and the first 5 trained, 24 images per prompt x 48 prompts,
+two optimizer updates per batch (the second off-policy), clip range 1e-4, lr 3e-4, LoRA 64/128 on
+attention and MLP, EMA on.
+
+Real run (converted weights and an embedding cache, see README "Model-zoo configs"):
+
+    python launch/train.py --config=configs/flux.py --workdir=/tmp/flux \
+        --config.model.checkpoint=/ckpt/flux-dev-jax --config.model.vae_checkpoint=/ckpt/flux-vae-jax \
+        --config.data.embedding_cache=/data/flux-prompts
+
+Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
+CPU smoke run of the tiny variant: --config=configs/flux.py:tiny
+"""
+import ml_collections
+
+from digen_jax.rl.workload import tiny_overrides
+
+
+def get_config(size: str = "full") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.family = "flux"
+    c.model.variant = "dev"  # with random_init: a digen_jax.models.flux.VARIANTS entry ('tiny' for CPU)
+    c.model.checkpoint = ""  # converted transformer dir (convert/diffusers_to_orbax.py)
+    c.model.vae_checkpoint = ""  # converted VAE dir (AutoencoderKL)
+    c.model.random_init = False  # random transformer and VAE weights of `variant` (throughput runs)
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "bfloat16"
+    c.model.attention_impl = "auto"
+    c.model.remat_policy = "none"
+    c.model.vae_decode_batch = 8  # samples per VAE decode call
+
+    c.data = ml_collections.ConfigDict()
+    c.data.embedding_cache = ""  # convert/encode_prompts.py --family=flux output
+    c.data.random_embeddings = False  # random prompt embeddings of the model's shapes instead
+    c.data.text_len = 512  # random embeddings: T5 length (FLUX always pads to 512)
+    c.data.num_prompts = 1024  # random embeddings: distinct prompts
+
+    c.sampling = ml_collections.ConfigDict()
+    c.sampling.height = 512
+    c.sampling.width = 512
+    c.sampling.num_steps = 6
+    c.sampling.ladder = "flux"  # dynamic shift on the packed token count
+    c.sampling.ladder_options = {}  # keyword overrides of the ladder function
+    c.sampling.guidance = 3.5  # embedded (distilled) guidance
+    c.sampling.cfg_scale = 1.0  # no true CFG: one forward per step
+    c.sampling.cfg_rescale = False
+    c.sampling.sde_type = "sde"
+    c.sampling.noise_level = 0.9
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.prompts_per_iteration = 48
+    c.rl.group_size = 24
+    c.rl.step_selection = "fraction"  # SDE on every step; steps 0-4 of 6 trained
+    c.rl.timestep_fraction = 0.99
+    c.rl.sde_window_size = 2
+    c.rl.sde_window_range = (0, 5)
+    c.rl.window_shift_every = 25
+    c.rl.std_mode = "global"
+    c.rl.std_ddof = 0
+    c.rl.std_eps = 1e-4
+    c.rl.adv_clip = 5.0
+    c.rl.clip_range = 1e-4
+    c.rl.kl_beta = 0.0
+    c.rl.num_updates_per_batch = 2  # the second update of a batch is off-policy
+    c.rl.micro_batch_size = 24  # training units (sample, step) per gradient micro-batch
+    c.rl.decoupled = False
+    c.rl.is_cap = ml_collections.config_dict.placeholder(float)
+    c.rl.learning_rate = 3e-4
+    c.rl.weight_decay = 1e-4
+    c.rl.max_grad_norm = 1.0
+    c.rl.lora_rank = 64
+    c.rl.lora_alpha = 128.0
+    c.rl.lora_merge_for_sampling = True
+    c.rl.lora_targets = (r"attn/(to_|add_)", r"/(ff|ff_context)/", r"single_blocks/proj_(mlp|out)/")  # attention + MLP
+    c.rl.ema = True
+    c.rl.ema_decay = ml_collections.config_dict.placeholder(float)
+    c.rl.ema_every = 8
+    c.rl.max_nonfinite_in_row = 3
+
+    c.reward = ml_collections.ConfigDict()
+    c.reward.weights = {"jpeg_compressibility": 1.0}  # a cheap host reward; any registered reward works
+    c.reward.frame_stride = 1
+
+    c.train = ml_collections.ConfigDict()
+    c.train.iterations = 300
+    c.train.eval_every = 0
+    c.train.eval_prompts = 16
+    c.train.image_every = 10
+    c.train.checkpoint_every = 20
+    c.train.keep_checkpoints = 2
+
+    c.sharding = ml_collections.ConfigDict()
+    c.sharding.rules = (("embed", None), ("heads", None), ("mlp", None), ("layers", None), ("activation_batch", None))
+    return tiny_overrides(c) if size == "tiny" else c

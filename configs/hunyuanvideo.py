@@ -1,0 +1,103 @@
+r"""HunyuanVideo (13B) GRPO after DanceGRPO's recipe: 480x848, 33 frames, 16 sampling steps on
+its shift-5 ladder, embedded guidance 6.0, the DanceGRPO step with eta 0.25, a random 60% of
+steps 0..14 trained per sample, 24 videos per prompt, per-group std (ddof 1, eps 1e-8), clip range
+1e-4. DanceGRPO fine-tunes all weights at lr 1e-5; here LoRA 64/128 on attention and MLP at the
+Flow-GRPO LoRA lr 3e-4. Rewards average over every 4th decoded frame.
+
+Real run (converted weights and an embedding cache, see README "Model-zoo configs"):
+
+    python launch/train.py --config=configs/hunyuanvideo.py --workdir=/tmp/hunyuan \
+        --config.model.checkpoint=/ckpt/hunyuan-video-jax --config.model.vae_checkpoint=/ckpt/hunyuan-vae-jax \
+        --config.data.embedding_cache=/data/hunyuan-prompts
+
+Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
+CPU smoke run of the tiny variant: --config=configs/hunyuanvideo.py:tiny
+"""
+import ml_collections
+
+from digen_jax.rl.workload import tiny_overrides
+
+
+def get_config(size: str = "full") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.family = "hunyuan_video"
+    c.model.variant = "t2v"  # with random_init: a digen_jax.models.hunyuan_video.VARIANTS entry ('tiny' for CPU)
+    c.model.checkpoint = ""  # converted transformer dir (convert/diffusers_to_orbax.py)
+    c.model.vae_checkpoint = ""  # converted VAE dir (AutoencoderKLHunyuanVideo)
+    c.model.random_init = False  # random transformer and VAE weights of `variant` (throughput runs)
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "bfloat16"
+    c.model.attention_impl = "auto"
+    c.model.remat_policy = "none"
+    c.model.vae_decode_batch = 1  # samples per VAE decode call
+
+    c.data = ml_collections.ConfigDict()
+    c.data.embedding_cache = ""  # convert/encode_prompts.py --family=hunyuan_video output
+    c.data.random_embeddings = False  # random prompt embeddings of the model's shapes instead
+    c.data.text_len = 256  # random embeddings: Llama length (HunyuanVideo pads to 256)
+    c.data.num_prompts = 1024  # random embeddings: distinct prompts
+
+    c.sampling = ml_collections.ConfigDict()
+    c.sampling.height = 480
+    c.sampling.width = 848
+    c.sampling.num_frames = 33  # 4k+1
+    c.sampling.num_steps = 16
+    c.sampling.ladder = "dancegrpo"  # static shift of linspace(1, 0, N + 1)
+    c.sampling.ladder_options = {"shift": 5.0}  # DanceGRPO's HunyuanVideo shift
+    c.sampling.guidance = 6.0  # embedded (distilled) guidance
+    c.sampling.cfg_scale = 1.0  # no true CFG: one forward per step
+    c.sampling.cfg_rescale = False
+    c.sampling.sde_type = "dance"
+    c.sampling.noise_level = 0.25  # eta
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.prompts_per_iteration = 4
+    c.rl.group_size = 24
+    c.rl.step_selection = "random"  # per sample, a random int(0.6 * 15) of steps 0..14
+    c.rl.timestep_fraction = 0.6
+    c.rl.sde_window_size = 2
+    c.rl.sde_window_range = (0, 5)
+    c.rl.window_shift_every = 25
+    c.rl.std_mode = "group"
+    c.rl.std_ddof = 1
+    c.rl.std_eps = 1e-8
+    c.rl.adv_clip = 5.0
+    c.rl.clip_range = 1e-4
+    c.rl.kl_beta = 0.0
+    c.rl.num_updates_per_batch = 1
+    c.rl.micro_batch_size = 4  # training units (sample, step) per gradient micro-batch
+    c.rl.decoupled = False
+    c.rl.is_cap = ml_collections.config_dict.placeholder(float)
+    c.rl.learning_rate = 3e-4
+    c.rl.weight_decay = 1e-4
+    c.rl.max_grad_norm = 1.0
+    c.rl.lora_rank = 64
+    c.rl.lora_alpha = 128.0
+    c.rl.lora_merge_for_sampling = True
+    # Attention + MLP of the double and single blocks, not the text refiner's.
+    c.rl.lora_targets = (
+        r"_blocks/attn/(to_|add_)", r"double_blocks/(ff|ff_context)/", r"single_blocks/proj_(mlp|out)/"
+    )
+    c.rl.ema = False
+    c.rl.ema_decay = ml_collections.config_dict.placeholder(float)
+    c.rl.ema_every = 8
+    c.rl.max_nonfinite_in_row = 3
+
+    c.reward = ml_collections.ConfigDict()
+    c.reward.weights = {"jpeg_compressibility": 1.0}  # a cheap host reward; any registered reward works
+    c.reward.frame_stride = 4  # reward = mean over frames 0, 4, ..., 32
+
+    c.train = ml_collections.ConfigDict()
+    c.train.iterations = 300
+    c.train.eval_every = 0
+    c.train.eval_prompts = 16
+    c.train.image_every = 0  # a preview decodes the videos again
+    c.train.checkpoint_every = 20
+    c.train.keep_checkpoints = 2
+
+    c.sharding = ml_collections.ConfigDict()
+    c.sharding.rules = (("embed", None), ("heads", None), ("mlp", None), ("layers", None), ("activation_batch", None))
+    return tiny_overrides(c) if size == "tiny" else c

@@ -1,0 +1,97 @@
+r"""Qwen-Image (20B) Flow-GRPO, the reference setting: LoRA rank 64 on attention and MLP, 512x512,
+10 sampling steps, true CFG 4.0 with norm rescale, SDE noise level 1.2 on a 2-step window in
+[0, 5), 16 images per prompt, 32 prompts per update, clip range 1e-5, lr 3e-4.
+
+Real run (converted weights and an embedding cache, see README "Model-zoo configs"):
+
+    python launch/train.py --config=configs/qwenimage.py --workdir=/tmp/qwen \
+        --config.model.checkpoint=/ckpt/qwen-image-jax --config.model.vae_checkpoint=/ckpt/qwen-image-vae-jax \
+        --config.data.embedding_cache=/data/qwen-prompts
+
+Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
+CPU smoke run of the tiny variant: --config=configs/qwenimage.py:tiny
+"""
+import ml_collections
+
+from digen_jax.rl.workload import tiny_overrides
+
+
+def get_config(size: str = "full") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.family = "qwenimage"
+    c.model.variant = "qwen-image"  # with random_init: a digen_jax.models.qwenimage.VARIANTS entry ('tiny' for CPU)
+    c.model.checkpoint = ""  # converted transformer dir (convert/diffusers_to_orbax.py)
+    c.model.vae_checkpoint = ""  # converted VAE dir (AutoencoderKLQwenImage)
+    c.model.random_init = False  # random transformer and VAE weights of `variant` (throughput runs)
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "bfloat16"
+    c.model.attention_impl = "auto"
+    c.model.remat_policy = "none"
+    c.model.vae_decode_batch = 8  # samples per VAE decode call
+
+    c.data = ml_collections.ConfigDict()
+    c.data.embedding_cache = ""  # convert/encode_prompts.py --family=qwenimage output (with the negative " ")
+    c.data.random_embeddings = False  # random prompt embeddings of the model's shapes instead
+    c.data.text_len = 128  # random embeddings: padded text length (cap 1024)
+    c.data.num_prompts = 1024  # random embeddings: distinct prompts
+
+    c.sampling = ml_collections.ConfigDict()
+    c.sampling.height = 512
+    c.sampling.width = 512
+    c.sampling.num_steps = 10
+    c.sampling.ladder = "qwen_image"  # dynamic shift on the packed token count, terminal sigma 0.02
+    c.sampling.ladder_options = {}  # keyword overrides of the ladder function
+    c.sampling.guidance = 0.0  # no embedded guidance
+    c.sampling.cfg_scale = 4.0  # true CFG against the cache's negative prompt
+    c.sampling.cfg_rescale = True  # guided velocity rescaled to the conditional one's norm per token
+    c.sampling.sde_type = "sde"
+    c.sampling.noise_level = 1.2
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.prompts_per_iteration = 32
+    c.rl.group_size = 16
+    c.rl.step_selection = "window"  # SDE on (and training of) a 2-step window drawn in [0, 5) per iteration
+    c.rl.timestep_fraction = 0.99
+    c.rl.sde_window_size = 2
+    c.rl.sde_window_range = (0, 5)
+    c.rl.window_shift_every = 25
+    c.rl.std_mode = "global"
+    c.rl.std_ddof = 0
+    c.rl.std_eps = 1e-4
+    c.rl.adv_clip = 5.0
+    c.rl.clip_range = 1e-5
+    c.rl.kl_beta = 0.0
+    c.rl.num_updates_per_batch = 1  # one update per 32 prompts x 16 samples
+    c.rl.micro_batch_size = 16  # training units (sample, step) per gradient micro-batch
+    c.rl.decoupled = False
+    c.rl.is_cap = ml_collections.config_dict.placeholder(float)
+    c.rl.learning_rate = 3e-4
+    c.rl.weight_decay = 1e-4
+    c.rl.max_grad_norm = 1.0
+    c.rl.lora_rank = 64
+    c.rl.lora_alpha = 128.0
+    c.rl.lora_merge_for_sampling = True
+    c.rl.lora_targets = (r"transformer_blocks/attn/(to_|add_)", r"transformer_blocks/(img|txt)_mlp/")  # attention + MLP
+    c.rl.ema = False
+    c.rl.ema_decay = ml_collections.config_dict.placeholder(float)
+    c.rl.ema_every = 8
+    c.rl.max_nonfinite_in_row = 3
+
+    c.reward = ml_collections.ConfigDict()
+    c.reward.weights = {"jpeg_compressibility": 1.0}  # a cheap host reward; any registered reward works
+    c.reward.frame_stride = 1
+
+    c.train = ml_collections.ConfigDict()
+    c.train.iterations = 300
+    c.train.eval_every = 0
+    c.train.eval_prompts = 16
+    c.train.image_every = 10
+    c.train.checkpoint_every = 20
+    c.train.keep_checkpoints = 2
+
+    c.sharding = ml_collections.ConfigDict()
+    c.sharding.rules = (("embed", None), ("heads", None), ("mlp", None), ("layers", None), ("activation_batch", None))
+    return tiny_overrides(c) if size == "tiny" else c

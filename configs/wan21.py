@@ -1,0 +1,100 @@
+r"""Wan2.1-T2V-14B Flow-GRPO: 480x832, 33 frames, 20 sampling steps, CFG 4.5, the Wan SDE step
+(g = sigma_1 * sigma, no noise-level knob) on every step and steps 0-18 trained, 4 videos per
+prompt, two updates per batch, KL 0.004 to the base (the true KL), clip range 1e-3, lr 1e-4,
+LoRA 32/64 on attention and MLP, per-group std. (The Flow-GRPO Wan recipe, on the 14B model at
+480p; rewards average over every 4th decoded frame.)
+
+Real run (converted weights and an embedding cache, see README "Model-zoo configs"):
+
+    python launch/train.py --config=configs/wan21.py --workdir=/tmp/wan \
+        --config.model.checkpoint=/ckpt/wan21-14b-jax --config.model.vae_checkpoint=/ckpt/wan21-vae-jax \
+        --config.data.embedding_cache=/data/wan-prompts
+
+Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
+CPU smoke run of the tiny variant: --config=configs/wan21.py:tiny
+"""
+import ml_collections
+
+from digen_jax.rl.workload import tiny_overrides
+
+
+def get_config(size: str = "full") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.family = "wan"
+    c.model.variant = "t2v-14b"  # with random_init: a digen_jax.models.wan.VARIANTS entry ('tiny' for CPU)
+    c.model.checkpoint = ""  # converted transformer dir (convert/diffusers_to_orbax.py)
+    c.model.vae_checkpoint = ""  # converted VAE dir (AutoencoderKLWan)
+    c.model.random_init = False  # random transformer and VAE weights of `variant` (throughput runs)
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "bfloat16"
+    c.model.attention_impl = "auto"
+    c.model.remat_policy = "none"
+    c.model.vae_decode_batch = 1  # samples per VAE decode call
+
+    c.data = ml_collections.ConfigDict()
+    c.data.embedding_cache = ""  # convert/encode_prompts.py --family=wan output (with the negative "")
+    c.data.random_embeddings = False  # random prompt embeddings of the model's shapes instead
+    c.data.text_len = 512  # random embeddings: umT5 length (Wan pads to 512)
+    c.data.num_prompts = 1024  # random embeddings: distinct prompts
+
+    c.sampling = ml_collections.ConfigDict()
+    c.sampling.height = 480
+    c.sampling.width = 832
+    c.sampling.num_frames = 33  # 4k+1
+    c.sampling.num_steps = 20
+    c.sampling.ladder = "wan"  # the UniPC flow-sigma ladder, flow shift 3
+    c.sampling.ladder_options = {}  # keyword overrides of the ladder function
+    c.sampling.guidance = 0.0  # no embedded guidance
+    c.sampling.cfg_scale = 4.5  # true CFG against the cache's negative prompt
+    c.sampling.cfg_rescale = False
+    c.sampling.sde_type = "wan"
+    c.sampling.noise_level = 1.0  # only zero vs non-zero matters for the Wan step
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.prompts_per_iteration = 16
+    c.rl.group_size = 4
+    c.rl.step_selection = "fraction"  # SDE on every step; steps 0-18 of 20 trained
+    c.rl.timestep_fraction = 0.99
+    c.rl.sde_window_size = 2
+    c.rl.sde_window_range = (0, 5)
+    c.rl.window_shift_every = 25
+    c.rl.std_mode = "group"
+    c.rl.std_ddof = 0
+    c.rl.std_eps = 1e-4
+    c.rl.adv_clip = 5.0
+    c.rl.clip_range = 1e-3
+    c.rl.kl_beta = 0.004
+    c.rl.num_updates_per_batch = 2  # the second update of a batch is off-policy
+    c.rl.micro_batch_size = 8  # training units (sample, step) per gradient micro-batch
+    c.rl.decoupled = False
+    c.rl.is_cap = ml_collections.config_dict.placeholder(float)
+    c.rl.learning_rate = 1e-4
+    c.rl.weight_decay = 1e-4
+    c.rl.max_grad_norm = 1.0
+    c.rl.lora_rank = 32
+    c.rl.lora_alpha = 64.0
+    c.rl.lora_merge_for_sampling = True
+    c.rl.lora_targets = (r"blocks/attn[12]/to_", r"blocks/ffn/")  # self + cross attention, MLP
+    c.rl.ema = True
+    c.rl.ema_decay = ml_collections.config_dict.placeholder(float)
+    c.rl.ema_every = 8
+    c.rl.max_nonfinite_in_row = 3
+
+    c.reward = ml_collections.ConfigDict()
+    c.reward.weights = {"jpeg_compressibility": 1.0}  # a cheap host reward; any registered reward works
+    c.reward.frame_stride = 4  # reward = mean over frames 0, 4, ..., 32
+
+    c.train = ml_collections.ConfigDict()
+    c.train.iterations = 300
+    c.train.eval_every = 0
+    c.train.eval_prompts = 16
+    c.train.image_every = 0  # a preview decodes the videos again
+    c.train.checkpoint_every = 20
+    c.train.keep_checkpoints = 2
+
+    c.sharding = ml_collections.ConfigDict()
+    c.sharding.rules = (("embed", None), ("heads", None), ("mlp", None), ("layers", None), ("activation_batch", None))
+    return tiny_overrides(c) if size == "tiny" else c

@@ -1,0 +1,255 @@
+"""The four model-zoo configs: full-size validation (abstract shapes only), one tiny Flow-GRPO
+iteration per family through `loop.train` (VAE decode and reward included), an embedding-cache
+run, and the bad-input errors, which must come before any device work."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from digen_jax.data import write_cache
+from digen_jax.models import FAMILIES, save_checkpoint
+from digen_jax.rl import lora, loop, workload
+from digen_jax.rl.rollout import Conditioning, make_denoiser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = {"flux": "flux", "qwenimage": "qwenimage", "wan": "wan21", "hunyuan_video": "hunyuanvideo"}
+# Released transformer sizes (MODELS.md section 1); FLUX.1-dev's is its guidance-distilled variant's.
+PARAMS = {"flux": 11_901_408_320, "qwenimage": 20_430_401_088, "wan": 14_288_491_584, "hunyuan_video": 12_821_012_544}
+
+
+def get_config(family: str, size: str = "full"):
+    path = os.path.join(ROOT, "configs", CONFIGS[family] + ".py")
+    spec = importlib.util.spec_from_file_location(f"config_{family}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(size)
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture
+def no_device_work(monkeypatch):
+    """Fail the test if weights are drawn or read: validation must stop bad input first."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("weights were built before the config was validated")
+
+    monkeypatch.setattr(workload, "_random_params", forbidden)
+    monkeypatch.setattr(workload, "load_checkpoint", forbidden)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_full_size_config_validates_and_fits_its_model(family):
+    """At full size, with no weights: the config validates, the latents fit the transformer and the
+    VAE (jax.eval_shape), the LoRA targets match, and the parameter count is the released model's."""
+    c = get_config(family)
+    assert c.model.family == family and not c.model.random_init and not c.data.random_embeddings
+    c.model.random_init = c.data.random_embeddings = True
+    loop.validate_config(c)
+
+    s, zoo = c.sampling, workload.ZOO[family]
+    model_cfg, vae_cfg = workload.model_config(c), workload.vae_config(c)
+    shape = workload.latent_shape(c, vae_cfg)
+    if zoo.video:
+        assert shape == (16, 9, s.height // 8, s.width // 8)  # 33 frames -> 9 latent frames
+    else:
+        assert shape == (s.height * s.width // 256, 64)
+    fam = FAMILIES[family]
+    params = nn.unbox(fam.abstract_params(model_cfg))
+    assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params)) == PARAMS[family]
+    assert lora.match_lora_targets(params, list(c.rl.lora_targets))
+
+    text_dim = getattr(model_cfg, zoo.text_dim)
+    pooled = jax.ShapeDtypeStruct((1, getattr(model_cfg, zoo.pooled_dim)), jnp.float32) if zoo.pooled_dim else None
+    mask = jax.ShapeDtypeStruct((1, c.data.text_len), jnp.int32) if family in ("qwenimage", "hunyuan_video") else None
+    cond = Conditioning(jax.ShapeDtypeStruct((1, c.data.text_len, text_dim), jnp.float32), pooled, mask)
+    grid = None if zoo.video else (s.height // 16, s.width // 16)
+    denoiser = make_denoiser(family, fam.module_cls(model_cfg), guidance=s.guidance, image_grid=grid)
+    latents = jax.ShapeDtypeStruct((1, *shape), jnp.float32)
+    velocity = jax.eval_shape(denoiser, params, latents, cond, jax.ShapeDtypeStruct((1,), jnp.float32))
+    assert velocity.shape == (1, *shape)
+
+    vae_family = FAMILIES[workload._VAE_FAMILY[family]]
+    vae_params = nn.unbox(vae_family.abstract_params(vae_cfg))
+    decode = workload._decoder(family, vae_cfg, s.height, s.width)
+    frames = jax.eval_shape(decode, vae_params, latents)
+    assert frames.shape == (1, 3, s.num_frames if zoo.video else 1, s.height, s.width)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_tiny_flow_grpo_iteration_through_train(family, tmp_path):
+    """configs/<family>.py:tiny (random tiny weights and embeddings): one iteration of rollout,
+    VAE decode, reward, advantages and a LoRA update, through the real entry point."""
+    c = get_config(family, "tiny")
+    state = loop.train(c, str(tmp_path), log=lambda _: None)
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 1 and rows[0]["step"] == 1 and rows[0]["version"] == 1 and rows[0]["skipped"] == 0
+    for key in ("reward_mean", "reward_std", "loss", "grad_norm", "clip_frac", "samples_per_s"):
+        assert np.isfinite(rows[0][key]), key
+    # jpeg_compressibility of decoded frames: negative kB / 500, never exactly 0.
+    assert rows[0]["reward_mean"] < 0
+    assert set(jax.tree.leaves(jax.tree.map(lambda x: x.ndim, state.trainable))) <= {2, 3}  # adapters only
+
+
+PROMPTS = ("a cat", "a dog", "a red car", "two birds", "a house")
+
+
+def _tiny_cache(path, family="qwenimage", *, text_dim=32):
+    rng = np.random.default_rng(0)
+    prompts, n, length = PROMPTS, len(PROMPTS), 6
+    lengths = np.array([6, 3, 5, 1, 4], np.int32)
+    mask = np.arange(length)[None] < lengths[:, None]
+    text = rng.standard_normal((n, length, text_dim)).astype(np.float32) * mask[..., None]
+    if family == "flux":
+        return write_cache(str(path), "flux", prompts=prompts, text=text, pooled=rng.standard_normal((n, 32)))
+    negative = {"text": rng.standard_normal((1, 2, text_dim)), "mask": np.ones((1, 2), bool), "lengths": np.array([2])}
+    return write_cache(str(path), family, prompts=prompts, text=text, mask=mask, lengths=lengths,
+                       negative_prompt=" ", negative=negative, info={"encoder_dir": "/enc/qwen-image"})
+
+
+def test_real_user_path_checkpoints_and_embedding_cache(tmp_path):
+    """Qwen-Image tiny from converted checkpoints and a real cache: the weights are the saved ones,
+    prompt_batch rows are the cache's rows (distinct prompts), the true-CFG negative is the cache's
+    negative entry, and rewards score the decoded samples."""
+    saved = {}
+    for name, key in (("qwenimage", "checkpoint"), ("vae_qwenimage", "vae_checkpoint")):
+        fam = FAMILIES[name]
+        saved[key] = workload._random_params(fam, fam.variants["tiny"], seed=7)
+        save_checkpoint(str(tmp_path / name), fam, fam.variants["tiny"], saved[key])
+    cache = _tiny_cache(tmp_path / "cache")
+    c = get_config("qwenimage", "tiny")
+    c.model.random_init = False
+    c.model.checkpoint, c.model.vae_checkpoint = str(tmp_path / "qwenimage"), str(tmp_path / "vae_qwenimage")
+    c.data.random_embeddings, c.data.embedding_cache = False, cache
+    c.rl.prompts_per_iteration, c.rl.micro_batch_size = 3, 12  # 3 prompts x 2 samples x 2 window steps
+    run = loop.Run(c, str(tmp_path / "run"), log=lambda _: None)
+    jax.tree.map(np.testing.assert_array_equal, run.workload.base_params, saved["checkpoint"])
+    jax.tree.map(np.testing.assert_array_equal, run.workload.vae_params, saved["vae_checkpoint"])
+    ids, cond = run.prompt_batch(0)
+    again_ids, _ = run.prompt_batch(0)
+    np.testing.assert_array_equal(ids, again_ids)
+    assert len(set(np.asarray(ids).tolist())) == 3
+    text = np.load(os.path.join(cache, "text.npy"))
+    mask = np.load(os.path.join(cache, "mask.npy"))
+    np.testing.assert_array_equal(cond.text, text[np.asarray(ids)])
+    np.testing.assert_array_equal(cond.mask, mask[np.asarray(ids)].astype(np.int32))
+    assert cond.pooled is None
+    assert run.task.prompt_text(ids) == [PROMPTS[i] for i in np.asarray(ids)]
+    negative = np.zeros((1, 6, 32), np.float32)
+    negative[:, :2] = np.load(os.path.join(cache, "negative_text.npy"))[:, :2]
+    np.testing.assert_array_equal(run.sampler.negative.text, negative)
+    np.testing.assert_array_equal(run.sampler.negative.mask, [[1, 1, 0, 0, 0, 0]])
+
+    latents = jax.random.normal(jax.random.key(0), (2, *run.latent_shape))
+    rewards, per_reward = run.score(latents, ids[:2])
+    frames = run.workload.frames(latents, (0,))[:, 0]
+    from digen_jax.rewards import jpeg_size_kb
+
+    np.testing.assert_allclose(rewards, -jpeg_size_kb(frames) / 500, rtol=1e-6)
+    assert run.images(latents).shape == (2, 32, 32, 3)
+
+
+def test_video_reward_is_the_mean_over_scored_frames():
+    """HunyuanVideo tiny at 9 frames, stride 4: a video's reward is the mean of frames 0, 4, 8's."""
+    c = get_config("hunyuan_video", "tiny")
+    c.sampling.num_frames, c.reward.frame_stride = 9, 4
+    work = workload.make_workload(c)
+    latents = jax.random.normal(jax.random.key(1), (2, *work.latent_shape))
+    rewards, per_reward = work.score(latents, jnp.array([3, 5]))
+    frames = work.frames(latents, (0, 4, 8))
+    assert frames.shape == (2, 3, 32, 32, 3) and frames.dtype == np.uint8
+    from digen_jax.rewards import jpeg_size_kb
+
+    per_frame = -jpeg_size_kb(frames.reshape(6, 32, 32, 3)).reshape(2, 3) / 500
+    assert np.ptp(per_frame, axis=1).min() > 0  # the frames differ, so the mean is not any one of them
+    np.testing.assert_allclose(rewards, per_frame.mean(axis=1), rtol=1e-6)
+    np.testing.assert_allclose(per_reward["jpeg_compressibility"], rewards)
+
+
+def _model_json(path, family):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "model.json"), "w") as f:
+        json.dump({"family": family, "config": {}}, f)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "family,overrides,match",
+    [
+        ("flux", {"sampling.height": 500}, r"sampling.height=500 must be a positive multiple of 16"),
+        ("qwenimage", {"sampling.width": 24}, r"sampling.width=24 must be a positive multiple of 16"),
+        ("wan", {"sampling.num_frames": 32}, r"sampling.num_frames=32 must be 4k\+1"),
+        ("hunyuan_video", {"sampling.num_frames": 0}, r"sampling.num_frames=0 must be 4k\+1"),
+        ("qwenimage", {"data.text_len": 1025}, r"data.text_len 1025 is over the qwenimage text cap of 1024"),
+        ("hunyuan_video", {"data.text_len": 257}, r"data.text_len 257 is over the hunyuan_video text cap of 256"),
+        ("qwenimage", {"model.family": "sd3"}, r"model.family='sd3' is unknown"),
+        ("flux", {"model.variant": "huge"}, r"model.variant='huge' is unknown"),
+        ("flux", {"sampling.cfg_scale": 3.0}, r"sampling.cfg_scale=3.0: flux uses embedded guidance"),
+        ("wan", {"reward.frame_stride": 0}, r"reward.frame_stride must be a positive integer"),
+        ("wan", {"model.random_init": False, "model.checkpoint": "/no/such/dir"},
+         r"model.checkpoint='/no/such/dir' does not exist(.|\n)*diffusers_to_orbax.py --model_dir=<Wan2.1-T2V-14B"),
+    ],
+)
+def test_bad_config_fails_before_device_work(no_device_work, family, overrides, match):
+    c = get_config(family, "tiny")
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        c[section][name] = value
+    with pytest.raises(workload.ConfigError, match=match):
+        loop.Run(c, "/tmp/never-created", log=lambda _: None)
+
+
+def test_missing_inputs_say_what_and_how(no_device_work, tmp_path):
+    """The real-user path without weights or cache names every missing input and its command."""
+    c = get_config("qwenimage")
+    c.model.vae_checkpoint = str(tmp_path / "vae")
+    with pytest.raises(workload.ConfigError) as info:
+        loop.validate_config(c)
+    message = str(info.value)
+    assert "model.checkpoint is not set" in message
+    assert f"model.vae_checkpoint='{tmp_path / 'vae'}' does not exist" in message
+    assert "data.embedding_cache is not set" in message
+    assert "python convert/diffusers_to_orbax.py --model_dir=<Qwen-Image diffusers folder>/transformer" in message
+    assert "python convert/encode_prompts.py --family=qwenimage" in message
+    assert "--config.model.random_init=True --config.data.random_embeddings=True" in message
+
+
+def test_checkpoint_and_cache_of_another_model_are_rejected(no_device_work, tmp_path):
+    c = get_config("qwenimage", "tiny")
+    c.model.random_init = False
+    c.model.checkpoint = _model_json(tmp_path / "transformer", "wan")
+    c.model.vae_checkpoint = _model_json(tmp_path / "vae", "vae_qwenimage")
+    with pytest.raises(workload.ConfigError, match=r"model.checkpoint=.* holds a 'wan' model; model.family='qwen"):
+        loop.validate_config(c)
+
+    c = get_config("qwenimage", "tiny")
+    c.data.random_embeddings, c.data.embedding_cache = False, _tiny_cache(tmp_path / "flux_cache", "flux")
+    with pytest.raises(workload.ConfigError, match=r"data.embedding_cache=.*holds 'flux' prompt embeddings"):
+        loop.validate_config(c)
+
+    # Same family, but encoded for a model of another width (here: the tiny model vs a 48-d encoder).
+    c.data.embedding_cache = _tiny_cache(tmp_path / "wide_cache", text_dim=48)
+    with pytest.raises(workload.ConfigError, match=r"another model \(encoded by /enc/qwen-image\): text dim 48"):
+        loop.validate_config(c)
+
+
+def test_train_script_reports_missing_inputs(tmp_path):
+    """`python launch/train.py --config=configs/qwenimage.py` with nothing converted: exit status 1
+    and the message, no traceback."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "train.py"), f"--config={ROOT}/configs/qwenimage.py",
+         f"--workdir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1
+    assert "model.checkpoint is not set" in result.stderr and "Traceback" not in result.stderr
+    assert not os.listdir(tmp_path)
