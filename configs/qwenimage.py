@@ -13,6 +13,8 @@ CPU smoke run of the tiny variant: --config=configs/qwenimage.py:tiny
 """
 import ml_collections
 
+from digen_jax.runtime.config import runtime_section, sharding_section
+
 from digen_jax.rl.workload import tiny_overrides
 
 
@@ -92,6 +94,8 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 20
     c.train.keep_checkpoints = 2
 
-    c.sharding = ml_collections.ConfigDict()
-    c.sharding.rules = (("embed", None), ("heads", None), ("mlp", None), ("layers", None), ("activation_batch", None))
+    # Colocated by default (any device count); on a multi-GPU host try e.g.
+    # --config.runtime.mode=gap+tsp+tag+tcss --config.runtime.rollout_devices=2 --config.runtime.train_devices=2
+    c.runtime = runtime_section(micro_batches=8)
+    c.sharding = sharding_section()
     return tiny_overrides(c) if size == "tiny" else c

@@ -18,6 +18,7 @@ from ml_collections import config_flags
 from PIL import Image
 
 from digen_jax.rl.loop import Run
+from digen_jax.runtime.executor import Executor
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir to sample from.", required=True)
@@ -40,9 +41,13 @@ def image_grid(images: np.ndarray, scale: int = 8) -> Image.Image:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    run = Run(_CONFIG.value, _WORKDIR.value)
-    run.restore()
-    state = run.state
+    config = _CONFIG.value
+    config.runtime.trace = False  # sampling adds nothing to the training trace
+    run = Run(config, _WORKDIR.value)
+    executor = Executor(run)
+    executor.restore(run.checkpoints)
+    executor.close()
+    state = executor.state
     params = run.trainer.params_for(state.ema if state.ema is not None else state.trainable)
     noise = np.full((run.sampler.num_steps,), _NOISE.value, np.float32)
     traj = run.sampler.rollout(params, run.eval_cond, run.eval_keys, noise, run.latent_shape, state.version)

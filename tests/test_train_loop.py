@@ -9,6 +9,7 @@ import pytest
 from configs import tiny
 from digen_jax.rewards import registry
 from digen_jax.rl import loop, workload
+from digen_jax.runtime.executor import Executor
 
 
 def small_config(cache_dir, **train):
@@ -119,9 +120,11 @@ def test_tiny_demo_raises_reward(tmp_path):
     c.pretrain.cache_dir = str(tmp_path / "cache")
     c.rl.ema = False  # evaluate the trained weights themselves, not a lagging average
     run = loop.Run(c, str(tmp_path / "run"), log=lambda _: None)
-    before = run.evaluate()
-    rewards = [run.iteration(k)["reward_mean"] for k in range(10)]
-    after = run.evaluate()
+    executor = Executor(run, log=lambda _: None)
+    before = run.evaluate(executor.state)
+    rewards = [executor.iteration(k)[1]["reward_mean"] for k in range(10)]
+    after = run.evaluate(executor.state)
+    executor.close()
     assert after - before > 0.1, (before, after)
     assert np.mean(rewards[-3:]) - np.mean(rewards[:3]) > 0.1, rewards
 
@@ -133,6 +136,7 @@ def test_lora_kl_and_off_policy_updates_run_in_the_loop(cache_dir, tmp_path):
     c.rl.lora_rank, c.rl.kl_beta = 2, 0.05
     c.rl.lora_merge_for_sampling = False
     c.rl.num_updates_per_batch, c.rl.decoupled, c.rl.is_cap = 2, True, 2.0
+    c.runtime.micro_batches = 2  # each update trains one micro-batch
     c.rl.micro_batch_size = 6  # 4 prompts x 2 samples x 3 trained steps, halved per update
     c.rl.clip_range = 1e-3
     state = loop.train(c, str(tmp_path), log=lambda _: None)

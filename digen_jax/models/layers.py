@@ -37,6 +37,28 @@ AttentionImpl = Literal["auto", "cudnn", "xla"]
 CUDNN_SEQ_MULTIPLE = 128
 
 
+class AdaptableDense(nn.Dense):
+    """`nn.Dense` that adds a factored low-rank term when the `lora` collection has one for it.
+
+    With variables `{"params": ..., "lora": adapters}` where this module's entry holds
+    `lora_a` (in, rank) and `lora_b` (rank, out), it computes `x @ W + b + (x @ A) @ B`
+    (the adapter scale is folded into `lora_b` by the caller). Never materialising
+    `W + A @ B` is what keeps LoRA training cheap: the backward pass needs `dx` through
+    the frozen `W` and the small adapter gradients, not a kernel-sized `dW`. Without a
+    `lora` entry it is exactly `nn.Dense`; `init` creates no `lora` variables.
+    """
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        out = super().__call__(inputs)
+        if not self.has_variable("lora", "lora_a"):
+            return out
+        a, b = self.get_variable("lora", "lora_a"), self.get_variable("lora", "lora_b")
+        x, a, b = nn.dtypes.promote_dtype(inputs, a, b, dtype=self.dtype)
+        down = jnp.dot(x, a, precision=self.precision)
+        return out + jnp.dot(down, b, precision=self.precision).astype(out.dtype)
+
+
 def logical_dense(
     features: int,
     axes: tuple[str, str],
@@ -46,9 +68,13 @@ def logical_dense(
     param_dtype: jnp.dtype,
     use_bias: bool = True,
     kernel_init: nn.initializers.Initializer = nn.initializers.xavier_uniform(),
-) -> nn.Dense:
-    """A `nn.Dense` whose kernel and bias carry the logical axis names `axes` (in, out)."""
-    return nn.Dense(
+) -> AdaptableDense:
+    """A dense layer whose kernel and bias carry the logical axis names `axes` (in, out).
+
+    It is an `AdaptableDense`: LoRA adapters passed in the `lora` collection are applied
+    factored, without merging them into the kernel.
+    """
+    return AdaptableDense(
         features,
         use_bias=use_bias,
         dtype=dtype,
@@ -374,7 +400,8 @@ def scan_blocks(block_cls: type[nn.Module], length: int, remat_policy: str) -> t
 
     Scanning keeps compile time flat in depth; `remat_policy` (a key of
     `REMAT_POLICIES`) wraps each block in `nn.remat` with that policy. The block's
-    `__call__(carry, *broadcast_args)` must return `(carry, None)`.
+    `__call__(carry, *broadcast_args)` must return `(carry, None)`. LoRA adapters in the
+    `lora` collection are stacked like the params (leading layers axis), one per layer.
     """
     if remat_policy not in REMAT_POLICIES:
         raise ValueError(f"remat_policy must be one of {sorted(REMAT_POLICIES)}, got {remat_policy!r}")
@@ -382,7 +409,7 @@ def scan_blocks(block_cls: type[nn.Module], length: int, remat_policy: str) -> t
         block_cls = nn.remat(block_cls, policy=REMAT_POLICIES[remat_policy], prevent_cse=False)
     return nn.scan(
         block_cls,
-        variable_axes={"params": 0},
+        variable_axes={"params": 0, "lora": 0},
         split_rngs={"params": True},
         in_axes=nn.broadcast,
         length=length,

@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +29,9 @@ from digen_jax.rl import lora, optim
 from digen_jax.rl import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, SamplerSpec
 from digen_jax.rl.timesteps import plan_steps, validate_step_selection
-from digen_jax.rl.trainer import LossConfig, Trainer, TrainState, build_units
+from digen_jax.rl.trainer import LossConfig, Trainer, TrainState
 from digen_jax.rl.workload import ConfigError
+from digen_jax.runtime.executor import Executor, validate_runtime_config
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -62,6 +62,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         )
     if rl.lora_rank < 0:
         raise ConfigError(f"rl.lora_rank must be >= 0 (0 = full fine-tuning), got {rl.lora_rank}")
+    try:
+        validate_runtime_config(config, len(jax.devices()))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _trained_per_sample(config) -> int:
@@ -105,7 +109,7 @@ class Run:
             use_ema=rl.ema,
         )
         self.trainer = Trainer(self.sampler, frozen, optimizer, loss_cfg)
-        self.state = self.trainer.init_state(trainable)
+        self.state = self.trainer.init_state(trainable)  # the initial state; the executor holds the live one
         self.checkpoints = ocp.CheckpointManager(
             os.path.join(os.path.abspath(workdir), "checkpoints"),
             options=ocp.CheckpointManagerOptions(
@@ -138,108 +142,66 @@ class Run:
         """Rewards (B,) of final latents (decoded first) and the per-reward arrays, for sample prompt ids."""
         return self.workload.score(latents, ids)
 
-    # ---------------------------------------------------------------- one iteration
-    def iteration(self, k: int) -> dict[str, Any]:
-        """Roll out, score and train iteration k; returns its metrics (device arrays allowed)."""
-        config, rl = self.config, self.config.rl
-        start = time.time()
-        key = jax.random.fold_in(self.root_key, k)
-        num_prompts, group = rl.prompts_per_iteration, rl.group_size
-        batch = num_prompts * group
-        prompt_ids, cond = self.prompt_batch(k)
-        cond = cond.repeat(group)
-        sample_ids = jnp.repeat(prompt_ids, group, axis=0)
-        group_ids = jnp.repeat(jnp.arange(num_prompts), group)
-        sample_keys = jax.random.split(jax.random.fold_in(key, workload_lib.SAMPLES), batch)
-        plan = plan_steps(
-            rl, config.sampling.num_steps, config.sampling.noise_level, batch, k, np.random.default_rng([config.seed, k])
-        )
-
-        params = self.trainer.sampling_params(self.state.trainable, merge=rl.lora_merge_for_sampling)
-        traj = self.sampler.rollout(params, cond, sample_keys, plan.noise_levels, self.latent_shape, self.state.version)
-        rewards_np, _ = self.score(traj.final, sample_ids)
-        rewards = jnp.asarray(rewards_np)
-        finite = jnp.all(jnp.isfinite(rewards))
-        adv = adv_lib.group_advantages(
-            jnp.where(jnp.isfinite(rewards), rewards, 0.0), group_ids, num_prompts,
-            std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof,
-        )
-        units = build_units(traj, cond, adv, jnp.asarray(plan.trained))
-        per_update = units.size // rl.num_updates_per_batch
-        update_metrics = []
-        for u in range(rl.num_updates_per_batch):
-            self.state, m = self.trainer.update(
-                self.state, units.slice(u * per_update, (u + 1) * per_update), rl.micro_batch_size, finite
-            )
-            update_metrics.append(m)
-        last = update_metrics[-1]
-        metrics = {k_: jnp.mean(jnp.stack([m[k_] for m in update_metrics])) for k_ in last}
-        metrics.update(
-            step=k + 1,
-            version=last["version"],
-            nonfinite_streak=last["nonfinite_streak"],
-            skipped=jnp.sum(jnp.stack([m["skipped"] for m in update_metrics])),
-            rollout_version=traj.version,
-            reward_mean=float(np.mean(rewards_np)),
-            reward_std=float(np.std(rewards_np)),
-        )
-        if config.train.eval_every and (k + 1) % config.train.eval_every == 0:
-            metrics["eval_reward_mean"] = self.evaluate()
-        if config.train.image_every and (k + 1) % config.train.image_every == 0:
-            self.writer.add_images("samples", self.images(traj.final[:: group][:16]), k + 1, dataformats="NHWC")
-        metrics["seconds"] = time.time() - start
-        metrics["samples_per_s"] = batch / metrics["seconds"]
-        return metrics
-
-    def evaluate(self) -> float:
-        """Mean reward of deterministic (ODE) samples of the fixed eval prompts."""
-        weights = self.state.ema if self.state.ema is not None else self.state.trainable
+    def evaluate(self, state: TrainState) -> float:
+        """Mean reward of deterministic (ODE) samples of the fixed eval prompts (EMA weights if kept)."""
+        weights = state.ema if state.ema is not None else state.trainable
         params = self.trainer.params_for(weights)
         zeros = np.zeros((self.sampler.num_steps,), np.float32)
-        traj = self.sampler.rollout(params, self.eval_cond, self.eval_keys, zeros, self.latent_shape, self.state.version)
+        traj = self.sampler.rollout(params, self.eval_cond, self.eval_keys, zeros, self.latent_shape, state.version)
         rewards, _ = self.score(traj.final, self.eval_ids)
         return float(np.mean(rewards))
-
-    # ---------------------------------------------------------------- checkpoints
-    def restore(self) -> int:
-        """Restore the latest checkpoint if any; returns the iteration to start from."""
-        latest = self.checkpoints.latest_step()
-        if latest is None:
-            return 0
-        self.state = self.checkpoints.restore(latest, args=ocp.args.StandardRestore(self.state))
-        self.log(f"resumed from {self.workdir}/checkpoints/{latest} (policy version {int(self.state.version)})")
-        return latest
-
-    def save(self, iterations_done: int) -> None:
-        self.checkpoints.save(iterations_done, args=ocp.args.StandardSave(self.state))
 
 
 def _host(metrics: dict) -> dict:
     out = {}
     for k, v in jax.device_get(metrics).items():
+        if isinstance(v, (str, dict)):
+            out[k] = v
+            continue
         v = np.asarray(v)
         out[k] = v.item() if v.ndim == 0 else v.tolist()
     return out
 
 
-def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print) -> TrainState:
-    """Run (or resume) the training loop of `config` in `workdir`; returns the final state."""
-    run = Run(config, workdir, log)
-    start = run.restore()
-    total = config.train.iterations
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
-    if start == 0 and os.path.exists(metrics_path):
-        os.remove(metrics_path)
-    log(f"training {total - start} iterations of {config.rl.prompts_per_iteration * config.rl.group_size} samples "
-        f"(from iteration {start}) in {workdir}")
+def _keep_rows_through(path: str, step: int) -> None:
+    """Drop metrics rows past `step` (written by a run killed after its last checkpoint)."""
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(rows)
 
-    def emit(m: dict) -> None:
-        m = _host(m)
+
+def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print) -> TrainState:
+    """Run (or resume) the training loop of `config` in `workdir`; returns the final state.
+
+    Every iteration goes through the runtime executor in `config.runtime.mode` (colocated by
+    default); its figures (samples/s, bubbles, staleness, sync time) are read one iteration late.
+    """
+    run = Run(config, workdir, log)
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    trace_path = os.path.join(workdir, "trace.json")
+    if run.checkpoints.latest_step() is None:
+        for path in (metrics_path, trace_path):
+            if os.path.exists(path):
+                os.remove(path)
+    executor = Executor(run, log=log)
+    start = executor.restore(run.checkpoints)
+    if start and os.path.exists(metrics_path):
+        _keep_rows_through(metrics_path, start)
+    total = config.train.iterations
+    log(f"training {total - start} iterations of {config.rl.prompts_per_iteration * config.rl.group_size} samples "
+        f"(from iteration {start}) in {workdir}, runtime.mode={config.runtime.mode}")
+
+    def emit(k: int, plan, metrics: dict) -> None:
+        m = _host(metrics)
+        m.update(executor.timing(k, plan))
         with open(metrics_path, "a") as f:
             f.write(json.dumps(m) + "\n")
         for name, value in m.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 run.writer.add_scalar(name, value, m["step"])
+        for group, value in m["bubble_frac"].items():
+            run.writer.add_scalar(f"bubble_frac/{group}", value, m["step"])
         extra = f" eval {m['eval_reward_mean']:.3f}" if "eval_reward_mean" in m else ""
         log(
             f"[{m['step']:4d}/{total}] reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}{extra} "
@@ -255,17 +217,27 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
             )
 
     pending = None
-    for k in range(start, total):
-        metrics = run.iteration(k)
+    try:
+        for k in range(start, total):
+            plan, metrics = executor.iteration(k)
+            if config.train.eval_every and (k + 1) % config.train.eval_every == 0:
+                metrics["eval_reward_mean"] = run.evaluate(executor.state)
+            if config.train.image_every and (k + 1) % config.train.image_every == 0:
+                finals = executor.last_finals()[:: config.rl.group_size][:16]
+                run.writer.add_images("samples", run.images(finals), k + 1, dataformats="NHWC")
+            if pending is not None:
+                emit(*pending)  # the previous iteration's metrics: reading them does not stall this one
+            pending = (k, plan, metrics)
+            if config.train.checkpoint_every and (k + 1) % config.train.checkpoint_every == 0:
+                emit(*pending)  # a checkpoint never runs ahead of metrics.jsonl
+                pending = None
+                executor.save(run.checkpoints, k + 1)
         if pending is not None:
-            emit(pending)  # the previous iteration's metrics: reading them does not stall this one
-        pending = metrics
-        if config.train.checkpoint_every and (k + 1) % config.train.checkpoint_every == 0:
-            run.save(k + 1)
-    if pending is not None:
-        emit(pending)
-    if total > start and (not config.train.checkpoint_every or total % config.train.checkpoint_every):
-        run.save(total)
-    run.checkpoints.wait_until_finished()
+            emit(*pending)
+        if total > start and (not config.train.checkpoint_every or total % config.train.checkpoint_every):
+            executor.save(run.checkpoints, total)
+        run.checkpoints.wait_until_finished()
+    finally:
+        executor.close()
     run.writer.flush()
-    return run.state
+    return executor.state

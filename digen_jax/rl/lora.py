@@ -12,6 +12,15 @@ module holds ``"kernel"``; it is an ordinary pytree, so optax, ``jax.device_put`
 moves only the adapter) and checkpointing apply to it directly. Target modules are chosen by
 regular expressions searched (``re.search``) in the '/'-joined path of each ``kernel`` leaf,
 e.g. ``r"attn/to_(q|k|v|out)/kernel$"`` for FLUX's ``double_blocks/attn/to_q/kernel``.
+
+Two ways to apply adapters (``LORA_MODES``):
+* ``factored``: the model runs on the frozen base with the adapters in its ``lora`` variable
+  collection and each adapted layer computes ``x @ W + scale * (x @ A) @ B``
+  (``models.layers.AdaptableDense``). Differentiating w.r.t. the adapters then costs the input
+  gradients through ``W`` plus rank-sized products, never a kernel-sized ``dW``.
+* ``merged``: ``W + scale * A @ B`` is formed first (:func:`merge_lora`). One merge serves many
+  forwards, which suits sampling; under ``jax.grad`` its backward builds a full ``dW`` per
+  adapted kernel, as expensive as full fine-tuning.
 """
 from __future__ import annotations
 
@@ -29,6 +38,21 @@ LoraParams = dict[str, Any]
 _KERNEL = "kernel"
 _A = "lora_a"
 _B = "lora_b"
+LORA_MODES = ("factored", "merged")
+# The usual RL target set, "attention and MLP" of every block, per model family: every q/k/v and
+# output projection of the attentions and both MLP matmuls (FLUX/HunyuanVideo single blocks:
+# proj_mlp and the fused proj_out). Embedders, AdaLN modulation and HunyuanVideo's token
+# refiner stay frozen.
+ATTENTION_MLP_TARGETS: dict[str, tuple[str, ...]] = {
+    "flux": (r"attn/(to_|add_)", r"/(ff|ff_context)/", r"single_blocks/proj_(mlp|out)/"),
+    "qwenimage": (r"attn/(to_|add_)", r"/(img_mlp|txt_mlp)/"),
+    "wan": (r"blocks/attn[12]/to_", r"blocks/ffn/"),
+    "hunyuan_video": (
+        r"(double|single)_blocks/attn/(to_|add_)",
+        r"double_blocks/(ff|ff_context)/",
+        r"single_blocks/proj_(mlp|out)/",
+    ),
+}
 
 
 def lora_scale(rank: int, alpha: float) -> float:
@@ -102,9 +126,38 @@ def merge_lora(params: Params, lora: LoraParams, *, scale: float) -> dict[str, A
     per adapted module.
     """
     flat = traverse_util.flatten_dict(params, sep="/")
+    for path, kernel, a, b in _adapted_kernels(flat, lora):
+        delta = jnp.einsum(
+            "...ir,...ro->...io",
+            a.astype(jnp.float32),
+            b.astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        flat[path] = (kernel.astype(jnp.float32) + scale * delta).astype(kernel.dtype)
+    return traverse_util.unflatten_dict(flat, sep="/")
+
+
+def factored_variables(params: Params, lora: LoraParams, *, scale: float) -> dict[str, Any]:
+    """Model variables ``{"params": params, "lora": adapters}`` for factored application.
+
+    ``scale`` is folded into each ``lora_b`` (a rank x out product, cheap), so the adapted layers
+    compute ``x @ W + (x @ A) @ (scale * B)``; gradients w.r.t. ``lora`` are those of
+    :func:`merge_lora`'s form. Every adapter is checked against its kernel as in
+    :func:`merge_lora`, so an adapter that no layer would read is an error, not a silent no-op.
+    """
+    flat = traverse_util.flatten_dict(params, sep="/")
+    scaled = {}
+    for path, _, a, b in _adapted_kernels(flat, lora):
+        module = path[: -len(_KERNEL) - 1]
+        scaled[f"{module}/{_A}"] = a
+        scaled[f"{module}/{_B}"] = b * jnp.asarray(scale, b.dtype)
+    return {"params": params, "lora": traverse_util.unflatten_dict(scaled, sep="/")}
+
+
+def _adapted_kernels(flat: dict[str, Any], lora: LoraParams):
+    """(kernel path, kernel, A, B) of every adapter in ``lora``, shapes checked against ``flat``."""
     adapters = traverse_util.flatten_dict(lora, sep="/")
-    modules = sorted({p.rsplit("/", 1)[0] for p in adapters})
-    for module in modules:
+    for module in sorted({p.rsplit("/", 1)[0] for p in adapters}):
         a, b = adapters.get(f"{module}/{_A}"), adapters.get(f"{module}/{_B}")
         path = f"{module}/{_KERNEL}"
         if a is None or b is None or path not in flat:
@@ -120,14 +173,7 @@ def merge_lora(params: Params, lora: LoraParams, *, scale: float) -> dict[str, A
                 f"LoRA shapes for {path!r} do not fit kernel {kernel.shape}: "
                 f"A {a.shape}, B {b.shape}"
             )
-        delta = jnp.einsum(
-            "...ir,...ro->...io",
-            a.astype(jnp.float32),
-            b.astype(jnp.float32),
-            precision=jax.lax.Precision.HIGHEST,
-        )
-        flat[path] = (kernel.astype(jnp.float32) + scale * delta).astype(kernel.dtype)
-    return traverse_util.unflatten_dict(flat, sep="/")
+        yield path, kernel, a, b
 
 
 def lora_param_count(lora: LoraParams) -> int:
@@ -159,23 +205,36 @@ def _check_rank(rank: int) -> None:
         raise ValueError(f"LoRA rank must be a positive int, got {rank!r}")
 
 
+def check_lora_mode(mode: str) -> str:
+    """``mode`` if it is one of ``LORA_MODES``; a ValueError naming the choices otherwise."""
+    if mode not in LORA_MODES:
+        raise ValueError(f"LoRA mode must be one of {LORA_MODES}, got {mode!r}")
+    return mode
+
+
 @flax.struct.dataclass
 class LoraWeights:
-    """Base weights plus adapters, merged inside whatever jitted function consumes them.
+    """Base weights plus adapters, applied inside whatever jitted function consumes them.
 
-    Passing this instead of merged params applies the adapters on the fly: each step's
-    compiled function merges ``W + scale * A @ B`` itself, so no merged copy of the model
-    outlives the step (at the cost of one merge per step).
+    ``mode`` (one of ``LORA_MODES``) says how: ``factored`` runs the base with the adapters in
+    the ``lora`` collection (no merged kernel at all), ``merged`` forms ``W + scale * A @ B``
+    inside each compiled step. Either way no merged copy of the model outlives the step.
     """
 
     base: Any
     adapters: Any
     scale: float = flax.struct.field(pytree_node=False)
+    mode: str = flax.struct.field(pytree_node=False, default="factored")
 
     def merged(self) -> dict[str, Any]:
         return merge_lora(self.base, self.adapters, scale=self.scale)
 
 
-def materialize(params: Any) -> Any:
-    """``params`` as a plain tree: LoraWeights are merged, anything else is returned as is."""
-    return params.merged() if isinstance(params, LoraWeights) else params
+def model_variables(params: Any) -> dict[str, Any]:
+    """The variables to ``module.apply`` for ``params``: a plain params tree, or LoraWeights
+    applied as their ``mode`` says (``{"params", "lora"}`` factored, ``{"params"}`` merged)."""
+    if not isinstance(params, LoraWeights):
+        return {"params": params}
+    if check_lora_mode(params.mode) == "factored":
+        return factored_variables(params.base, params.adapters, scale=params.scale)
+    return {"params": params.merged()}

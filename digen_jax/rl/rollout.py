@@ -47,7 +47,7 @@ class Conditioning:
 
 
 # denoiser(params, latents, cond, sigma (B,)) -> velocity shaped like latents; params may be
-# lora.LoraWeights (adapters applied on the fly inside the step).
+# lora.LoraWeights (adapters applied inside the step, factored or merged as their mode says).
 Denoiser = Callable[[Any, jax.Array, Conditioning, jax.Array], jax.Array]
 
 
@@ -67,7 +67,7 @@ def make_denoiser(family: str, module, *, guidance: float = 0.0, image_grid: tup
         raise ValueError(f"no denoiser for model family {family!r}")
 
     def run(params, **inputs):
-        return module.apply({"params": lora.materialize(params)}, **inputs)
+        return module.apply(lora.model_variables(params), **inputs)
 
     def denoise(params, latents, cond, sigma):
         batch = latents.shape[0]

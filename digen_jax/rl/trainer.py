@@ -85,6 +85,7 @@ class LossConfig:
     decoupled: bool = False
     is_cap: float | None = None
     lora_scale: float | None = None  # None: full fine-tuning
+    lora_mode: str = "factored"  # how the train step applies LoRA: lora.LORA_MODES
     ema_decay: float | None = None  # None: Flow-GRPO warm-up schedule
     ema_every: int = 8
     use_ema: bool = True
@@ -98,11 +99,29 @@ class Trainer:
         self.frozen = frozen  # LoRA: the base weights; full FT: the reference copy or None
         self.optimizer = optimizer
         self.cfg = cfg
-        self.grad_fn = jax.jit(jax.value_and_grad(self._loss, has_aux=True))
+        # The frozen weights enter every jitted function as an argument: closed over, they
+        # would be baked into the executable as constants (the whole base model).
+        self._grad = jax.jit(jax.value_and_grad(self._loss, has_aux=True))
+        self._log_prob_jit = jax.jit(self._log_prob)
+        self._merged = jax.jit(lambda trainable, frozen: self._params_for(trainable, frozen, "merged"))
         self.accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=(0,))
         self.apply_update = jax.jit(self._apply_update, donate_argnums=(0,))
-        self.params_for = jax.jit(self._params_for)
-        self.log_prob_fn = jax.jit(self._log_prob)
+
+    def pin_state_sharding(self, state_sharding: Any) -> None:
+        """Give updated states exactly `state_sharding`, so a state restored with it runs the same
+        compiled programs (and the same reduction order) as the live one."""
+        self.apply_update = jax.jit(self._apply_update, donate_argnums=(0,), out_shardings=(state_sharding, None))
+
+    def grad_fn(self, trainable, units: "TrainUnits"):
+        """((loss, metrics), gradients w.r.t. `trainable`) of a batch of units."""
+        return self._grad(trainable, self.frozen, units)
+
+    def log_prob_fn(self, trainable, units: "TrainUnits") -> jax.Array:
+        return self._log_prob_jit(trainable, self.frozen, units)
+
+    def params_for(self, trainable):
+        """Merged weights (a plain tree) for sampling, evaluation and export."""
+        return self._merged(trainable, self.frozen)
 
     def init_state(self, trainable) -> TrainState:
         return TrainState(
@@ -113,27 +132,35 @@ class Trainer:
             nonfinite_streak=jnp.zeros((), jnp.int32),
         )
 
-    def _params_for(self, trainable):
+    def _params_for(self, trainable, frozen, mode: str | None = None):
+        """The weights the forward sees. LoRA: the frozen base with the adapters applied as
+        `mode` says (None: `cfg.lora_mode`); 'factored' keeps the backward pass free of
+        kernel-sized weight gradients, 'merged' returns `W + s * A @ B` as a plain tree."""
         if self.cfg.lora_scale is None:
             return trainable
-        return lora.merge_lora(self.frozen, trainable, scale=self.cfg.lora_scale)
+        mode = lora.check_lora_mode(self.cfg.lora_mode if mode is None else mode)
+        if mode == "merged":
+            return lora.merge_lora(frozen, trainable, scale=self.cfg.lora_scale)
+        return lora.LoraWeights(frozen, trainable, self.cfg.lora_scale, mode)
 
     def sampling_params(self, trainable, merge: bool = True):
-        """Weights for rollout: LoRA merged once (`merge`) or applied on the fly in every step."""
+        """Weights for rollout: LoRA merged once (`merge`) or applied in every step as
+        `cfg.lora_mode` says."""
         if self.cfg.lora_scale is None or merge:
             return self.params_for(trainable)
-        return lora.LoraWeights(self.frozen, trainable, self.cfg.lora_scale)
+        mode = lora.check_lora_mode(self.cfg.lora_mode)
+        return lora.LoraWeights(self.frozen, trainable, self.cfg.lora_scale, mode)
 
-    def _log_prob(self, trainable, units: TrainUnits):
+    def _log_prob(self, trainable, frozen, units: TrainUnits):
         return self.sampler.transition(
-            self._params_for(trainable), units.latents, units.cond, units.step_index, units.noise_level,
+            self._params_for(trainable, frozen), units.latents, units.cond, units.step_index, units.noise_level,
             prev_sample=units.next_latents,
         ).log_prob
 
-    def _loss(self, trainable, units: TrainUnits):
+    def _loss(self, trainable, frozen, units: TrainUnits):
         cfg, sampler = self.cfg, self.sampler
         out = sampler.transition(
-            self._params_for(trainable), units.latents, units.cond, units.step_index, units.noise_level,
+            self._params_for(trainable, frozen), units.latents, units.cond, units.step_index, units.noise_level,
             prev_sample=units.next_latents,
         )
         loss, metrics = losses.policy_loss(
@@ -147,7 +174,7 @@ class Trainer:
         )
         if cfg.kl_beta > 0:
             ref = sampler.transition(
-                self.frozen, units.latents, units.cond, units.step_index, units.noise_level,
+                frozen, units.latents, units.cond, units.step_index, units.noise_level,
                 prev_sample=units.next_latents,
             )
             kl = losses.policy_kl_loss(out.mean, jax.lax.stop_gradient(ref.mean), kl_divisor(sampler.spec.sde_type, out))
@@ -184,20 +211,36 @@ class Trainer:
         }
         return new_state, metrics
 
+    def add_chunk(self, acc: "GradSum", trainable, chunk: TrainUnits) -> None:
+        """Add one gradient micro-batch's gradients and metrics to `acc` (asynchronous)."""
+        if self.cfg.decoupled:  # the proximal policy: the weights at the start of this update
+            chunk = chunk.replace(proximal_log_prob=self.log_prob_fn(trainable, chunk))
+        (_, metrics), grads = self.grad_fn(trainable, chunk)
+        acc.grads = grads if acc.grads is None else self.accumulate(acc.grads, grads)
+        acc.metrics = metrics if acc.metrics is None else jax.tree.map(jnp.add, acc.metrics, metrics)
+        acc.count += 1
+
+    def finish_update(self, state: TrainState, acc: "GradSum", rewards_finite) -> tuple[TrainState, dict]:
+        """Apply the averaged gradients of `acc` (skipped on device if anything is non-finite)."""
+        finite = jnp.asarray(rewards_finite) & jnp.isfinite(acc.metrics["loss"])
+        state, update_metrics = self.apply_update(state, acc.grads, jnp.float32(acc.count), finite)
+        metrics = {k: v / acc.count for k, v in acc.metrics.items()}
+        return state, {**metrics, **update_metrics}
+
     def update(self, state: TrainState, units: TrainUnits, micro_batch: int, rewards_finite) -> tuple[TrainState, dict]:
         """One optimizer update over all `units`, accumulated in micro-batches of `micro_batch`."""
         if units.size % micro_batch:
             raise ValueError(f"{units.size} training units do not split into micro-batches of {micro_batch}")
-        grad_sum, metric_sum = None, None
-        count = units.size // micro_batch
-        chunks = [units.slice(start, start + micro_batch) for start in range(0, units.size, micro_batch)]
-        if self.cfg.decoupled:
-            chunks = [c.replace(proximal_log_prob=self.log_prob_fn(state.trainable, c)) for c in chunks]
-        for chunk in chunks:
-            (_, metrics), grads = self.grad_fn(state.trainable, chunk)
-            grad_sum = grads if grad_sum is None else self.accumulate(grad_sum, grads)
-            metric_sum = metrics if metric_sum is None else jax.tree.map(jnp.add, metric_sum, metrics)
-        finite = jnp.asarray(rewards_finite) & jnp.isfinite(metric_sum["loss"])
-        state, update_metrics = self.apply_update(state, grad_sum, jnp.float32(count), finite)
-        metrics = {k: v / count for k, v in metric_sum.items()}
-        return state, {**metrics, **update_metrics}
+        acc = GradSum()
+        for start in range(0, units.size, micro_batch):
+            self.add_chunk(acc, state.trainable, units.slice(start, start + micro_batch))
+        return self.finish_update(state, acc, rewards_finite)
+
+
+@dataclasses.dataclass
+class GradSum:
+    """Gradients and metrics summed over the micro-batches of one update so far (device arrays)."""
+
+    grads: Any = None
+    metrics: Any = None
+    count: int = 0

@@ -182,14 +182,25 @@ class ShapesWorkload(_Workload):
         )
         return family, model_cfg, params
 
-    def images(self, latents: jax.Array) -> np.ndarray:
-        """(B, H, W, 3) float32 in [0, 1] from packed pixel latents."""
+    decoder_params = None  # pixel space: nothing to decode with
+
+    def decode(self, latents: jax.Array, decoder_params=None) -> jax.Array:
+        """(B, H, W, 3) float32 in [0, 1] on the latents' devices (device work: dispatch it from
+        the thread that dispatches the other device work)."""
         res = self.config.task.resolution
         pixels = diffusion.unpack_latents(latents, res, res)
-        return np.asarray(jnp.clip((pixels + 1) / 2, 0, 1).transpose(0, 2, 3, 1))
+        return jnp.clip((pixels + 1) / 2, 0, 1).transpose(0, 2, 3, 1)
+
+    def images(self, latents: jax.Array) -> np.ndarray:
+        """(B, H, W, 3) float32 in [0, 1] from packed pixel latents."""
+        return np.asarray(self.decode(latents))
+
+    def reward(self, decoded: np.ndarray, ids: jax.Array) -> tuple[np.ndarray, dict]:
+        """Rewards of decoded images (host work)."""
+        return self.reward_fn(decoded, self.task.prompt_text(ids), self.task.prompt_metadata(ids))
 
     def score(self, latents: jax.Array, ids: jax.Array) -> tuple[np.ndarray, dict]:
-        return self.reward_fn(self.images(latents), self.task.prompt_text(ids), self.task.prompt_metadata(ids))
+        return self.reward(self.images(latents), ids)
 
 
 # ---------------------------------------------------------------------------------------- model zoo
@@ -461,28 +472,44 @@ class ModelZooWorkload(_Workload):
     def num_frames(self) -> int:
         return self.config.sampling.num_frames if self.zoo.video else 1
 
-    def frames(self, latents: jax.Array, frames: tuple[int, ...]) -> np.ndarray:
-        """Decoded frames `frames` of each sample, (B, len(frames), H, W, 3) uint8 on the host.
+    @property
+    def decoder_params(self):
+        return self.vae_params
 
-        Decodes `model.vae_decode_batch` samples per VAE call, which bounds the decoder's memory.
-        """
+    def _decode_frames(self, latents: jax.Array, frames: tuple[int, ...], vae_params=None) -> jax.Array:
+        """Decoded frames `frames` of each sample, (B, len(frames), H, W, 3) uint8 on the latents'
+        devices; `model.vae_decode_batch` samples per VAE call bound the decoder's memory."""
+        params = self.vae_params if vae_params is None else vae_params
         step = self.config.model.vae_decode_batch
-        chunks = [self._frames_uint8(self.vae_params, latents[i:i + step], tuple(frames))
+        chunks = [self._frames_uint8(params, latents[i:i + step], tuple(frames))
                   for i in range(0, latents.shape[0], step)]
-        return np.concatenate([np.asarray(chunk) for chunk in chunks])
+        return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks)
+
+    def frames(self, latents: jax.Array, frames: tuple[int, ...]) -> np.ndarray:
+        """Decoded frames `frames` of each sample, (B, len(frames), H, W, 3) uint8 on the host."""
+        return np.asarray(self._decode_frames(latents, frames))
 
     def images(self, latents: jax.Array) -> np.ndarray:
         """(B, H, W, 3) float32 in [0, 1]: each sample's image, or its video's middle frame."""
         return self.frames(latents, (self.num_frames // 2,))[:, 0].astype(np.float32) / 255.0
 
-    def score(self, latents: jax.Array, ids: jax.Array) -> tuple[np.ndarray, dict]:
-        frames = self.frames(latents, tuple(range(0, self.num_frames, self.config.reward.frame_stride)))
+    def decode(self, latents: jax.Array, decoder_params=None) -> jax.Array:
+        """The frames rewards score (every `reward.frame_stride`-th), decoded on the latents'
+        devices (device work: dispatch it from the thread that dispatches the other device work)."""
+        scored = tuple(range(0, self.num_frames, self.config.reward.frame_stride))
+        return self._decode_frames(latents, scored, decoder_params)
+
+    def reward(self, frames: np.ndarray, ids: jax.Array) -> tuple[np.ndarray, dict]:
+        """Rewards of decoded (B, F, H, W, 3) uint8 frames: per frame, averaged per sample (host work)."""
         batch, per_sample = frames.shape[:2]
         repeat = lambda items: [x for x in items for _ in range(per_sample)]  # noqa: E731
         total, per_reward = self.reward_fn(frames.reshape(batch * per_sample, *frames.shape[2:]),
                                            repeat(self.task.prompt_text(ids)), repeat(self.task.prompt_metadata(ids)))
         mean = lambda r: r.reshape(batch, per_sample).mean(axis=1)  # noqa: E731
         return mean(total), {name: mean(r) for name, r in per_reward.items()}
+
+    def score(self, latents: jax.Array, ids: jax.Array) -> tuple[np.ndarray, dict]:
+        return self.reward(np.asarray(self.decode(latents)), ids)
 
 
 def _to_uint8_frames(video: jax.Array) -> jax.Array:
@@ -518,6 +545,7 @@ def tiny_overrides(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     c.rl.sde_window_size = min(c.rl.sde_window_size, 2)
     c.rl.prompts_per_iteration, c.rl.group_size = 2, 2
     c.rl.num_updates_per_batch = 1
+    c.runtime.micro_batches = 1
     trained = plan_steps(c.rl, c.sampling.num_steps, 1.0, 1, 0, np.random.default_rng(0)).trained.shape[1]
     c.rl.micro_batch_size = c.rl.prompts_per_iteration * c.rl.group_size * trained
     c.rl.lora_rank = min(c.rl.lora_rank, 2)

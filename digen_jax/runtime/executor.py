@@ -32,17 +32,14 @@ import orbax.checkpoint as ocp
 
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import lora
+from digen_jax.rl import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, Trajectory
 from digen_jax.rl.timesteps import plan_steps
-from digen_jax.rl.trainer import TrainState, build_units
+from digen_jax.rl.trainer import GradSum, TrainState, build_units
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import transfer
 from digen_jax.runtime.trace import Tracer, iteration_summary
-
-# fold_in tag of an iteration's per-sample keys (shared with rl.loop so both draw the same noise)
-SAMPLES_TAG = 1
-
 
 def validate_runtime_config(config, num_devices: int) -> None:
     """Reject a bad `runtime` section before any compute, naming the key."""
@@ -65,6 +62,14 @@ def validate_runtime_config(config, num_devices: int) -> None:
         value = rt[key]
         if value > rt.micro_batches:
             raise ValueError(f"runtime.{key}={value} exceeds runtime.micro_batches={rt.micro_batches}")
+    batch = rl.prompts_per_iteration * rl.group_size
+    trained = plan_steps(rl, config.sampling.num_steps, 1.0, 1, 0, np.random.default_rng(0)).trained.shape[1]
+    units = batch // rt.micro_batches * trained
+    if (flags.colocated or flags.tsp) and units % rl.micro_batch_size:
+        raise ValueError(
+            f"rl.micro_batch_size={rl.micro_batch_size} must divide the {units} training units of a micro-batch "
+            f"(runtime.micro_batches={rt.micro_batches})"
+        )
     for key in ("rollout_devices", "train_devices", "reward_devices"):
         if rt[key] < 0:
             raise ValueError(f"runtime.{key} must be >= 0, got {rt[key]}")
@@ -132,13 +137,19 @@ class Executor:
             nonfinite_streak=mesh_lib.replicated(train_mesh),
         )
         self.state_sharding = state_sh
+        trainer.pin_state_sharding(state_sh)
         # Fresh buffers: the update donates the state, and run.state must survive (resume, other modes).
-        self.state = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=state_sh)(run.state)
+        self.state = jax.device_put(jax.tree.map(jnp.copy, run.state), state_sh)
         if trainer.frozen is not None:
             trainer.frozen = jax.device_put(trainer.frozen, self._sharding["train"])
         self.frozen_on_rollout = None
         if self.lora_scale is not None and not self.meshes.colocated:
             self.frozen_on_rollout = transfer(trainer.frozen, self._sharding["rollout"])
+        decoder = run.workload.decoder_params
+        groups = {"shared": self.meshes.train} if self.meshes.colocated else {"rollout": self.meshes.rollout, "train": self.meshes.train}
+        if self.meshes.reward is not None:
+            groups["reward"] = self.meshes.reward
+        self._decoder = {} if decoder is None else {g: transfer(decoder, mesh_lib.replicated(m)) for g, m in groups.items()}
         self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
         self.rollout_params = None
         self.rollout_version = -1
@@ -178,7 +189,7 @@ class Executor:
         group = rl.group_size
         batch = len(prompt_ids) * group
         key = jax.random.fold_in(run.root_key, k)
-        sample_keys = jax.random.split(jax.random.fold_in(key, SAMPLES_TAG), batch)
+        sample_keys = jax.random.split(jax.random.fold_in(key, workload_lib.SAMPLES), batch)
         steps = plan_steps(rl, s.num_steps, s.noise_level, batch, k, np.random.default_rng([self.config.seed, k]))
         per_mb = batch // self.microbatches
         sample_prompts = np.repeat(np.asarray(prompt_ids), group, axis=0)
@@ -202,6 +213,11 @@ class Executor:
 
     # ------------------------------------------------------------------ tasks
     def _rollout(self, task: plan_lib.Task, mb: MicroBatch) -> None:
+        """Roll out, then decode where the reward runs; only host work goes to the reward threads.
+
+        Device programs are dispatched from this thread alone: programs with collectives
+        dispatched from several threads can interleave differently per device and deadlock.
+        """
         mesh = self.meshes.for_group(task.group)
         params = self._params_on(task.group, task.version)
         start = self.tracer.now()
@@ -209,15 +225,16 @@ class Executor:
         mb.traj = self.run.sampler.rollout(params, cond, keys, mb.noise_levels, self.run.latent_shape, task.version)
         mb.group, mb.version = task.group, task.version
         self.tracer.record(task, mb.traj.latents, start, sample_ids=mb.sample_ids.tolist())
-        mb.rewards = self.pool.submit(self._score, task, mb)
-
-    def _score(self, task: plan_lib.Task, mb: MicroBatch):
-        final = mb.traj.final
+        final, decoder = mb.traj.final, self._decoder.get(task.group)
         if self.meshes.reward is not None:
-            final = mesh_lib.put_batch(final, self.meshes.reward)
-        jax.block_until_ready(final)
+            final, decoder = mesh_lib.put_batch(final, self.meshes.reward), self._decoder.get("reward")
+        decoded = self.run.workload.decode(final, decoder)
+        mb.rewards = self.pool.submit(self._score, mb, decoded)
+
+    def _score(self, mb: MicroBatch, decoded: jax.Array) -> np.ndarray:
+        pixels = np.asarray(decoded)  # device-to-host copies only: no device program from this thread
         start = self.tracer.now()
-        rewards, _ = self.run.score(final, jnp.asarray(mb.prompt_ids))
+        rewards, _ = self.run.workload.reward(pixels, jnp.asarray(mb.prompt_ids))
         rewards = np.asarray(rewards, np.float32)
         reward_task = plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version)
         self.tracer.record_done(reward_task, start, self.tracer.now(), sample_ids=mb.sample_ids.tolist())
@@ -249,26 +266,16 @@ class Executor:
         )
         traj, cond, adv, trained = mesh_lib.put_batch((mb.traj, mb.cond, adv, jnp.asarray(mb.trained)), mesh)
         units = build_units(traj, cond, adv, trained)
-        trainer = self.run.trainer
-        outputs = []
+        trainer, acc_grads = self.run.trainer, acc["sum"]
         for chunk in self._chunks(units, mb.trained.shape[1]):
-            chunk = mesh_lib.put_batch(chunk, mesh)
-            if trainer.cfg.decoupled:
-                chunk = chunk.replace(proximal_log_prob=trainer.log_prob_fn(self.state.trainable, chunk))
-            (_, metrics), grads = trainer.grad_fn(self.state.trainable, chunk)
-            acc["grads"] = grads if acc["grads"] is None else trainer.accumulate(acc["grads"], grads)
-            acc["metrics"] = metrics if acc["metrics"] is None else jax.tree.map(jnp.add, acc["metrics"], metrics)
-            acc["count"] += 1
-            outputs.append(metrics["loss"])
-        self.tracer.record(task, outputs, start, sample_ids=mb.sample_ids.tolist())
+            trainer.add_chunk(acc_grads, self.state.trainable, mesh_lib.put_batch(chunk, mesh))
+        self.tracer.record(task, acc_grads.metrics["loss"], start, sample_ids=mb.sample_ids.tolist())  # grads get donated
 
     def _update(self, task: plan_lib.Task, acc: dict) -> dict:
         start = self.tracer.now()
-        finite = jnp.asarray(acc["finite"]) & jnp.isfinite(acc["metrics"]["loss"])
-        self.state, update_metrics = self.run.trainer.apply_update(self.state, acc["grads"], jnp.float32(acc["count"]), finite)
-        self.tracer.record(task, update_metrics["version"], start)
-        metrics = {k: v / acc["count"] for k, v in acc["metrics"].items()}
-        return {**metrics, **update_metrics}
+        self.state, metrics = self.run.trainer.finish_update(self.state, acc["sum"], acc["finite"])
+        self.tracer.record(task, metrics["version"], start)
+        return metrics
 
     # ------------------------------------------------------------------ one iteration
     def split_for(self, k: int) -> tuple[int, int]:
@@ -332,6 +339,7 @@ class Executor:
             elif task.kind == "sync":
                 self._sync(task.version)
         self.carried = list(next_mbs.values())
+        self._last = [mbs[(k, m)] for m in range(self.microbatches)]
         all_rewards = np.concatenate([mb.rewards.result() for mb in sorted(mbs.values(), key=lambda m: m.index)])
         last = update_metrics[-1]
         metrics = {name: jnp.mean(jnp.stack([m[name] for m in update_metrics])) for name in last}
@@ -349,13 +357,17 @@ class Executor:
         )
         return plan, metrics
 
+    def last_finals(self) -> jax.Array:
+        """Final latents of the last iteration's samples, in sample order (on the train devices)."""
+        return jnp.concatenate([mesh_lib.put_batch(mb.traj.final, self.meshes.train) for mb in self._last])
+
     @staticmethod
     def _fresh_acc() -> dict:
-        return {"grads": None, "metrics": None, "count": 0, "finite": True}
+        return {"sum": GradSum(), "finite": True}
 
     def timing(self, k: int, plan: plan_lib.IterationPlan) -> dict:
-        """Iteration k's measured figures (blocks until its tasks completed: call one step late)."""
-        self.tracer.wait()
+        """Iteration k's measured figures (waits until its tasks completed: call it one step late)."""
+        self.tracer.wait_through(k)
         events = self.tracer.events
         mine = [e for e in events if e["args"]["iteration"] == k or (e["args"]["kind"] == "sync" and e["args"]["iteration"] == k + 1)]
         for e in mine:
@@ -389,15 +401,14 @@ class Executor:
         }
 
     def save(self, manager: ocp.CheckpointManager, iterations_done: int) -> None:
-        meta = {"carried": [m.index for m in self.carried], "mode": self.mode}
-        manager.save(
-            iterations_done,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(self.state),
-                carried=ocp.args.StandardSave(jax.device_get(self._carried_tree())),
-                meta=ocp.args.JsonSave(meta),
-            ),
-        )
+        """Checkpoint the train state and the micro-batches prefetched for the next iteration (async)."""
+        items = {
+            "state": ocp.args.StandardSave(self.state),
+            "meta": ocp.args.JsonSave({"carried": [m.index for m in self.carried], "mode": self.mode}),
+        }
+        if self.carried:
+            items["carried"] = ocp.args.StandardSave(jax.device_get(self._carried_tree()))
+        manager.save(iterations_done, args=ocp.args.Composite(**items))
 
     def restore(self, manager: ocp.CheckpointManager) -> int:
         """Restore the latest checkpoint (state and prefetched micro-batches); the iteration to start from."""

@@ -35,7 +35,7 @@ class Tracer:
         self._queues: dict[str, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
         self._last_end: dict[str, float] = {}
-        self._pending = 0
+        self._pending: dict[int, int] = {}  # iteration -> recorded tasks not yet completed
         self._idle = threading.Condition(self._lock)
         self._error: BaseException | None = None
         self._file = None
@@ -57,7 +57,7 @@ class Tracer:
         """Time `task` by waiting (in the group's watcher) for `outputs` to be ready."""
         self._check()
         with self._lock:
-            self._pending += 1
+            self._count(task, +1)
             q = self._queues.get(task.group)
             if q is None:
                 q = self._queues[task.group] = queue.Queue()
@@ -69,7 +69,7 @@ class Tracer:
     def record_done(self, task: Task, start: float, end: float, **args: Any) -> None:
         """A task timed by whoever ran it (host work such as rewards)."""
         with self._lock:
-            self._pending += 1
+            self._count(task, +1)
         self._finish(task, start, end, args)
 
     def _watch(self, q: queue.Queue) -> None:
@@ -107,17 +107,28 @@ class Tracer:
             if self._file is not None:
                 self._file.write(json.dumps(event) + ",\n")
                 self._file.flush()
-            self._pending -= 1
+            self._count(task, -1)
             self._idle.notify_all()
+
+    def _count(self, task: Task, delta: int) -> None:
+        # A sync belongs to the iteration whose update it carries.
+        it = task.iteration - 1 if task.kind == "sync" else task.iteration
+        self._pending[it] = self._pending.get(it, 0) + delta
 
     def _check(self) -> None:
         if self._error is not None:
             raise self._error
 
     def wait(self) -> None:
-        """Block until every recorded task has completed (end of run, or metrics one step late)."""
+        """Block until every recorded task has completed."""
         with self._lock:
-            self._idle.wait_for(lambda: self._pending == 0)
+            self._idle.wait_for(lambda: not any(self._pending.values()))
+        self._check()
+
+    def wait_through(self, iteration: int) -> None:
+        """Block until the tasks of iterations <= `iteration` have completed (later ones may run on)."""
+        with self._lock:
+            self._idle.wait_for(lambda: not any(n for it, n in self._pending.items() if it <= iteration))
         self._check()
 
     def close(self) -> None:

@@ -1,0 +1,110 @@
+"""launch/bench.py model mode on CPU with tiny variants: the JSON it writes, its FLOPs, the peer."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from digen_jax import flops
+from digen_jax.models import FAMILIES
+from digen_jax.rl import lora
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "launch", "bench.py")
+_spec = importlib.util.spec_from_file_location("bench", SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+TINY = ["--variant=tiny", "--batch=2", "--height=64", "--width=32", "--text_len=6", "--lora_rank=2",
+        "--dtype=float32", "--repeats=1", "--warmup=0", "--matmul_size=64", "--matmul_chain=2"]
+
+
+def parse(*args):
+    bench.flags.FLAGS.unparse_flags()
+    bench.flags.FLAGS(["bench.py", *TINY, *args])
+
+
+def test_model_mode_writes_every_figure(tmp_path):
+    out = tmp_path / "qwen.json"
+    parse("--family=qwenimage", "--what=forward,lora_fwd_bwd,full_fwd_bwd", f"--out={out}")
+    result, path = bench.run_from_flags()
+    assert path == str(out)
+    written = json.loads(out.read_text())
+    assert written["config"]["family"] == "qwenimage" and written["config"]["image_tokens"] == 8
+    assert written["device"]["count"] >= 1 and written["device"]["kind"]
+    assert written["versions"]["jax"] and written["versions"]["flax"] and "torch" in written["versions"]
+    assert set(written["git"]) == {"commit", "dirty"}
+    assert written["peaks"]["datasheet_bf16_flops_per_s"] is None  # a CPU has no datasheet entry
+    assert written["peaks"]["measured_matmul"]["flops_per_s"] > 0
+    assert written["peer"] is None
+
+    cfg = FAMILIES["qwenimage"].variants["tiny"]
+    terms = flops.model_terms("qwenimage", cfg, batch=2, height=64, width=32, text_len=6)
+    want = {
+        "forward": terms.forward().total,
+        "lora_fwd_bwd": terms.lora_fwd_bwd(2, lora.ATTENTION_MLP_TARGETS["qwenimage"]).total,
+        "full_fwd_bwd": terms.full_fwd_bwd().total,
+    }
+    for what, flop in want.items():
+        entry = written["results"][what]
+        assert "error" not in entry, entry.get("error")
+        assert entry["flops"] == flop == entry["traced_matmul_flops"]  # no remat, XLA attention: exact
+        assert entry["flops_breakdown"]["total"] == flop
+        assert len(entry["times_s"]) == 1 and entry["median_s"] > 0 and entry["compile_s"] > 0
+        assert entry["flops_per_s"] == pytest.approx(flop / entry["median_s"])
+        assert entry["mfu_datasheet"] is None
+        peak = written["peaks"]["measured_matmul"]["flops_per_s"]
+        assert entry["mfu_measured_peak"] == pytest.approx(entry["flops_per_s"] / peak)
+    assert written["param_count"] == 89328 and written["lora_param_count"] > 0  # MODELS.md: the tiny Qwen-Image
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES.keys() & set(flops.FAMILIES)))
+def test_peer_runs_the_diffusers_module(family, tmp_path):
+    """The PyTorch peer in-process: the same config and shapes, LoRA on the same layers."""
+    frames = ["--frames=5"] if family in ("wan", "hunyuan_video") else []
+    parse(f"--family={family}", "--what=forward,lora_fwd_bwd", *frames)
+    bench.run_peer(str(tmp_path / "peer.json"))
+    peer = json.loads((tmp_path / "peer.json").read_text())
+    for what in ("forward", "lora_fwd_bwd"):
+        entry = peer["results"][what]
+        assert "error" not in entry, entry.get("error")
+        assert entry["median_s"] > 0 and entry["flops_per_s"] > 0
+    assert peer["results"]["lora_fwd_bwd"]["lora_impl"] in ("peft", "manual")
+
+
+def test_peer_subprocess_and_ratio(tmp_path):
+    out = tmp_path / "wan.json"
+    parse("--family=wan", "--frames=5", "--what=forward", "--peer", f"--out={out}")
+    result, _ = bench.run_from_flags()
+    assert "error" not in result["peer"], result["peer"].get("error")
+    assert result["peer_ratio"]["forward"] == pytest.approx(
+        result["peer"]["results"]["forward"]["median_s"] / result["results"]["forward"]["median_s"]
+    )
+
+
+def test_bad_flags_fail_before_device_work():
+    parse("--family=wan", "--frames=4")
+    with pytest.raises(ValueError, match="4k \\+ 1"):
+        bench.run_from_flags()
+    parse("--family=flux", "--what=forward,backward")
+    with pytest.raises(ValueError, match="--what"):
+        bench.run_from_flags()
+
+
+def test_datasheet_peaks():
+    assert bench.datasheet_peak("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert bench.datasheet_peak("NVIDIA H200") == 989.4e12
+    assert bench.datasheet_peak("NVIDIA A100-SXM4-80GB") == 312e12
+    assert bench.datasheet_peak("NVIDIA H100 PCIe") == 756e12
+    assert bench.datasheet_peak("cpu") is None
+
+
+def test_help_documents_the_flags():
+    proc = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 1) and "Model level (`--mode=model`)" in proc.stdout, proc.stderr  # absl exits 1
+    for flag in ("--mode", "--family", "--variant", "--batch", "--height", "--width", "--frames", "--text_len",
+                 "--what", "--lora_rank", "--remat_policy", "--attention_impl", "--dtype", "--repeats",
+                 "--warmup", "--out", "--peer"):
+        assert flag in proc.stdout, flag
