@@ -13,9 +13,8 @@ CPU smoke run of the tiny variant: --config=configs/qwenimage.py:tiny
 """
 import ml_collections
 
-from digen_jax.runtime.config import runtime_section, sharding_section
-
 from digen_jax.rl.workload import tiny_overrides
+from digen_jax.runtime.config import runtime_section, sharding_section
 
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
@@ -31,7 +30,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "bfloat16"
     c.model.attention_impl = "auto"
-    c.model.remat_policy = "none"
+    c.model.remat_policy = "full"  # training these sizes needs it; sampling has no backward to save for
     c.model.vae_decode_batch = 8  # samples per VAE decode call
 
     c.data = ml_collections.ConfigDict()
@@ -75,7 +74,8 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.max_grad_norm = 1.0
     c.rl.lora_rank = 64
     c.rl.lora_alpha = 128.0
-    c.rl.lora_merge_for_sampling = True
+    # Factored adapters in rollout: a merged copy next to the frozen base would not fit an 80 GB card.
+    c.rl.lora_merge_for_sampling = False
     c.rl.lora_targets = (r"transformer_blocks/attn/(to_|add_)", r"transformer_blocks/(img|txt)_mlp/")  # attention + MLP
     c.rl.ema = False
     c.rl.ema_decay = ml_collections.config_dict.placeholder(float)

@@ -104,5 +104,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2
 
     c.runtime = runtime_section()  # colocated, one micro-batch: the plain Flow-GRPO loop
+    c.runtime.train_devices = 1  # the tiny model gains nothing from splitting over (fake) devices
     c.sharding = sharding_section()
     return c

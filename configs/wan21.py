@@ -15,9 +15,8 @@ CPU smoke run of the tiny variant: --config=configs/wan21.py:tiny
 """
 import ml_collections
 
-from digen_jax.runtime.config import runtime_section, sharding_section
-
 from digen_jax.rl.workload import tiny_overrides
+from digen_jax.runtime.config import runtime_section, sharding_section
 
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
@@ -33,7 +32,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "bfloat16"
     c.model.attention_impl = "auto"
-    c.model.remat_policy = "none"
+    c.model.remat_policy = "full"  # training these sizes needs it; sampling has no backward to save for
     c.model.vae_decode_batch = 1  # samples per VAE decode call
 
     c.data = ml_collections.ConfigDict()

@@ -40,6 +40,7 @@ import traceback
 from typing import Any, Callable
 
 from absl import app, flags
+from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # jax, torch and digen_jax are imported inside the functions that use them: `--help` stays fast,
@@ -60,7 +61,11 @@ DATASHEET_BF16_PEAK = (
     ("l40s", 362e12),
 )
 
-_MODE = flags.DEFINE_enum("mode", "model", ["model"], "What to benchmark: 'model' (one transformer on one device).")
+_MODE = flags.DEFINE_enum(
+    "mode", "model", ["model", "system"],
+    "What to benchmark: 'model' (one transformer on one device) or 'system' (RL iterations of --config in "
+    "every schedule mode of --modes on all devices).",
+)
 _FAMILY = flags.DEFINE_enum("family", "flux", ["flux", "qwenimage", "wan", "hunyuan_video"], "Model family.")
 _VARIANT = flags.DEFINE_string(
     "variant", None, "Variant of the family's VARIANTS table: flux dev|schnell|tiny, qwenimage qwen-image|tiny, "
@@ -94,6 +99,18 @@ _OUT = flags.DEFINE_string(
     "Output JSON path. Default: benchmarks/results/model_<family>_<variant>_b<batch>_<h>x<w>[x<frames>]_<utc time>.json.",
 )
 _PEER = flags.DEFINE_bool("peer", False, "Also time the diffusers PyTorch module (bf16, eager, SDPA) on the same card.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/tiny.py", "System mode: the training config (ml_collections; override keys as --config.a.b=v)."
+)
+_MODES = flags.DEFINE_list(
+    "modes", ["colocated", "disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss"],
+    "System mode: the runtime.mode values to measure, one after another on the same devices.",
+)
+_ITERATIONS = flags.DEFINE_integer("iterations", 2, "System mode: timed iterations per schedule mode.")
+_WARMUP_ITERATIONS = flags.DEFINE_integer(
+    "warmup_iterations", 1, "System mode: untimed iterations first (compilation, first measured costs)."
+)
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/digen_bench", "System mode: where traces (trace_<mode>.json) go.")
 _PEER_WORKER = flags.DEFINE_string("peer_worker", None, "Internal: run only the PyTorch peer and write its JSON here.")
 # The flags the peer process needs to build the same model and inputs.
 _FORWARDED = (_FAMILY, _VARIANT, _BATCH, _HEIGHT, _WIDTH, _FRAMES, _TEXT_LEN, _WHAT, _LORA_RANK, _LORA_ALPHA,
@@ -341,6 +358,22 @@ def _row(what: str, entry: dict[str, Any]) -> str:
             f"{entry['flops_per_s'] / 1e12:7.1f} TFLOP/s  {mfu}")
 
 
+def _run_record(mode: str, used: int) -> dict[str, Any]:
+    """The fields every result JSON starts with: mode, time, command, commit, versions, devices."""
+    import jax
+
+    device = jax.devices()[0]
+    return {
+        "mode": mode,
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "git": _git_commit(),
+        "versions": _versions(),
+        "device": {"kind": device.device_kind, "platform": device.platform, "count": jax.device_count(),
+                   "used": used, "all_kinds": sorted({d.device_kind for d in jax.devices()})},
+    }
+
+
 def run_model() -> dict[str, Any]:
     """`--mode=model`: the PyTorch peer (subprocess, first) then the JAX measurements."""
     setup = _model_setup()
@@ -358,13 +391,7 @@ def run_model() -> dict[str, Any]:
         peaks["measured_peak"] = None
     jax_out = run_model_jax(setup, peaks)
     result = {
-        "mode": "model",
-        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "argv": sys.argv,
-        "git": _git_commit(),
-        "versions": _versions(),
-        "device": {"kind": device.device_kind, "platform": device.platform, "count": jax.device_count(),
-                   "used": 1, "all_kinds": sorted({d.device_kind for d in jax.devices()})},
+        **_run_record("model", used=1),
         "config": _config_record(setup),
         "peaks": {"datasheet_bf16_flops_per_s": peaks["datasheet"], "measured_matmul": matmul},
         **jax_out,
@@ -574,10 +601,40 @@ def run_peer(path: str) -> None:
 
 
 # ============================================================================ main
-MODES: dict[str, Callable[[], dict[str, Any]]] = {"model": run_model}
+def run_system() -> dict[str, Any]:
+    """`--mode=system`: every schedule mode of `--modes` on the same devices, model and batch."""
+    import jax
+
+    from digen_jax.runtime.benchmark import run_modes
+
+    config = _CONFIG.value
+    device = jax.devices()[0]
+    matmul = measure_matmul_peak(_MATMUL_SIZE.value, _MATMUL_CHAIN.value, 3) if _MATMUL_SIZE.value else None
+    peak = matmul["flops_per_s"] if matmul else datasheet_peak(device.device_kind)
+    figures = run_modes(
+        config, _MODES.value, _WORKDIR.value, warmup=_WARMUP_ITERATIONS.value, iterations=_ITERATIONS.value,
+        peak_flops=peak, log=lambda m: print(m, flush=True),
+    )
+    return {
+        **_run_record("system", used=jax.device_count()),
+        "gpu": device.device_kind,
+        "config": json.loads(config.to_json_best_effort()),
+        "peaks": {"datasheet_bf16_flops_per_s": datasheet_peak(device.device_kind), "measured_matmul": matmul,
+                  "mfu_against": "measured_matmul" if matmul else "datasheet"},
+        **figures,
+    }
+
+
+MODES: dict[str, Callable[[], dict[str, Any]]] = {"model": run_model, "system": run_system}
 
 
 def default_out(result: dict[str, Any]) -> str:
+    stamp = result["created_utc"].replace(":", "").replace("-", "").split("+")[0]
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+    if result["mode"] == "system":
+        model = result["config"]["model"]
+        name = f"system_{model['family']}_{model.get('variant', 'custom')}_{result['device']['count']}dev_{stamp}.json"
+        return os.path.join(root, name)
     c = result["config"]
     frames = f"x{c['frames']}" if c["family"] in ("wan", "hunyuan_video") else ""
     stamp = result["created_utc"].replace(":", "").replace("-", "").split("+")[0]

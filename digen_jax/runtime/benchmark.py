@@ -101,7 +101,12 @@ def run_modes(
             "staleness_max": max(t["staleness_max"] for t in timings),
             "splits": [{"tag": p.tag, "prefetch": p.prefetch, "carried": p.carried} for p in plans[warmup:]],
             "trace": os.path.basename(trace_path),
+            "micro_batches": mode_config.runtime.micro_batches,
         }
+        costs = executor.measured_costs()
+        if costs is not None:  # the measured task times, for the simulator (simulator.predict_from_profile)
+            record["costs"] = {"rollout": dict(costs.rollout), "reward": costs.reward, "train": costs.train,
+                               "update": costs.update, "sync": costs.sync}
         if per_sample is not None:
             record["flops_per_sample"] = per_sample
             achieved = rate * per_sample["total"] / devices

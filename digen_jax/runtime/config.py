@@ -12,6 +12,7 @@ def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_colle
             mode=mode,
             micro_batches=micro_batches,  # M: micro-batches (whole groups) per iteration
             # Devices per role (disaggregated modes); 0 = an even split of what is left.
+            # Colocated: train_devices > 0 uses only the first train_devices devices.
             rollout_devices=0,
             train_devices=0,
             reward_devices=0,  # 0: rewards are scored where decoding ran

@@ -142,6 +142,9 @@ class Executor:
         self.state = jax.device_put(jax.tree.map(jnp.copy, run.state), state_sh)
         if trainer.frozen is not None:
             trainer.frozen = jax.device_put(trainer.frozen, self._sharding["train"])
+            # The frozen base now lives on the train mesh; dropping the workload's first copy frees
+            # its device before the rollout replicas are made (a 20B base fits a card only once).
+            run.workload.base_params = None
         self.frozen_on_rollout = None
         if self.lora_scale is not None and not self.meshes.colocated:
             self.frozen_on_rollout = transfer(trainer.frozen, self._sharding["rollout"])

@@ -53,6 +53,8 @@ def build_role_meshes(runtime, devices: Sequence[jax.Device] | None = None) -> R
     """Meshes for the `runtime` config section (keys rollout_devices, train_devices, reward_devices)."""
     devices = list(jax.devices() if devices is None else devices)
     colocated = runtime.mode == "colocated"
+    if colocated and runtime.train_devices:  # colocated on the first `train_devices` devices
+        devices = devices[: runtime.train_devices]
     sizes = {"rollout": runtime.rollout_devices, "train": runtime.train_devices, "reward": runtime.reward_devices}
     roles = role_devices(devices, sizes, colocated=colocated)
     mesh = lambda ds: Mesh(np.array(ds), (AXIS,))  # noqa: E731
