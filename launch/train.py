@@ -24,6 +24,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from digen_jax.rl.loop import ConfigError, train, validate_config
+from digen_jax.runtime.distributed import initialize
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (metrics, TensorBoard, checkpoints).", required=True)
@@ -32,6 +33,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (metrics, Tens
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    initialize(_CONFIG.value)  # multi-process runs (runtime.distributed, SLURM) join before any JAX work
     try:
         validate_config(_CONFIG.value)  # bad input or missing files: a message, not a traceback
     except ConfigError as e:

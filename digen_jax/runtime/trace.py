@@ -172,7 +172,7 @@ def iteration_summary(events: Sequence[dict], iteration: int, window: tuple[floa
     staleness: dict[str, int] = {}
     for e in trained:
         lag = str(e["args"]["version"] - e["args"]["sample_version"])
-        staleness[lag] = staleness.get(lag, 0) + 1
+        staleness[lag] = staleness.get(lag, 0) + len(e["args"].get("sample_ids", ()))  # trained samples
     syncs = [e["dur"] / 1e6 for e in events if e["args"]["kind"] == "sync" and e["args"]["iteration"] == iteration + 1]
     return {
         "bubble_frac": {g: max(0.0, 1.0 - busy.get(g, 0.0) / span) for g in device_groups},
