@@ -44,7 +44,7 @@ def _open_clip_model_module():
     torchvision), the model code is imported with a placeholder for the one torchvision
     name it imports (FrozenBatchNorm2d, used only by ResNet towers)."""
     if importlib.util.find_spec("open_clip") is None:
-        pytest.skip("open_clip_torch is not installed (requirements.txt lists it)")
+        pytest.fail("open_clip_torch is not installed: python3 -m pip install --no-deps open_clip_torch==3.3.0 (README)")
     try:
         import open_clip
 
