@@ -27,6 +27,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.model.checkpoint = ""  # converted transformer dir (convert/diffusers_to_orbax.py)
     c.model.vae_checkpoint = ""  # converted VAE dir (AutoencoderKLQwenImage)
     c.model.random_init = False  # random transformer and VAE weights of `variant` (throughput runs)
+    c.model.num_layers = 0  # with random_init: > 0 keeps that many blocks (short throughput runs)
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "bfloat16"
     c.model.attention_impl = "auto"
@@ -97,5 +98,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     # Colocated by default (any device count); on a multi-GPU host try e.g.
     # --config.runtime.mode=gap+tsp+tag+tcss --config.runtime.rollout_devices=2 --config.runtime.train_devices=2
     c.runtime = runtime_section(micro_batches=8)
-    c.sharding = sharding_section()
+    # LoRA: the frozen base is replicated on every train device (data parallel, one adapter-gradient
+    # all-reduce per micro-batch) instead of FSDP's per-layer gathers; README 'Benchmarks' says why.
+    c.sharding = sharding_section(fsdp=False)
     return tiny_overrides(c) if size == "tiny" else c

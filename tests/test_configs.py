@@ -2,6 +2,7 @@
 iteration per family through `loop.train` (VAE decode and reward included), an embedding-cache
 run, and the bad-input errors, which must come before any device work."""
 import importlib.util
+import dataclasses
 import json
 import os
 import subprocess
@@ -196,6 +197,9 @@ def _model_json(path, family):
         ("flux", {"model.variant": "huge"}, r"model.variant='huge' is unknown"),
         ("flux", {"sampling.cfg_scale": 3.0}, r"sampling.cfg_scale=3.0: flux uses embedded guidance"),
         ("wan", {"reward.frame_stride": 0}, r"reward.frame_stride must be a positive integer"),
+        ("wan", {"model.random_init": False, "model.num_layers": 4}, r"model.num_layers=4 shortens random-weight models"),
+        ("qwenimage", {"model.num_single_layers": 4}, r"model.num_single_layers=4: qwenimage has no num_single_layers"),
+        ("flux", {"model.num_layers": -1}, r"model.num_layers must be an integer >= 0"),
         ("wan", {"model.random_init": False, "model.checkpoint": "/no/such/dir"},
          r"model.checkpoint='/no/such/dir' does not exist(.|\n)*diffusers_to_orbax.py --model_dir=<Wan2.1-T2V-14B"),
     ],
@@ -207,6 +211,21 @@ def test_bad_config_fails_before_device_work(no_device_work, family, overrides, 
         c[section][name] = value
     with pytest.raises(workload.ConfigError, match=match):
         loop.Run(c, "/tmp/never-created", log=lambda _: None)
+
+
+def test_depth_override_shortens_the_random_model_only():
+    """`model.num_layers` / `num_single_layers` keep that many blocks at the variant's width."""
+    c = get_config("flux")
+    c.model.random_init = c.data.random_embeddings = True
+    full = workload.model_config(c)
+    c.model.num_layers, c.model.num_single_layers = 2, 3
+    loop.validate_config(c)
+    short = workload.model_config(c)
+    assert (short.num_layers, short.num_single_layers) == (2, 3)
+    assert dataclasses.replace(short, num_layers=full.num_layers, num_single_layers=full.num_single_layers) == full
+    params = nn.unbox(FAMILIES["flux"].abstract_params(short))
+    assert {p.shape[0] for p in jax.tree.leaves(params["double_blocks"])} == {2}  # stacked for the scan
+    assert {p.shape[0] for p in jax.tree.leaves(params["single_blocks"])} == {3}
 
 
 def test_missing_inputs_say_what_and_how(no_device_work, tmp_path):

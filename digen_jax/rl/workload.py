@@ -11,8 +11,10 @@ Two workloads, picked by the config's sections:
 
 Each provides `task` (prompt sampling, encoding and text), `base_params`, `sampler`,
 `latent_shape`, `prompt_batch(k)`, `eval_batch(n)`, `score(latents, prompt_ids)` and
-`images(latents)`. `validate_config(config)` checks a config against its workload without
-touching a device, so bad input fails before any compute; `ConfigError` names the key.
+`images(latents)`; both score with `make_reward_fn(config)`: the rewards of `reward.weights`,
+each built with its `reward.options` entry. `validate_config(config)` checks a config against
+its workload without touching a device, so bad input fails before any compute; `ConfigError`
+names the key.
 """
 from __future__ import annotations
 
@@ -87,6 +89,8 @@ ZOO = {
                   "text_embed_dim", "pooled_projection_dim", True),
     )
 }
+# Config keys that shorten a random-weight transformer (block stacks by their config field names).
+DEPTH_KEYS = ("num_layers", "num_single_layers")
 _VAE_FAMILY = {"flux": "vae_flux", "qwenimage": "vae_qwenimage", "wan": "vae_wan", "hunyuan_video": "vae_hunyuan_video"}
 # The VAEs' 8x downsampling, then 2x2 packing or patches: sides are multiples of 16.
 _SIDE_MULTIPLE = 2 * diffusion.VAE_SCALE_FACTOR
@@ -96,6 +100,32 @@ _TEMPORAL = 4  # both video VAEs: 4k + 1 frames <-> k + 1 latent frames
 def is_shapes(config: ml_collections.ConfigDict) -> bool:
     """Whether `config` is the shapes task's (a `task` section) rather than a model-zoo one (`data`)."""
     return "task" in config
+
+
+# ---------------------------------------------------------------------------------------- rewards
+
+
+def reward_options(config: ml_collections.ConfigDict) -> dict[str, dict]:
+    """`reward.options` as plain dicts: {reward name: its factory's keyword arguments} (may be absent)."""
+    options = config.reward.get("options") or {}
+    if isinstance(options, ml_collections.ConfigDict):
+        options = options.to_dict()
+    return {name: dict(kwargs) for name, kwargs in options.items()}
+
+
+def _validate_reward_options(config: ml_collections.ConfigDict) -> None:
+    options = config.reward.get("options") or {}
+    for name, kwargs in options.items():
+        if name not in config.reward.weights:
+            raise ConfigError(f"reward.options names {name!r}, which is not in reward.weights "
+                              f"{sorted(dict(config.reward.weights))}: options belong to a weighted reward")
+        if not isinstance(kwargs, (dict, ml_collections.ConfigDict)):
+            raise ConfigError(f"reward.options[{name!r}] must map option names to values, got {kwargs!r}")
+
+
+def make_reward_fn(config: ml_collections.ConfigDict) -> registry.CombinedRewardFn:
+    """The combined reward of `reward.weights`, each reward built with its `reward.options` entry."""
+    return registry.weighted_reward(dict(config.reward.weights), reward_options(config))
 
 
 # ---------------------------------------------------------------------------------------- shapes
@@ -153,7 +183,7 @@ class ShapesWorkload(_Workload):
         super().__init__(config)
         s = config.sampling
         self.task = shapes_task(config)
-        self.reward_fn = registry.weighted_reward(dict(config.reward.weights))
+        self.reward_fn = make_reward_fn(config)
         self.family, self.model_cfg, self.base_params = self._base_model()
         res = config.task.resolution
         self.latent_shape = ((res // 2) ** 2, 12)
@@ -221,8 +251,14 @@ def model_config(config: ml_collections.ConfigDict):
     c = config.model
     family = FAMILIES[c.family]
     if c.random_init:
-        return dataclasses.replace(family.variants[c.variant], **_policy(c))
+        return dataclasses.replace(family.variants[c.variant], **_policy(c), **_depth_overrides(c))
     return family.config_from_diffusers(_read_model_json(c.checkpoint)["config"], **_policy(c))
+
+
+def _depth_overrides(model: ml_collections.ConfigDict) -> dict[str, int]:
+    """`model.num_layers` / `model.num_single_layers` when > 0: a shallower stack of the variant's
+    blocks (random weights only), for throughput runs that must fit a short device budget."""
+    return {key: model[key] for key in DEPTH_KEYS if model.get(key, 0) > 0}
 
 
 def vae_config(config: ml_collections.ConfigDict):
@@ -284,6 +320,15 @@ def _validate_zoo(config) -> None:
     if c.random_init and c.variant not in FAMILIES[c.family].variants:
         raise ConfigError(f"model.variant={c.variant!r} is unknown for {c.family}; "
                           f"known: {sorted(FAMILIES[c.family].variants)}")
+    for key in DEPTH_KEYS:
+        depth = c.get(key, 0)
+        if depth and not c.random_init:
+            raise ConfigError(f"model.{key}={depth} shortens random-weight models only (model.random_init=True); "
+                              "a converted checkpoint has its own depth")
+        if depth and not hasattr(FAMILIES[c.family].variants[c.variant], key):
+            raise ConfigError(f"model.{key}={depth}: {c.family} has no {key}")
+        if not isinstance(depth, int) or depth < 0:
+            raise ConfigError(f"model.{key} must be an integer >= 0 (0: the variant's depth), got {depth!r}")
     for key in ("height", "width"):
         value = s[key]
         if not isinstance(value, int) or value <= 0 or value % _SIDE_MULTIPLE:
@@ -429,7 +474,7 @@ class ModelZooWorkload(_Workload):
         super().__init__(config)
         c, s, d = config.model, config.sampling, config.data
         self.zoo = ZOO[c.family]
-        self.reward_fn = registry.weighted_reward(dict(config.reward.weights))
+        self.reward_fn = make_reward_fn(config)
         if d.random_embeddings:
             model_cfg = model_config(config)
             pooled = getattr(model_cfg, self.zoo.pooled_dim) if self.zoo.pooled_dim else None
@@ -522,8 +567,9 @@ def _to_uint8_frames(video: jax.Array) -> jax.Array:
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-    """The workload part of config validation: files, shapes and families, no device work."""
+    """The workload part of config validation: files, shapes, families and reward options, no device work."""
     (_validate_shapes if is_shapes(config) else _validate_zoo)(config)
+    _validate_reward_options(config)
 
 
 def make_workload(config: ml_collections.ConfigDict) -> ShapesWorkload | ModelZooWorkload:

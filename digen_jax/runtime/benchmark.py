@@ -81,11 +81,14 @@ def run_modes(
         log(f"[{mode}] {warmup} warm-up + {iterations} timed iterations of {batch} samples")
         executor = Executor(run, config=mode_config, trace_path=trace_path, log=log)
         try:
-            plans = []
+            plans, timings = [], []
             for k in range(warmup + iterations):
                 plan, _ = executor.iteration(k)
                 plans.append(plan)
-            timings = [executor.timing(k, p) for k, p in enumerate(plans)][warmup:]
+                if k:  # one step late, as in training: the elastic splits of k + 1 use k - 1's costs
+                    timings.append(executor.timing(k - 1, plans[k - 1]))
+            timings.append(executor.timing(len(plans) - 1, plans[-1]))
+            timings = timings[warmup:]
         finally:
             executor.close()
         devices = executor.meshes.num_devices

@@ -2,9 +2,12 @@
 
 The executor dispatches a task and hands its output arrays to `Tracer.record`; one watcher
 thread per device group waits for them (`block_until_ready`) in dispatch order and stamps
-the end time. A group runs its tasks in dispatch order, so a task starts when it was
-dispatched or when the group's previous task ended, whichever is later. The dispatching
-thread never waits on a device here.
+the end time. A group runs its tasks in dispatch order and a task runs once its inputs
+exist, so a task starts at the latest of: its dispatch, the end of the group's previous
+task, and the ends of the recorded tasks it depends on (`Task.deps`; a rollout waits for
+the weight sync, a sync for the update). Without the last term a task's duration would
+include the wait for another group, and the measured costs that choose the elastic splits
+would be wrong. The dispatching thread never waits on a device here.
 
 `trace.json` is a Chrome trace (JSON array format, opens in Perfetto or chrome://tracing).
 Events are appended as they complete, one per line, and the closing bracket is left out
@@ -24,6 +27,11 @@ import jax
 from digen_jax.runtime.plan import GROUPS, Task
 
 _THREAD_IDS = {g: i for i, g in enumerate(GROUPS)}
+_DEP_WAIT_S = 60.0  # bound on waiting for a dependency's stamp (a failed task never gets one)
+
+
+def _key(task: Task) -> tuple:
+    return (task.kind, task.iteration, task.index)
 
 
 class Tracer:
@@ -36,6 +44,8 @@ class Tracer:
         self._threads: list[threading.Thread] = []
         self._last_end: dict[str, float] = {}
         self._pending: dict[int, int] = {}  # iteration -> recorded tasks not yet completed
+        self._recorded: set[tuple] = set()  # (kind, iteration, index) of every recorded task
+        self._ends: dict[tuple, float] = {}  # (kind, iteration, index) -> end time of completed tasks
         self._idle = threading.Condition(self._lock)
         self._error: BaseException | None = None
         self._file = None
@@ -58,6 +68,7 @@ class Tracer:
         self._check()
         with self._lock:
             self._count(task, +1)
+            self._recorded.add(_key(task))
             q = self._queues.get(task.group)
             if q is None:
                 q = self._queues[task.group] = queue.Queue()
@@ -70,6 +81,7 @@ class Tracer:
         """A task timed by whoever ran it (host work such as rewards)."""
         with self._lock:
             self._count(task, +1)
+            self._recorded.add(_key(task))
         self._finish(task, start, end, args)
 
     def _watch(self, q: queue.Queue) -> None:
@@ -80,9 +92,17 @@ class Tracer:
             except BaseException as e:  # surfaced to the dispatching thread on its next call
                 self._error = e
             end = self.now()
-            start = max(dispatched, self._last_end.get(task.group, 0.0))
+            start = max(dispatched, self._last_end.get(task.group, 0.0), self._deps_end(task))
             self._last_end[task.group] = end
             self._finish(task, start, end, args)
+
+    def _deps_end(self, task: Task) -> float:
+        """Latest end of `task`'s recorded dependencies. They were recorded before it and its
+        outputs are ready, so theirs are too: their watchers stamp them momentarily."""
+        with self._lock:
+            recorded = [dep for dep in task.deps if tuple(dep) in self._recorded]
+            self._idle.wait_for(lambda: all(tuple(dep) in self._ends for dep in recorded), timeout=_DEP_WAIT_S)
+            return max((self._ends.get(tuple(dep), 0.0) for dep in recorded), default=0.0)
 
     def _finish(self, task: Task, start: float, end: float, args: dict) -> None:
         event = {
@@ -103,6 +123,7 @@ class Tracer:
             },
         }
         with self._lock:
+            self._ends[_key(task)] = end
             self.events.append(event)
             if self._file is not None:
                 self._file.write(json.dumps(event) + ",\n")
