@@ -32,6 +32,7 @@ import os
 import platform
 import re
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -649,6 +650,11 @@ def run_from_flags() -> tuple[dict[str, Any], str]:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
+    if result["mode"] == "system":  # the traces travel with the figures (they explain the bubbles)
+        traces = os.path.splitext(path)[0] + "_traces"
+        os.makedirs(traces, exist_ok=True)
+        for record in result["modes"].values():
+            shutil.copy(os.path.join(_WORKDIR.value, record["trace"]), traces)
     return result, path
 
 

@@ -108,3 +108,42 @@ def test_help_documents_the_flags():
                  "--what", "--lora_rank", "--remat_policy", "--attention_impl", "--dtype", "--repeats",
                  "--warmup", "--out", "--peer"):
         assert flag in proc.stdout, flag
+
+
+def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path):
+    """Every requested schedule mode from one run: rates, measured task costs the simulator reads
+    (colocated included), the splits of the timed iterations, and the traces next to the JSON."""
+    from digen_jax.runtime import simulator
+    from digen_jax.runtime.trace import read_trace
+
+    out = tmp_path / "system.json"
+    modes = ["colocated", "gap+tsp+tag+tcss"]
+    config_file = tmp_path / "system_config.py"
+    config_file.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.join(ROOT, 'configs')!r})\n"
+        "import qwenimage\n\n"
+        "def get_config():\n"
+        "    c = qwenimage.get_config('tiny')\n"
+        "    c.model.num_layers = 1\n"
+        "    c.runtime.rollout_devices, c.runtime.micro_batches = 4, 2  # the other 4 train\n"
+        "    c.rl.prompts_per_iteration, c.rl.micro_batch_size = 4, 4\n"
+        "    return c\n"
+    )
+    parse(
+        "--mode=system", f"--config={config_file}", f"--modes={','.join(modes)}", "--iterations=2",
+        f"--workdir={tmp_path / 'work'}", f"--out={out}",
+    )
+    result, path = bench.run_from_flags()
+    written = json.loads(out.read_text())
+    assert written["config"]["model"]["num_layers"] == 1 and written["batch"] == 8
+    assert list(written["modes"]) == modes
+    for mode, record in written["modes"].items():
+        assert record["samples_per_s"] > 0 and len(record["iteration_s"]) == 2 and len(record["splits"]) == 2
+        assert record["flops_per_sample"]["total"] > 0 and record["mfu"] > 0
+        groups = {"shared"} if mode == "colocated" else {"rollout", "train"}
+        assert set(record["bubble_frac"]) == groups
+        assert groups <= set(record["costs"]["rollout"]) and record["costs"]["train"] > 0
+        events = read_trace(os.path.join(os.path.splitext(path)[0] + "_traces", record["trace"]))
+        assert {"rollout", "train", "update"} <= {e["args"]["kind"] for e in events}
+    assert set(simulator.predict_from_profile(written)) == set(modes)  # the record is a simulator profile

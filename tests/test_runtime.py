@@ -2,10 +2,16 @@
 import collections
 import json
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from configs import tiny
 from digen_jax.rl import loop
@@ -121,7 +127,27 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(cache_dir, tmp_path_factory):
+def compile_cache(tmp_path_factory):
+    """A persistent compilation cache for this module (its path): the kill test's child processes
+    load the programs the `runs` fixture compiled instead of compiling them again."""
+    path = str(tmp_path_factory.mktemp("compiled"))
+    settings = {
+        "jax_compilation_cache_dir": path,
+        "jax_persistent_cache_min_compile_time_secs": 0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+    }
+    before = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()  # JAX sets the cache up once per process, at its first compile
+    yield path
+    for name, value in before.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir, compile_cache, tmp_path_factory):
     """Every mode for two iterations from the same Run (same initial weights, shared compiled steps)."""
     workdir = tmp_path_factory.mktemp("runtime")
     run = loop.Run(runtime_config(cache_dir, "colocated"), str(workdir), log=lambda _: None)
@@ -218,53 +244,138 @@ def test_bad_runtime_config_names_the_key(cache_dir, override, key):
         validate_runtime_config(config, 8)
 
 
-_TRAIN_SCRIPT = """
+# ---------------------------------------------------------------- kill and resume
+# The killed run: `kill_config` in a child process whose first training task of iteration
+# KILLED_IN (after checkpoint KILLED_IN was written) announces itself and stalls until its
+# stdin closes, so the SIGKILL always lands mid-iteration (and a child outlives no parent).
+# It runs the programs the `runs` fixture compiled (same configs, and conftest.py's matmul
+# precision), loaded from the module's compilation cache.
+KILLED_IN = ITERATIONS - 1
+_KILLED_RUN = """
+import os
 import sys
-from tests.test_runtime import runtime_config
 from digen_jax.rl import loop
-config = runtime_config(sys.argv[1], sys.argv[2])
-config.train.iterations = 4
-config.train.checkpoint_every = 1
-loop.train(config, sys.argv[3], log=lambda m: print(m, flush=True))
+from digen_jax.runtime.executor import Executor
+from tests.test_runtime import KILLED_IN, kill_config
+
+train = Executor._train
+
+def train_then_stall(self, task, mb, acc):
+    train(self, task, mb, acc)
+    if task.iteration == KILLED_IN:
+        print("STALLED", flush=True)
+        sys.stdin.read()  # returns when the test process closes the pipe: it is gone
+        os._exit(1)
+
+Executor._train = train_then_stall
+loop.train(kill_config(sys.argv[1], sys.argv[2]), sys.argv[3], log=lambda m: print(m, flush=True))
 """
 
 
-def _resume_config(cache_dir, mode):
+def kill_config(cache_dir, mode):
+    """The `runs` fixture's config of `mode` as a training run checkpointing every iteration."""
     config = runtime_config(cache_dir, mode)
-    config.train.iterations = 4
+    config.train.iterations = ITERATIONS
     config.train.checkpoint_every = 1
     return config
 
 
-# The hardest mode: its checkpoints carry prefetched micro-batches (colocated resume is
-# covered in test_train_loop; the restore path is the same).
-@pytest.mark.parametrize("mode", ["gap+tsp+tag+tcss"])
-def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(cache_dir, tmp_path, mode):
-    import signal
-    import subprocess
-    import sys
-    import time
+class KilledRuns:
+    """One killed training process per mode. Each is started a mode ahead, so that it runs on
+    the second core while the previous mode resumes in the test process."""
 
-    reference = loop.train(_resume_config(cache_dir, mode), str(tmp_path / "reference"), log=lambda _: None)
-    workdir = tmp_path / "killed"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _TRAIN_SCRIPT, str(cache_dir), mode, str(workdir)],
-        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    deadline = time.time() + 240
-    checkpoint = workdir / "checkpoints" / "2"
-    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)  # iteration 3 is in flight
-    output = proc.communicate()[0].decode()
-    assert checkpoint.exists(), output[-2000:]
-    assert not (workdir / "checkpoints" / "4").exists(), "the run finished before it was killed"
+    def __init__(self, cache_dir, compile_cache, workdirs):
+        self.cache_dir, self.workdirs = cache_dir, workdirs
+        self.env = dict(
+            os.environ,
+            XLA_FLAGS="--xla_force_host_platform_device_count=8",
+            JAX_PLATFORMS="cpu",
+            JAX_DEFAULT_MATMUL_PRECISION="highest",
+            JAX_COMPILATION_CACHE_DIR=compile_cache,
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+        )
+        self.procs = {}
+
+    def start(self, mode):
+        """Start `mode`'s run unless it was started; (process, workdir)."""
+        if mode not in self.procs:
+            workdir = self.workdirs.mktemp(mode.replace("+", "_"))
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _KILLED_RUN, str(self.cache_dir), mode, str(workdir)],
+                cwd=root, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            self.procs[mode] = (proc, workdir)
+        return self.procs[mode]
+
+    def kill(self, mode):
+        """SIGKILL `mode`'s run once it stalls mid-iteration (and its checkpoint is written); its workdir."""
+        proc, workdir = self.start(mode)
+        following = plan_lib.MODES[plan_lib.MODES.index(mode) + 1 :]
+        if following:
+            self.start(following[0])
+        watchdog = threading.Timer(240, proc.kill)  # a child that never stalls must not hang the suite
+        watchdog.daemon = True
+        watchdog.start()
+        output = []
+        for line in proc.stdout:
+            output.append(line)
+            if line.strip() == "STALLED":
+                break
+        checkpoint = workdir / "checkpoints" / str(KILLED_IN)
+        while proc.poll() is None and not checkpoint.exists():  # written asynchronously
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        output.append(proc.communicate()[0])
+        watchdog.cancel()
+        assert proc.returncode == -signal.SIGKILL and checkpoint.exists(), "".join(output)[-3000:]
+        return workdir
+
+    def close(self):
+        for proc, _ in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def killed_runs(runs, cache_dir, compile_cache, tmp_path_factory):
+    """Started after `runs`, whose compiled programs the children load from the cache."""
+    killed = KilledRuns(cache_dir, compile_cache, tmp_path_factory)
+    yield killed
+    killed.close()
+
+
+@pytest.mark.parametrize("mode", plan_lib.MODES)
+def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(runs, killed_runs, cache_dir, mode):
+    workdir = killed_runs.kill(mode)
+    assert not (workdir / "checkpoints" / str(ITERATIONS)).exists(), "the run finished before it was killed"
+    killed_rows = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
+    assert killed_rows == list(range(1, KILLED_IN + 1))
+    killed_events = len(read_trace(workdir / "trace.json"))
+
     logs = []
-    resumed = loop.train(_resume_config(cache_dir, mode), str(workdir), log=logs.append)
-    assert any("resumed from" in line for line in logs)
-    steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
-    assert steps == [1, 2, 3, 4]  # rows the killed run wrote past its last checkpoint were dropped
-    for a, b in zip(jax.tree.leaves(jax.device_get(resumed.trainable)), jax.tree.leaves(jax.device_get(reference.trainable))):
+    resumed = loop.train(kill_config(cache_dir, mode), str(workdir), log=logs.append)
+    assert any(f"resumed from checkpoint {KILLED_IN}" in line for line in logs), logs
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, ITERATIONS + 1))
+    uninterrupted = runs[mode]
+    for row, metrics in zip(rows, uninterrupted["metrics"]):
+        assert row["reward_mean"] == metrics["reward_mean"] and row["loss"] == float(metrics["loss"]), row["step"]
+    final = jax.device_get(uninterrupted["executor"].state.trainable)
+    for a, b in zip(jax.tree.leaves(jax.device_get(resumed.trainable)), jax.tree.leaves(final)):
         np.testing.assert_array_equal(a, b)
+    # The resumed process trained the killed iteration's samples once each, and took the ones
+    # prefetched before the checkpoint from it instead of rolling them out again.
+    batch, per_microbatch = 16, 4
+    resumed_events = read_trace(workdir / "trace.json")[killed_events:]
+
+    def sample_ids(kind):
+        return collections.Counter(sid for e in resumed_events if e["args"]["kind"] == kind for sid in e["args"]["sample_ids"])
+
+    trained, rolled = sample_ids("train"), sample_ids("rollout")
+    assert sorted(trained) == list(range(KILLED_IN * batch, ITERATIONS * batch)) and set(trained.values()) == {1}
+    prefetched = runtime_config(cache_dir, mode).runtime.prefetch_microbatches * per_microbatch
+    assert set(trained) - set(rolled) == set(range(KILLED_IN * batch, KILLED_IN * batch + prefetched))
+    assert set(rolled.values()) == {1}
