@@ -13,6 +13,10 @@ to make each), or run on random weights and embeddings for throughput:
         --config.model.random_init=True --config.data.random_embeddings=True
     python launch/train.py --config=configs/qwenimage.py:tiny --workdir=/tmp/qwen-tiny  # CPU-sized
 
+`--autosize=h100:8` (a pool as `launch/simulate.py --pool` takes it) or `--autosize=local` (this
+run's devices) lets the simulator choose runtime.rollout_devices, train_devices and
+micro_batches for the configured disaggregated runtime.mode before training starts.
+
 Any config key can be overridden as `--config.a.b=value`. Writes `WORKDIR/metrics.jsonl`
 (one JSON object per iteration: step, reward_mean, reward_std, loss, kl, clip_frac,
 samples_per_s, ...), TensorBoard logs in `WORKDIR/tb` and checkpoints in
@@ -28,6 +32,34 @@ from digen_jax.runtime.distributed import initialize
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (metrics, TensorBoard, checkpoints).", required=True)
+_AUTOSIZE = flags.DEFINE_string(
+    "autosize", None,
+    "Let the simulator choose runtime.rollout_devices, train_devices and micro_batches for the configured "
+    "disaggregated runtime.mode: a pool spec such as 'h100:8' (launch/simulate.py --pool), or 'local' for "
+    "this run's devices (their kind and count).",
+)
+
+
+def apply_autosize(config, spec: str) -> str:
+    """Size `config`'s roles for `spec` (see --autosize) in place; returns a line saying what was chosen."""
+    import jax
+
+    from digen_jax.runtime import plan, simulator
+
+    if plan.mode_flags(config.runtime.mode).colocated:
+        raise ConfigError("--autosize sizes the roles of a disaggregated runtime.mode; 'colocated' has one group")
+    try:
+        if spec == "local":
+            spec = f"{simulator.local_kind(jax.devices()[0].device_kind)}:{jax.device_count()}"
+        pool = simulator.Pool.parse(spec)
+        if pool.total != jax.device_count():
+            raise ValueError(f"the pool {spec!r} has {pool.total} devices, this run {jax.device_count()}")
+        sizing = simulator.size_config(config, pool)
+    except ValueError as e:
+        raise ConfigError(f"--autosize={spec}: {e}") from None
+    rt = config.runtime
+    return (f"autosize on {pool.describe()}: rollout_devices={rt.rollout_devices} train_devices={rt.train_devices} "
+            f"micro_batches={rt.micro_batches} (predicted {sizing.prediction.samples_per_s:.3f} samples/s)")
 
 
 def main(argv):
@@ -35,6 +67,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     initialize(_CONFIG.value)  # multi-process runs (runtime.distributed, SLURM) join before any JAX work
     try:
+        if _AUTOSIZE.value:
+            print(apply_autosize(_CONFIG.value, _AUTOSIZE.value), flush=True)
         validate_config(_CONFIG.value)  # bad input or missing files: a message, not a traceback
     except ConfigError as e:
         sys.exit(f"error in --config={flags.FLAGS['config'].config_filename}: {e}")

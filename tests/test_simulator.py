@@ -239,6 +239,44 @@ def test_autosize_is_at_least_as_good_as_the_naive_split(qwen):
         sim.autosize(qwen, pool, mode="colocated")
 
 
+def test_train_autosize_sizes_the_config_it_will_run():
+    """launch/train.py --autosize: the simulator's role sizes and micro-batches land in the config,
+    which the executor then accepts on this run's 8 devices; TAG share and prefetch stay elastic."""
+    import importlib.util
+
+    from configs import qwenimage
+    from digen_jax.rl.workload import ConfigError
+    from digen_jax.runtime.executor import validate_runtime_config
+
+    spec = importlib.util.spec_from_file_location("train_script", os.path.join(ROOT, "launch", "train.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    config = qwenimage.get_config()
+    config.runtime.mode = FULL
+    line = script.apply_autosize(config, "h100:8")
+    want = sim.autosize(config, sim.Pool.parse("h100:8"), mode=FULL)
+    rt = config.runtime
+    assert (rt.rollout_devices, rt.train_devices, rt.micro_batches) == (want.rollout_devices, want.train_devices, want.microbatches)
+    assert rt.tag_microbatches == rt.prefetch_microbatches == -1
+    assert f"rollout_devices={want.rollout_devices}" in line and "samples/s" in line
+    validate_runtime_config(config, 8)
+    with pytest.raises(ConfigError, match="--autosize=local: device kind 'cpu' has no entry"):
+        script.apply_autosize(config, "local")
+    with pytest.raises(ConfigError, match="has 16 devices, this run 8"):
+        script.apply_autosize(config, "h100:16")
+    config.runtime.mode = "colocated"
+    with pytest.raises(ConfigError, match="'colocated' has one group"):
+        script.apply_autosize(config, "h100:8")
+
+
+@pytest.mark.parametrize("jax_kind, key", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100_pcie"), ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "l40s"),
+])
+def test_local_device_kinds(jax_kind, key):
+    assert sim.local_kind(jax_kind) == key
+
+
 @pytest.mark.parametrize("spec, match", [
     ("b200:8", "unknown"), ("h100:8/rollout=8", "rollout devices"), ("h100", "expected"), ("rollout=h100:4", "expected"),
 ])

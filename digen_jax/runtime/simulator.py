@@ -93,6 +93,18 @@ def device_kind(name: str) -> DeviceKind:
     return DEVICES[key]
 
 
+def local_kind(jax_device_kind: str) -> str:
+    """The `DEVICES` key of a JAX `device_kind` ('NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H100 PCIe'
+    -> 'h100_pcie'); a ValueError for kinds the table lacks (then name a pool, e.g. 'h100:8')."""
+    name = jax_device_kind.lower()
+    for key in sorted(DEVICES, key=len, reverse=True):  # 'h100_pcie' before 'h100'
+        model, _, variant = key.partition("_")
+        if model in name and (not variant or variant in name):
+            return key
+    raise ValueError(f"device kind {jax_device_kind!r} has no entry in the simulator's table {sorted(DEVICES)}; "
+                     "name a pool instead (e.g. h100:8)")
+
+
 def with_prices(prices: Mapping[str, float]) -> dict[str, DeviceKind]:
     """A copy of `DEVICES` with `prices` ($/device-hour by kind) replacing the defaults."""
     table = dict(DEVICES)
@@ -627,6 +639,17 @@ def autosize(config_or_workload, pool: Pool, *, mode: str = "gap+tsp+tag+tcss", 
         raise ValueError(f"no role split of {pool.describe()} can run {mode}")
     chosen, p = best
     return Sizing(chosen.rollout_devices, chosen.train_devices, p.microbatches, p.tag, p.prefetch, p)
+
+
+def size_config(config, pool: Pool) -> Sizing:
+    """`autosize` for `config`'s `runtime.mode` on `pool`, applied to `config` in place: role sizes
+    and micro-batch count. The TAG share and prefetch stay as configured (-1: chosen every
+    iteration from measured costs, which track the real devices better than a prediction)."""
+    sizing = autosize(config, pool, mode=config.runtime.mode)
+    overrides = sizing.runtime_overrides()
+    for key in ("rollout_devices", "train_devices", "micro_batches"):
+        config.runtime[key] = overrides[key]
+    return sizing
 
 
 # ---------------------------------------------------------------------------------------- profiles
