@@ -40,25 +40,18 @@ _AUTOSIZE = flags.DEFINE_string(
 )
 
 
-def apply_autosize(config, spec: str) -> str:
-    """Size `config`'s roles for `spec` (see --autosize) in place; returns a line saying what was chosen."""
+def autosize_line(config, spec: str) -> str:
+    """--autosize: size `config`'s roles in place; a line saying what was chosen."""
     import jax
 
-    from digen_jax.runtime import plan, simulator
+    from digen_jax.runtime import simulator
 
-    if plan.mode_flags(config.runtime.mode).colocated:
-        raise ConfigError("--autosize sizes the roles of a disaggregated runtime.mode; 'colocated' has one group")
     try:
-        if spec == "local":
-            spec = f"{simulator.local_kind(jax.devices()[0].device_kind)}:{jax.device_count()}"
-        pool = simulator.Pool.parse(spec)
-        if pool.total != jax.device_count():
-            raise ValueError(f"the pool {spec!r} has {pool.total} devices, this run {jax.device_count()}")
-        sizing = simulator.size_config(config, pool)
+        pool, sizing = simulator.size_config(config, spec, jax.devices())
     except ValueError as e:
         raise ConfigError(f"--autosize={spec}: {e}") from None
     rt = config.runtime
-    return (f"autosize on {pool.describe()}: rollout_devices={rt.rollout_devices} train_devices={rt.train_devices} "
+    return (f"autosize for {pool.total} x {pool.kind('rollout').name}: rollout_devices={rt.rollout_devices} train_devices={rt.train_devices} "
             f"micro_batches={rt.micro_batches} (predicted {sizing.prediction.samples_per_s:.3f} samples/s)")
 
 
@@ -68,7 +61,7 @@ def main(argv):
     initialize(_CONFIG.value)  # multi-process runs (runtime.distributed, SLURM) join before any JAX work
     try:
         if _AUTOSIZE.value:
-            print(apply_autosize(_CONFIG.value, _AUTOSIZE.value), flush=True)
+            print(autosize_line(_CONFIG.value, _AUTOSIZE.value), flush=True)
         validate_config(_CONFIG.value)  # bad input or missing files: a message, not a traceback
     except ConfigError as e:
         sys.exit(f"error in --config={flags.FLAGS['config'].config_filename}: {e}")

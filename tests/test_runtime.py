@@ -15,6 +15,8 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from configs import tiny
 from digen_jax.rl import loop
+from digen_jax.runtime import executor as executor_lib
+from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.executor import Executor, validate_runtime_config
 from digen_jax.runtime.trace import read_trace
@@ -379,3 +381,29 @@ def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(runs, ki
     prefetched = runtime_config(cache_dir, mode).runtime.prefetch_microbatches * per_microbatch
     assert set(trained) - set(rolled) == set(range(KILLED_IN * batch, KILLED_IN * batch + prefetched))
     assert set(rolled.values()) == {1}
+
+
+def test_host_derived_inputs_are_computed_off_the_role_devices(cache_dir, tmp_path, monkeypatch):
+    """Sample keys, conditioning slices and advantages are computed on `mesh.host_device()` (the
+    CPU backend on accelerator machines), not on the default device: that is a rollout device,
+    and a training task's advantages would wait there behind every rollout dispatched before it."""
+    host = jax.devices()[7]  # stands in for the CPU backend: a reward device, neither rollout nor train
+    monkeypatch.setattr(mesh_lib, "host_device", lambda: host)
+    config = runtime_config(cache_dir, "gap", rollout_devices=2, train_devices=2, reward_devices=4)
+    run = loop.Run(config, str(tmp_path), log=lambda _: None)
+    executor = Executor(run, log=lambda _: None)
+    assert host not in set(executor.meshes.rollout.devices.flat) | set(executor.meshes.train.devices.flat)
+    for mb in executor.microbatches_of(0):
+        assert {d for leaf in jax.tree.leaves((mb.cond, mb.sample_keys)) for d in leaf.devices()} == {host}
+    made_on = []
+    advantages = executor_lib.adv_lib.group_advantages
+
+    def recording(*args, **kwargs):
+        out = advantages(*args, **kwargs)
+        made_on.append(out.devices())
+        return out
+
+    monkeypatch.setattr(executor_lib.adv_lib, "group_advantages", recording)
+    executor.iteration(0)
+    executor.close()
+    assert made_on == [{host}] * config.runtime.micro_batches

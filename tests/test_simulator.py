@@ -239,34 +239,30 @@ def test_autosize_is_at_least_as_good_as_the_naive_split(qwen):
         sim.autosize(qwen, pool, mode="colocated")
 
 
-def test_train_autosize_sizes_the_config_it_will_run():
+def test_size_config_sizes_the_config_it_will_run():
     """launch/train.py --autosize: the simulator's role sizes and micro-batches land in the config,
     which the executor then accepts on this run's 8 devices; TAG share and prefetch stay elastic."""
-    import importlib.util
+    import jax
 
     from configs import qwenimage
-    from digen_jax.rl.workload import ConfigError
     from digen_jax.runtime.executor import validate_runtime_config
 
-    spec = importlib.util.spec_from_file_location("train_script", os.path.join(ROOT, "launch", "train.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     config = qwenimage.get_config()
     config.runtime.mode = FULL
-    line = script.apply_autosize(config, "h100:8")
+    pool, sized = sim.size_config(config, "h100:8", jax.devices())
     want = sim.autosize(config, sim.Pool.parse("h100:8"), mode=FULL)
     rt = config.runtime
     assert (rt.rollout_devices, rt.train_devices, rt.micro_batches) == (want.rollout_devices, want.train_devices, want.microbatches)
+    assert sized.prediction.samples_per_s == pytest.approx(want.prediction.samples_per_s) and pool.total == 8
     assert rt.tag_microbatches == rt.prefetch_microbatches == -1
-    assert f"rollout_devices={want.rollout_devices}" in line and "samples/s" in line
     validate_runtime_config(config, 8)
-    with pytest.raises(ConfigError, match="--autosize=local: device kind 'cpu' has no entry"):
-        script.apply_autosize(config, "local")
-    with pytest.raises(ConfigError, match="has 16 devices, this run 8"):
-        script.apply_autosize(config, "h100:16")
+    with pytest.raises(ValueError, match="device kind 'cpu' has no entry"):
+        sim.size_config(config, "local", jax.devices())
+    with pytest.raises(ValueError, match="has 16 devices, this run 8"):
+        sim.size_config(config, "h100:16", jax.devices())
     config.runtime.mode = "colocated"
-    with pytest.raises(ConfigError, match="'colocated' has one group"):
-        script.apply_autosize(config, "h100:8")
+    with pytest.raises(ValueError, match="'colocated' has one group"):
+        sim.size_config(config, "h100:8", jax.devices())
 
 
 @pytest.mark.parametrize("jax_kind, key", [

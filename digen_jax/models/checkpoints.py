@@ -35,6 +35,9 @@ def load_checkpoint(path: str, *, shardings=None, **policy) -> tuple[ModelFamily
     Parameters are restored with the config's `param_dtype` (override it through
     `policy`), into `shardings` when given (a pytree of `jax.sharding.Sharding`
     matching the params), and validated against the module's parameter shapes.
+    Without `shardings` they land on the first device, or in a multi-process run on the
+    host (numpy): every process then holds the same values, which `jax.device_put` and
+    `runtime.distributed.transfer` may place on any process's devices.
     """
     from digen_jax.models import FAMILIES  # the registry imports this module
 
@@ -54,10 +57,13 @@ def load_checkpoint(path: str, *, shardings=None, **policy) -> tuple[ModelFamily
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, np.dtype(cfg.param_dtype)), nn.unbox(family.abstract_params(cfg))
     )
+    on_host = shardings is None and jax.process_count() > 1
+    if on_host:  # the saved device may belong to another process: restore onto this one's first
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), abstract)
     if shardings is not None:
         abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
     try:
         params = ocp.StandardCheckpointer().restore(os.path.join(path, PARAMS_DIR), abstract)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConversionError(f"{path}: checkpoint does not match the {family.name} config in {MODEL_JSON}: {e}") from e
-    return family, cfg, params
+    return family, cfg, jax.tree.map(np.asarray, params) if on_host else params

@@ -181,6 +181,12 @@ def _prompt_tokens(tokenize, prompts, metadata, context_length: int) -> np.ndarr
     )
 
 
+def current_device() -> jax.Device:
+    """The device this thread places new arrays on: `jax.default_device`'s, else the first local one."""
+    device = jax.config.jax_default_device
+    return device if isinstance(device, jax.Device) else jax.local_devices(backend=device)[0]
+
+
 def build_clip_reward(
     scorer: Scorer,
     cfg: clip.CLIPConfig,
@@ -189,8 +195,13 @@ def build_clip_reward(
     tokenizer: Callable | None = None,
     frame_stride: int = 1,
 ) -> RewardFn:
-    """Host wrapper: a registry `RewardFn` around the jitted score function."""
+    """Host wrapper: a registry `RewardFn` around the jitted score function.
+
+    Scores on the calling thread's default device (`jax.default_device`; the executor sets the
+    reward role's device there), with `params` copied to each such device once.
+    """
     score = jitted_score_fn(scorer, cfg)
+    placed = {}  # device -> params on it
 
     def reward(images: Any, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> np.ndarray:
         array = np.asarray(images)
@@ -206,7 +217,10 @@ def build_clip_reward(
             if len(tokens) != batch:
                 raise ValueError(f"got {batch} images but {len(tokens)} prompts")
             tokens = np.repeat(tokens, per_sample, axis=0)
-        scores = np.asarray(score(params, frames, tokens), np.float32)
+        device = current_device()
+        if device not in placed:
+            placed[device] = jax.device_put(params, device)
+        scores = np.asarray(score(placed[device], frames, tokens), np.float32)
         return scores.reshape(batch, per_sample).mean(axis=1)
 
     return reward

@@ -19,6 +19,7 @@ third. Clean renders score 1; a wrong colour or quadrant about 1/3; noise and bl
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -34,26 +35,25 @@ IOU_FLOOR = 0.5
 _EPS = 1e-6
 
 
+@functools.cache  # built on first use: importing must not start JAX (multi-process runs initialise first)
 def _templates() -> np.ndarray:
     """(len(SHAPES) + 1, S + 2, S + 2) float32: each shape's mask with a 1-px margin, then the window."""
     local = np.arange(SHAPE_SIZE + 2) - 1
     y, x = local[:, None], local[None, :]
-    masks = [np.asarray(shape_mask(k, y, x), np.float32) for k in range(len(SHAPES))]
+    with jax.ensure_compile_time_eval():  # the first use may be inside a jitted reward
+        masks = [np.asarray(shape_mask(k, y, x), np.float32) for k in range(len(SHAPES))]
     return np.stack(masks + [np.ones((SHAPE_SIZE + 2, SHAPE_SIZE + 2), np.float32)])
-
-
-_TEMPLATES = _templates()
 
 
 def _best_iou(foreground: jax.Array) -> jax.Array:
     """(B, len(SHAPES)): per shape, the max soft IoU of its mask with ``foreground`` over placements."""
     # Correlate with [mask_0, mask_1, window]; padding 1 lets the margin hang off the image.
     sums = jax.lax.conv_general_dilated(
-        foreground[:, None], jnp.asarray(_TEMPLATES)[:, None], (1, 1), ((1, 1), (1, 1)),
+        foreground[:, None], jnp.asarray(_templates())[:, None], (1, 1), ((1, 1), (1, 1)),
         precision=jax.lax.Precision.HIGHEST,
     )
     inter, window = sums[:, : len(SHAPES)], sums[:, len(SHAPES) :]
-    area = jnp.asarray(_TEMPLATES[: len(SHAPES)].sum(axis=(1, 2)))[None, :, None, None]
+    area = jnp.asarray(_templates()[: len(SHAPES)].sum(axis=(1, 2)))[None, :, None, None]
     # Binary mask T, weights w in [0, 1]: sum min(w, T) = inter, sum max(w, T) = |T| + ink off T.
     iou = inter / (area + window - inter)
     return jnp.max(iou, axis=(2, 3))

@@ -180,13 +180,15 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
     run = Run(config, workdir, log)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     trace_path = os.path.join(workdir, "trace.json")
-    if run.checkpoints.latest_step() is None:
+    # Several processes share the workdir; process 0 writes the metrics, trace and TensorBoard files.
+    writes_files = jax.process_index() == 0
+    if writes_files and run.checkpoints.latest_step() is None:
         for path in (metrics_path, trace_path):
             if os.path.exists(path):
                 os.remove(path)
     executor = Executor(run, log=log)
     start = executor.restore(run.checkpoints)
-    if start and os.path.exists(metrics_path):
+    if writes_files and start and os.path.exists(metrics_path):
         _keep_rows_through(metrics_path, start)
     total = config.train.iterations
     log(f"training {total - start} iterations of {config.rl.prompts_per_iteration * config.rl.group_size} samples "
@@ -195,13 +197,14 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
     def emit(k: int, plan, metrics: dict) -> None:
         m = _host(metrics)
         m.update(executor.timing(k, plan))
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(m) + "\n")
-        for name, value in m.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                run.writer.add_scalar(name, value, m["step"])
-        for group, value in m["bubble_frac"].items():
-            run.writer.add_scalar(f"bubble_frac/{group}", value, m["step"])
+        if writes_files:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(m) + "\n")
+            for name, value in m.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    run.writer.add_scalar(name, value, m["step"])
+            for group, value in m["bubble_frac"].items():
+                run.writer.add_scalar(f"bubble_frac/{group}", value, m["step"])
         extra = f" eval {m['eval_reward_mean']:.3f}" if "eval_reward_mean" in m else ""
         log(
             f"[{m['step']:4d}/{total}] reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}{extra} "
@@ -224,7 +227,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
                 metrics["eval_reward_mean"] = run.evaluate(executor.state)
             if config.train.image_every and (k + 1) % config.train.image_every == 0:
                 finals = executor.last_finals()[:: config.rl.group_size][:16]
-                run.writer.add_images("samples", run.images(finals), k + 1, dataformats="NHWC")
+                if writes_files:
+                    run.writer.add_images("samples", run.images(finals), k + 1, dataformats="NHWC")
             if pending is not None:
                 emit(*pending)  # the previous iteration's metrics: reading them does not stall this one
             pending = (k, plan, metrics)
@@ -236,8 +240,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
             emit(*pending)
         if total > start and (not config.train.checkpoint_every or total % config.train.checkpoint_every):
             executor.save(run.checkpoints, total)
-        run.checkpoints.wait_until_finished()
     finally:
+        # Commit the saves already started even when an iteration fails (a reward server that
+        # died, say): an exception leaving the process would discard the last good checkpoint.
+        run.checkpoints.wait_until_finished()
         executor.close()
-    run.writer.flush()
+    if writes_files:
+        run.writer.flush()
     return executor.state

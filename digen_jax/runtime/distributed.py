@@ -1,6 +1,6 @@
 """Multi-host layer: process start-up, host-aligned role device lists, cross-role transfers.
 
-Every process runs the same program (multi-controller JAX, DESIGN.md section 2). Three pieces:
+Every process runs the same program (multi-controller JAX, DESIGN.md section 2). Four pieces:
 
 * `initialize` starts `jax.distributed` from explicit settings (config or `JAX_*` env) or from
   a SLURM step (one task per GPU, or one task per node owning all its GPUs); a single
@@ -9,6 +9,11 @@ Every process runs the same program (multi-controller JAX, DESIGN.md section 2).
   optionally reward); on several hosts a role is either inside one host or whole hosts.
 * `transfer` moves a pytree of arrays from one role's devices to another role's shardings
   (weight sync trainer -> rollout, trajectories rollout -> trainer).
+* `to_every_process` gives every process a copy it can read on the host. Host work then
+  runs alike on every process instead of being exchanged: each process scores the rewards
+  of a micro-batch from its own copy of the decoded pixels (the pixels cross to each
+  process once; the reward work is repeated per process) and computes the advantages, so
+  the trainer's inputs need no host-to-host message; metrics are read the same way.
 
 What moves data across processes (measured with jax 0.10.2 on CPU, 2 processes x 4 devices):
 
@@ -370,6 +375,11 @@ def transfer(tree, dst_shardings):
     over a mesh spanning both; see the module docstring). Every process must call it with
     the same tree structure, shapes, dtypes and shardings, like any multi-process jit.
     Dispatched asynchronously: nothing blocks the host.
+
+    Uncommitted arrays (made by `jnp` from host data, not placed by a sharding: prompts,
+    sample keys, advantages) are values every process computes alike from the seed and
+    the host rewards; across processes each process puts its own copy's slices on its
+    own destination devices, and nothing crosses between processes.
     """
     leaves, treedef = jax.tree.flatten(tree)
     is_sharding = lambda s: isinstance(s, jax.sharding.Sharding)  # noqa: E731
@@ -383,6 +393,8 @@ def transfer(tree, dst_shardings):
         src = x.sharding
         if src.device_set == s.device_set or (src.is_fully_addressable and s.is_fully_addressable):
             local.append(i)
+        elif not x.committed:
+            out[i] = _put_own_copy(x, s)
         elif len({d.process_index for d in src.device_set | s.device_set}) == 1:
             # Both sides belong to one other process, which does the put: keep a handle.
             out[i] = jax.make_array_from_single_device_arrays(x.shape, s, [], dtype=x.dtype)
@@ -409,6 +421,48 @@ def transfer(tree, dst_shardings):
             else:
                 out[i] = y if y.sharding == dst[i] else jax.device_put(y, dst[i])
     return jax.tree.unflatten(treedef, out)
+
+
+def to_every_process(tree):
+    """Every leaf as an array this process holds whole on one of its own devices, for host
+    reads that every process makes alike (rewards of decoded pixels, metrics).
+
+    One process: the tree as it is. Several: a leaf is replicated inside its own devices (an
+    all-gather inside its role), then each process that owns none of them receives one copy
+    on its first device (`transfer`, so its bytes cross once per such process). Every process
+    must call it with the same tree, from the dispatching thread (it runs collectives).
+    Dispatched asynchronously: reading the result on the host is what waits.
+    """
+    if jax.process_count() == 1:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    me = jax.process_index()
+    first_device = {}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        first_device.setdefault(d.process_index, d)
+    out = list(leaves)  # uncommitted leaves are values every process already holds (see `transfer`)
+    by_mesh: dict[Mesh, list[int]] = {}  # the leaves of one mesh move in one call
+    for i, x in enumerate(leaves):
+        if x.committed:
+            by_mesh.setdefault(x.sharding.mesh, []).append(i)
+    for mesh, index in by_mesh.items():
+        whole = transfer([leaves[i] for i in index], NamedSharding(mesh, PartitionSpec()))
+        owners = {d.process_index for d in mesh.devices.flat}
+        others = [first_device[p] for p in sorted(first_device) if p not in owners]
+        if others:
+            sent = transfer(whole, NamedSharding(Mesh(np.array(others), (_TRANSFER_AXIS,)), PartitionSpec()))
+            whole = whole if me in owners else sent
+        for i, y in zip(index, whole):
+            out[i] = y.addressable_shards[0].data
+    return jax.tree.unflatten(treedef, out)
+
+
+def _put_own_copy(x: jax.Array, sharding) -> jax.Array:
+    """`x` (a value every process holds alike) on `sharding`: each process places the slices
+    of its own devices from its own copy."""
+    indices = sharding.addressable_devices_indices_map(x.shape)
+    shards = [jax.device_put(x[index], device) for device, index in indices.items()]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards, dtype=x.dtype)
 
 
 def _is_key(x) -> bool:
@@ -498,6 +552,21 @@ def _ppermute_fn(mesh: Mesh, specs: tuple, rounds: tuple):
     return jax.jit(jax.shard_map(move, mesh=mesh, in_specs=specs, out_specs=specs))
 
 
+def _fence(moved: tuple) -> tuple:
+    """Wait until a cross-process move has finished on this process's devices.
+
+    Without this wait `loop.train` on 2 processes x 4 CPU devices deadlocked in 3 of 8 runs
+    ('disagg_sync' and 'gap+tsp'; both main threads stuck dispatching, one in the weight
+    sync, the other in a gradient chunk). The likely cause: a gloo collective holds an
+    executor thread per local participant until the other process joins, and a process
+    that dispatches far ahead (the rollout process runs none of the trainer's programs) fills
+    its threads with moves the other has not reached, starving the local work an earlier
+    move waits for. Waiting here keeps the processes in step at every move (no deadlock in
+    the runs since); device work dispatched before the move still overlaps with it.
+    """
+    return jax.block_until_ready(moved)
+
+
 def _lead(entry) -> tuple:
     if entry is None:
         return ()
@@ -515,7 +584,7 @@ def _move_same_layout(src_mesh: Mesh, dst_ids: tuple, leaves: list) -> list:
     specs = [PartitionSpec((_TRANSFER_AXIS, *_lead(s[0] if len(s) else None)), *s[1:]) for s in dst_specs]
     shapes = [(2 * r.shape[0], *r.shape[1:]) for r in rows]
     blocks = _combined(rows, combined, specs, shapes, dst_mesh, dst_specs)
-    moved = _ppermute_fn(combined, tuple(specs), (((0, 1),),))(*blocks)
+    moved = _fence(_ppermute_fn(combined, tuple(specs), (((0, 1),),))(*blocks))
     return [
         _from_rows(_dst_part(y, NamedSharding(dst_mesh, spec), r.shape), x.shape)
         for y, spec, r, x in zip(moved, dst_specs, rows, leaves)
@@ -539,7 +608,7 @@ def _move_replicated(src_mesh: Mesh, dst_ids: tuple, leaves: list) -> list:
     spec = PartitionSpec(_TRANSFER_AXIS)
     shapes = [((n_src + n_dst) * r.shape[0], *r.shape[1:]) for r in rows]
     blocks = _combined(rows, union, [spec] * len(rows), shapes, dst_mesh, [PartitionSpec()] * len(rows))
-    moved = _ppermute_fn(union, (spec,) * len(blocks), rounds)(*blocks)
+    moved = _fence(_ppermute_fn(union, (spec,) * len(blocks), rounds)(*blocks))
     return [
         _from_rows(_dst_part(y, NamedSharding(dst_mesh, PartitionSpec()), r.shape), x.shape)
         for y, r, x in zip(moved, rows, leaves)

@@ -13,6 +13,12 @@ each carrying its prompts' G samples. Advantages are normalised per micro-batch 
 that flows from reward to trainer; `rl.std_mode='global'` means micro-batch-global), so
 every mode trains the same numbers on the same batch.
 
+Several processes (roles on different hosts): every process runs this same loop and
+dispatches the same device programs in the same order. Host-derived inputs (prompts, sample
+keys, advantages) are computed alike on every process and placed by each on its own devices
+(`distributed.transfer` of uncommitted arrays); every process scores the rewards from its own
+copy of the decoded pixels and reads the metrics from its own copy (`to_every_process`).
+
 Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
 split of each iteration is chosen by `plan.choose_split` from the task times measured in
 the previous iteration; the first iteration uses no trainer rollouts and no prefetch.
@@ -38,7 +44,7 @@ from digen_jax.rl.timesteps import plan_steps
 from digen_jax.rl.trainer import GradSum, TrainState, build_units
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.distributed import transfer
+from digen_jax.runtime.distributed import to_every_process, transfer
 from digen_jax.runtime.trace import Tracer, iteration_summary
 
 def validate_runtime_config(config, num_devices: int) -> None:
@@ -110,10 +116,13 @@ class Executor:
         validate_runtime_config(self.config, len(jax.devices()))
         self.meshes = mesh_lib.build_role_meshes(rt)
         self.microbatches = rt.micro_batches
-        self.tracer = Tracer((trace_path or os.path.join(run.workdir, "trace.json")) if rt.trace else None)
+        # Process 0 writes the trace (it stamps tasks on other processes' devices when dispatched).
+        write_trace = rt.trace and jax.process_index() == 0
+        self.tracer = Tracer((trace_path or os.path.join(run.workdir, "trace.json")) if write_trace else None)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=rt.reward_workers, thread_name_prefix="reward")
         self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
         self.measured: dict[tuple[str, str], list[float]] = {}  # (kind, group) -> recent durations
+        self._compiled: set[tuple[str, str]] = set()  # (kind, group) keys whose first task was seen
         self._iteration_start: dict[int, float] = {}
         self._place_weights()
 
@@ -165,9 +174,9 @@ class Executor:
             return self._merge(frozen, trainable)
         return lora.LoraWeights(frozen, trainable, self.lora_scale)
 
-    def _sync(self, version: int) -> None:
+    def _sync(self, version: int, deps: tuple = ()) -> None:
         """Trainer -> rollout weight transfer of `version` (asynchronous; only adapters with LoRA)."""
-        task = plan_lib.Task("sync", "link", version, 0, version)
+        task = plan_lib.Task("sync", "link", version, 0, version, deps=deps)
         start = self.tracer.now()
         if self.lora_scale is None:
             moved = transfer(self.state.trainable, self._sharding["rollout"])
@@ -187,32 +196,33 @@ class Executor:
     # ------------------------------------------------------------------ inputs
     def microbatches_of(self, k: int) -> list[MicroBatch]:
         """Iteration k's micro-batches: pure functions of (seed, k), like `Run.iteration`."""
-        run, rl, s = self.run, self.config.rl, self.config.sampling
-        prompt_ids, cond = run.prompt_batch(k)
-        group = rl.group_size
-        batch = len(prompt_ids) * group
-        key = jax.random.fold_in(run.root_key, k)
-        sample_keys = jax.random.split(jax.random.fold_in(key, workload_lib.SAMPLES), batch)
-        steps = plan_steps(rl, s.num_steps, s.noise_level, batch, k, np.random.default_rng([self.config.seed, k]))
-        per_mb = batch // self.microbatches
-        sample_prompts = np.repeat(np.asarray(prompt_ids), group, axis=0)
-        cond = cond.repeat(group)
-        out = []
-        for m in range(self.microbatches):
-            rows = slice(m * per_mb, (m + 1) * per_mb)
-            out.append(
-                MicroBatch(
-                    iteration=k,
-                    index=m,
-                    sample_ids=np.arange(k * batch, (k + 1) * batch)[rows],
-                    prompt_ids=sample_prompts[rows],
-                    cond=jax.tree.map(lambda a: a[rows], cond),
-                    sample_keys=sample_keys[rows],
-                    noise_levels=steps.noise_levels,
-                    trained=steps.trained[rows],
+        with jax.default_device(mesh_lib.host_device()):  # host-derived: see mesh.host_device
+            run, rl, s = self.run, self.config.rl, self.config.sampling
+            prompt_ids, cond = run.prompt_batch(k)
+            group = rl.group_size
+            batch = len(prompt_ids) * group
+            key = jax.random.fold_in(run.root_key, k)
+            sample_keys = jax.random.split(jax.random.fold_in(key, workload_lib.SAMPLES), batch)
+            steps = plan_steps(rl, s.num_steps, s.noise_level, batch, k, np.random.default_rng([self.config.seed, k]))
+            per_mb = batch // self.microbatches
+            sample_prompts = np.repeat(np.asarray(prompt_ids), group, axis=0)
+            cond = cond.repeat(group)
+            out = []
+            for m in range(self.microbatches):
+                rows = slice(m * per_mb, (m + 1) * per_mb)
+                out.append(
+                    MicroBatch(
+                        iteration=k,
+                        index=m,
+                        sample_ids=np.arange(k * batch, (k + 1) * batch)[rows],
+                        prompt_ids=sample_prompts[rows],
+                        cond=jax.tree.map(lambda a: a[rows], cond),
+                        sample_keys=sample_keys[rows],
+                        noise_levels=steps.noise_levels,
+                        trained=steps.trained[rows],
+                    )
                 )
-            )
-        return out
+            return out
 
     # ------------------------------------------------------------------ tasks
     def _rollout(self, task: plan_lib.Task, mb: MicroBatch) -> None:
@@ -231,13 +241,19 @@ class Executor:
         final, decoder = mb.traj.final, self._decoder.get(task.group)
         if self.meshes.reward is not None:
             final, decoder = mesh_lib.put_batch(final, self.meshes.reward), self._decoder.get("reward")
-        decoded = self.run.workload.decode(final, decoder)
+        # Every process scores the same rewards from its own copy of the pixels (their bytes cross
+        # to each process once; the host reward work is repeated per process), so advantages and
+        # reward metrics need no further exchange. One process: the decoded arrays as they are.
+        decoded = to_every_process(self.run.workload.decode(final, decoder))
         mb.rewards = self.pool.submit(self._score, mb, decoded)
 
     def _score(self, mb: MicroBatch, decoded: jax.Array) -> np.ndarray:
         pixels = np.asarray(decoded)  # device-to-host copies only: no device program from this thread
         start = self.tracer.now()
-        rewards, _ = self.run.workload.reward(pixels, jnp.asarray(mb.prompt_ids))
+        # Reward models that run on a device (CLIP scorers) use a device that decoded this
+        # micro-batch: the reward role's when it has devices (single-device programs, no collectives).
+        with jax.default_device(decoded.addressable_shards[0].device):
+            rewards, _ = self.run.workload.reward(pixels, jnp.asarray(mb.prompt_ids))
         rewards = np.asarray(rewards, np.float32)
         reward_task = plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version)
         self.tracer.record_done(reward_task, start, self.tracer.now(), sample_ids=mb.sample_ids.tolist())
@@ -263,11 +279,13 @@ class Executor:
         groups = len(rewards) // rl.group_size
         group_ids = np.repeat(np.arange(groups), rl.group_size)
         start = self.tracer.now()
-        adv = adv_lib.group_advantages(
-            jnp.asarray(np.where(np.isfinite(rewards), rewards, 0.0)), jnp.asarray(group_ids), groups,
-            std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof,
-        )
-        traj, cond, adv, trained = mesh_lib.put_batch((mb.traj, mb.cond, adv, jnp.asarray(mb.trained)), mesh)
+        with jax.default_device(mesh_lib.host_device()):  # not behind the rollouts queued on a rollout device
+            adv = adv_lib.group_advantages(
+                jnp.asarray(np.where(np.isfinite(rewards), rewards, 0.0)), jnp.asarray(group_ids), groups,
+                std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof,
+            )
+            trained = jnp.asarray(mb.trained)
+        traj, cond, adv, trained = mesh_lib.put_batch((mb.traj, mb.cond, adv, trained), mesh)
         units = build_units(traj, cond, adv, trained)
         trainer, acc_grads = self.run.trainer, acc["sum"]
         for chunk in self._chunks(units, mb.trained.shape[1]):
@@ -298,21 +316,27 @@ class Executor:
         return min(tag, self.microbatches - carried), prefetch
 
     def measured_costs(self) -> plan_lib.Costs | None:
-        def mean(kind, group):
+        def typical(kind, group):  # the median: robust to a stray slow task (a late compile, a host pause)
             values = self.measured.get((kind, group))
-            return float(np.mean(values)) if values else None
+            return float(np.median(values)) if values else None
 
-        roll_r, roll_t, train = mean("rollout", "rollout"), mean("rollout", "train"), mean("train", "train")
+        if self.meshes.colocated:  # one group: rollout and training share every device
+            roll, train = typical("rollout", "shared"), typical("train", "shared")
+            if roll is None or train is None:
+                return None
+            return plan_lib.Costs(rollout={"shared": roll}, reward=typical("reward", "reward") or 0.0, train=train,
+                                  update=typical("update", "shared") or 0.0, sync=0.0)
+        roll_r, roll_t, train = typical("rollout", "rollout"), typical("rollout", "train"), typical("train", "train")
         if roll_r is None or train is None:
             return None
         if roll_t is None:  # never measured: assume the trainer's speed per device matches rollout's
             roll_t = roll_r * self.meshes.rollout.devices.size / self.meshes.train.devices.size
         return plan_lib.Costs(
             rollout={"rollout": roll_r, "train": roll_t, "shared": roll_r},
-            reward=mean("reward", "reward") or 0.0,
+            reward=typical("reward", "reward") or 0.0,
             train=train,
-            update=mean("update", "train") or 0.0,
-            sync=mean("sync", "link") or 0.0,
+            update=typical("update", "train") or 0.0,
+            sync=typical("sync", "link") or 0.0,
         )
 
     def iteration(self, k: int) -> tuple[plan_lib.IterationPlan, dict]:
@@ -340,17 +364,20 @@ class Executor:
                 update_metrics.append(self._update(task, acc))
                 acc = self._fresh_acc()
             elif task.kind == "sync":
-                self._sync(task.version)
+                self._sync(task.version, task.deps)
         self.carried = list(next_mbs.values())
         self._last = [mbs[(k, m)] for m in range(self.microbatches)]
         all_rewards = np.concatenate([mb.rewards.result() for mb in sorted(mbs.values(), key=lambda m: m.index)])
         last = update_metrics[-1]
         metrics = {name: jnp.mean(jnp.stack([m[name] for m in update_metrics])) for name in last}
         metrics.update(
-            step=k + 1,
             version=last["version"],
             nonfinite_streak=last["nonfinite_streak"],
             skipped=jnp.sum(jnp.stack([m["skipped"] for m in update_metrics])),
+        )
+        metrics = to_every_process(metrics)  # readable on every process (they live on the train devices)
+        metrics.update(
+            step=k + 1,
             reward_mean=float(np.mean(all_rewards)),
             reward_std=float(np.std(all_rewards)),
             mode=self.mode,
@@ -361,8 +388,8 @@ class Executor:
         return plan, metrics
 
     def last_finals(self) -> jax.Array:
-        """Final latents of the last iteration's samples, in sample order (on the train devices)."""
-        return jnp.concatenate([mesh_lib.put_batch(mb.traj.final, self.meshes.train) for mb in self._last])
+        """Final latents of the last iteration's samples, in sample order (readable on every process)."""
+        return to_every_process(jnp.concatenate([mesh_lib.put_batch(mb.traj.final, self.meshes.train) for mb in self._last]))
 
     @staticmethod
     def _fresh_acc() -> dict:
@@ -373,8 +400,11 @@ class Executor:
         self.tracer.wait_through(k)
         events = self.tracer.events
         mine = [e for e in events if e["args"]["iteration"] == k or (e["args"]["kind"] == "sync" and e["args"]["iteration"] == k + 1)]
-        for e in mine:
+        for e in sorted(mine, key=lambda e: e["ts"]):
             key = (e["args"]["kind"], e["args"]["group"])
+            if key not in self._compiled:  # the first task of a kind on a group includes compilation
+                self._compiled.add(key)
+                continue
             self.measured.setdefault(key, []).append(e["dur"] / 1e6)
             self.measured[key] = self.measured[key][-2 * self.microbatches :]
         end_of = lambda it: max((e["ts"] + e["dur"]) / 1e6 for e in events if e["args"]["kind"] == "update" and e["args"]["iteration"] == it)  # noqa: E731

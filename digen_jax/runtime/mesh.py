@@ -10,6 +10,7 @@ not divide stays replicated. Colocated runs use one mesh for both roles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -63,6 +64,19 @@ def build_role_meshes(runtime, devices: Sequence[jax.Device] | None = None) -> R
         return RoleMeshes(shared, shared, None, True)
     reward = mesh(roles["reward"]) if roles.get("reward") else None
     return RoleMeshes(mesh(roles["rollout"]), mesh(roles["train"]), reward, False)
+
+
+@functools.cache
+def host_device() -> jax.Device:
+    """Where the executor computes host-derived inputs (sample keys, conditioning slices,
+    advantages): the CPU backend. On the default device (the first accelerator, a rollout
+    device) they would queue behind that role's rollouts, and a training task waiting for its
+    advantages would wait for every rollout dispatched before it. Without a CPU backend
+    (JAX_PLATFORMS naming only an accelerator): this process's first device."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return jax.local_devices()[0]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

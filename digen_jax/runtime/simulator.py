@@ -641,15 +641,26 @@ def autosize(config_or_workload, pool: Pool, *, mode: str = "gap+tsp+tag+tcss", 
     return Sizing(chosen.rollout_devices, chosen.train_devices, p.microbatches, p.tag, p.prefetch, p)
 
 
-def size_config(config, pool: Pool) -> Sizing:
-    """`autosize` for `config`'s `runtime.mode` on `pool`, applied to `config` in place: role sizes
-    and micro-batch count. The TAG share and prefetch stay as configured (-1: chosen every
-    iteration from measured costs, which track the real devices better than a prediction)."""
+def size_config(config, spec: str, devices: Sequence[Any]) -> tuple[Pool, Sizing]:
+    """`autosize` for `config`'s `runtime.mode`, applied to `config` in place: role sizes and
+    micro-batch count. The TAG share and prefetch stay as configured (-1: chosen every iteration
+    from measured costs, which track the real devices better than a prediction).
+
+    `spec`: a pool (`Pool.parse`, e.g. 'h100:8') or 'local' for `devices` (the run's devices:
+    their kind and count). The pool must have as many devices as the run.
+    """
+    if plan_lib.mode_flags(config.runtime.mode).colocated:
+        raise ValueError("it sizes the roles of a disaggregated runtime.mode; 'colocated' has one group")
+    if spec == "local":
+        spec = f"{local_kind(devices[0].device_kind)}:{len(devices)}"
+    pool = Pool.parse(spec)
+    if pool.total != len(devices):
+        raise ValueError(f"the pool {spec!r} has {pool.total} devices, this run {len(devices)}")
     sizing = autosize(config, pool, mode=config.runtime.mode)
     overrides = sizing.runtime_overrides()
     for key in ("rollout_devices", "train_devices", "micro_batches"):
         config.runtime[key] = overrides[key]
-    return sizing
+    return pool, sizing
 
 
 # ---------------------------------------------------------------------------------------- profiles
