@@ -7,6 +7,7 @@ coordinator, 4 fake CPU devices each): rollout on process 0's devices, training 
 directly, this file is the worker: `python tests/test_distributed.py transfers OUT_DIR` or
 `python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`.
 """
+import concurrent.futures
 import faulthandler
 import json
 import os
@@ -27,8 +28,9 @@ from jax.sharding import PartitionSpec as P
 from digen_jax import diffusion
 from digen_jax.rl import loop
 from digen_jax.rl import workload as workload_lib
-from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, initial_noise
+from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, Trajectory, initial_noise
 from digen_jax.runtime import distributed
+from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.distributed import DistributedSettings, ProcessLayout, resolve_settings, role_devices
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
@@ -470,22 +472,31 @@ def loop_config(cache_dir: str, mode: str):
 def run_loop_worker(workdir: str, cache_dir: str, mode: str) -> None:
     """One process of a training-loop run; the process holding the trainer saves the final weights.
 
-    Under a SLURM step: one of the 2 processes. Otherwise the 1-process reference on 8 devices,
-    with its collectives over gloo as in the 2-process run: a gradient's all-reduce then sums in
-    the same order (XLA's in-process collectives sum in another, and Adam turns the last-bit
-    differences of near-zero gradients into ~1e-5 weight differences after 2 updates).
+    Under a SLURM step: one of the 2 processes, checkpointing every iteration; it stops after
+    the first iteration, then a second `loop.train` resumes from that checkpoint for the second.
+    Otherwise the 1-process reference on 8 devices, uninterrupted, with its collectives over
+    gloo as in the 2-process run: a gradient's all-reduce then sums in the same order (XLA's
+    in-process collectives sum in another, and Adam turns the last-bit differences of
+    near-zero gradients into ~1e-5 weight differences after 2 updates).
     """
+    config = loop_config(cache_dir, mode)
     if "SLURM_PROCID" in os.environ:
         assert distributed.initialize().num_processes == 2
-        # Checkpoints of a state on some processes' devices only are not written yet (orbax
-        # refuses arrays without shards on every process: Executor.save's part of this work).
-        Executor.save = lambda self, manager, iterations_done: stage(f"checkpoint {iterations_done} not written")
+        jax.config.update("jax_default_matmul_precision", "highest")  # as in every test process (conftest)
+        # The resumed run loads the programs the first one compiled (process 0 writes the cache).
+        jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(workdir), "compiled"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        config.train.checkpoint_every = 1
+        stopped = loop_config(cache_dir, mode)
+        stopped.train.update(checkpoint_every=1, iterations=1)
+        loop.train(stopped, workdir, log=stage)
     else:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{os.environ['JAX_COORDINATOR_PORT']}", num_processes=1, process_id=0,
                                    cluster_detection_method="deactivate")
-    jax.config.update("jax_default_matmul_precision", "highest")  # as in every test process (conftest)
-    state = loop.train(loop_config(cache_dir, mode), workdir, log=stage)
+        jax.config.update("jax_default_matmul_precision", "highest")
+    state = loop.train(config, workdir, log=stage)
     if all(leaf.is_fully_addressable for leaf in jax.tree.leaves(state.trainable)):
         leaves = jax.tree.leaves(jax.device_get(state.trainable))
         np.savez(os.path.join(workdir, "trained.npz"), *leaves, version=np.asarray(state.version))
@@ -505,8 +516,9 @@ def pretrained_cache(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["disagg_sync"])
 def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cache, mode):
     """`loop.train` through the executor with rollout on process 0's devices and training on
-    process 1's: the weights after 2 iterations equal bit for bit those of the same run in one
-    process on 8 devices with the same role sizes; process 0 alone writes metrics and trace."""
+    process 1's, stopped after iteration 1 and resumed from its checkpoint: the weights after 2
+    iterations equal bit for bit those of the same run uninterrupted in one process on 8
+    devices with the same role sizes; process 0 alone writes metrics and trace."""
     cache_dir, single, multi = pretrained_cache, tmp_path / "single", tmp_path / "multi"
     initial = workload_lib.make_workload(loop_config(str(cache_dir), mode)).base_params
     ports = free_port(), free_port()
@@ -515,7 +527,12 @@ def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cach
         *[(("loop", str(multi), str(cache_dir), mode), worker_env(4, **slurm_step_env(pid, ports[1]))) for pid in range(2)],
         timeout_s=LOOP_TIMEOUT_S,
     )
-    assert all("training 2 iterations" in out for out in outputs)
+    assert "training 2 iterations" in outputs[0]
+    for out in outputs[1:]:  # both processes: the first iteration, then the second from its checkpoint
+        assert "training 1 iterations of 16 samples (from iteration 0)" in out
+        assert "resumed from checkpoint 1 (policy version 1, 0 prefetched micro-batches)" in out
+        assert "training 1 iterations of 16 samples (from iteration 1)" in out
+    assert {"1", "2"} <= set(os.listdir(multi / "checkpoints"))  # every iteration checkpointed
 
     with np.load(single / "trained.npz") as reference, np.load(multi / "trained.npz") as trained:
         assert int(trained["version"]) == int(reference["version"]) == 2
@@ -536,10 +553,71 @@ def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cach
     assert {e["args"]["kind"] for e in events} == {"rollout", "reward", "train", "update", "sync"}
 
 
+def run_checkpoint_worker(workdir: str, cache_dir: str) -> None:
+    """One process of the 2-process checkpoint test: an updated train state (process 1's devices)
+    and a micro-batch prefetched on the rollout role (process 0's) saved, then restored by a
+    fresh executor; asserts the round trip keeps every bit and the train shardings."""
+    assert distributed.initialize().num_processes == 2
+    config = loop_config(cache_dir, "disagg_sync")
+    run = loop.Run(config, workdir, log=stage)
+    executor = Executor(run, log=stage)
+    shardings = executor.state_sharding
+    executor.state = jax.jit(lambda s: jax.tree.map(lambda a: a + 1, s), out_shardings=shardings)(executor.state)
+    prefetched = executor.microbatches_of(1)[0]
+    samples = len(prefetched.sample_ids)
+    latents, log_probs = mesh_lib.put_batch(
+        (jnp.arange(samples * 6.0).reshape(samples, 3, 2) - 7.5, -jnp.arange(samples * 2.0).reshape(samples, 2)),
+        executor.meshes.rollout,
+    )
+    prefetched.traj = Trajectory(latents=latents, log_probs=log_probs, means=latents, noise_levels=jnp.asarray(prefetched.noise_levels),
+                                 sample_keys=prefetched.sample_keys, version=jnp.int32(1))
+    prefetched.group, prefetched.version = "rollout", 1
+    prefetched.rewards = concurrent.futures.Future()
+    prefetched.rewards.set_result(np.linspace(-1.0, 1.0, samples, dtype=np.float32))
+    executor.carried = [prefetched]
+    executor.save(run.checkpoints, 1)
+    run.checkpoints.wait_until_finished()
+    saved = jax.device_get(distributed.to_every_process(executor.state))
+    executor.close()
+
+    resumed = Executor(loop.Run(config, workdir, log=stage), log=stage)
+    assert resumed.restore(resumed.run.checkpoints) == 1
+    assert all(a.sharding == s for a, s in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(shardings)))
+    mine = set(jax.local_devices())
+    assert all(bool(a.addressable_shards) == (a.sharding.device_set <= mine) for a in jax.tree.leaves(resumed.state))
+    restored = jax.device_get(distributed.to_every_process(resumed.state))
+    assert int(restored.version) == int(saved.version) == 1
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)))
+    [carried] = resumed.carried
+    assert (carried.index, carried.group, carried.version) == (0, "rollout", 1)
+    assert np.array_equal(carried.rewards.result(), prefetched.rewards.result())
+    assert np.array_equal(carried.traj.latents, np.arange(samples * 6.0).reshape(samples, 3, 2) - 7.5)
+    assert np.array_equal(carried.traj.log_probs, -np.arange(samples * 2.0).reshape(samples, 2))
+    assert np.array_equal(jax.random.key_data(carried.traj.sample_keys), jax.random.key_data(prefetched.sample_keys))
+    resumed.close()
+    stage("checkpoint round trip kept every bit")
+
+
+def test_two_process_checkpoint_round_trip(tmp_path, pretrained_cache):
+    """Executor.save/restore with the train state on process 1's devices and a prefetched
+    micro-batch on process 0's: both processes get back the saved state, on the train
+    shardings, and the micro-batch (the assertions run in the workers)."""
+    port = free_port()
+    outputs = run_workers(
+        *[(("checkpoint", str(tmp_path), str(pretrained_cache)), worker_env(4, **slurm_step_env(pid, port))) for pid in range(2)],
+        timeout_s=LOOP_TIMEOUT_S,
+    )
+    for out in outputs:
+        assert "resumed from checkpoint 1 (policy version 1, 1 prefetched micro-batches)" in out
+        assert "checkpoint round trip kept every bit" in out
+
+
 if __name__ == "__main__":
     # A hung worker prints where every thread waits before the test kills it.
     faulthandler.dump_traceback_later((WORKER_TIMEOUT_S if sys.argv[1] == "transfers" else LOOP_TIMEOUT_S) - 10)
     if sys.argv[1] == "transfers":
         run_worker(sys.argv[2])
+    elif sys.argv[1] == "checkpoint":
+        run_checkpoint_worker(*sys.argv[2:])
     else:
         run_loop_worker(*sys.argv[2:])

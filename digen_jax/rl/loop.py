@@ -110,6 +110,8 @@ class Run:
         )
         self.trainer = Trainer(self.sampler, frozen, optimizer, loss_cfg)
         self.state = self.trainer.init_state(trainable)  # the initial state; the executor holds the live one
+        # Every process saves and restores at the same points; with several, process 0 writes
+        # (Executor.save says why) into a directory every process reads.
         self.checkpoints = ocp.CheckpointManager(
             os.path.join(os.path.abspath(workdir), "checkpoints"),
             options=ocp.CheckpointManagerOptions(

@@ -423,9 +423,13 @@ class Executor:
 
     # ------------------------------------------------------------------ checkpoints
     def _carried_tree(self) -> dict:
+        # The trajectories live on the rollout role (or the trainer's, with TAG): host copies on
+        # every process, process 0 included (orbax's writer of host arrays; see `save`).
         return {
             str(m.index): {
-                "traj": {f.name: getattr(m.traj, f.name) for f in dataclasses.fields(Trajectory) if f.name != "sample_keys"},
+                "traj": jax.device_get(to_every_process(
+                    {f.name: getattr(m.traj, f.name) for f in dataclasses.fields(Trajectory) if f.name != "sample_keys"}
+                )),
                 "rewards": m.rewards.result(),
                 "version": np.int32(m.version),
                 "group": np.int32(plan_lib.GROUPS.index(m.group)),
@@ -434,13 +438,26 @@ class Executor:
         }
 
     def save(self, manager: ocp.CheckpointManager, iterations_done: int) -> None:
-        """Checkpoint the train state and the micro-batches prefetched for the next iteration (async)."""
+        """Checkpoint the train state and the micro-batches prefetched for the next iteration (async).
+
+        Every process calls it at the same point of the loop. Several processes: orbax (0.12)
+        writes a jax.Array only from shards spread over several processes (a train role inside
+        one process has host-local arrays there, which it refuses; processes without shards fail)
+        and host arrays from process 0 only, which need not own a train device. So every process
+        takes a whole host copy of the state and process 0 writes it: `to_every_process`
+        replicates the state on every train device, then sends one copy to each other process;
+        for the save, a full state per train device and per host. One process: the state as it
+        lives on its devices, written asynchronously without a host copy.
+        """
+        state = self.state
+        if jax.process_count() > 1:
+            state = jax.device_get(to_every_process(state))
         items = {
-            "state": ocp.args.StandardSave(self.state),
+            "state": ocp.args.StandardSave(state),
             "meta": ocp.args.JsonSave({"carried": [m.index for m in self.carried], "mode": self.mode}),
         }
         if self.carried:
-            items["carried"] = ocp.args.StandardSave(jax.device_get(self._carried_tree()))
+            items["carried"] = ocp.args.StandardSave(self._carried_tree())
         manager.save(iterations_done, args=ocp.args.Composite(**items))
 
     def restore(self, manager: ocp.CheckpointManager) -> int:
@@ -449,14 +466,24 @@ class Executor:
         if latest is None:
             return 0
         meta = manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        multi_process = jax.process_count() > 1
+        # One process: straight onto the train shardings. Several: host arrays on every process
+        # (as `save` wrote them), then each process places the slices of its own train devices.
         abstract_state = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.state, self.state_sharding
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=None if multi_process else s),
+            self.state, self.state_sharding,
         )
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         if meta["carried"]:
             items["carried"] = ocp.args.StandardRestore()
         restored = manager.restore(latest, args=ocp.args.Composite(**items))
+        version = int(restored["state"].version)
         self.state = restored["state"]
+        if multi_process:
+            self.state = jax.tree.map(
+                lambda a, s: jax.make_array_from_callback(a.shape, s, a.__getitem__, dtype=a.dtype),
+                self.state, self.state_sharding,
+            )
         self.carried = []
         for mb in self.microbatches_of(latest)[: len(meta["carried"])]:
             saved = restored["carried"][str(mb.index)]
@@ -467,7 +494,7 @@ class Executor:
             mb.rewards.set_result(np.asarray(saved["rewards"], np.float32))
             self.carried.append(mb)
         self.rollout_version = -1
-        self.log(f"resumed from checkpoint {latest} (policy version {int(self.state.version)}, {len(self.carried)} prefetched micro-batches)")
+        self.log(f"resumed from checkpoint {latest} (policy version {version}, {len(self.carried)} prefetched micro-batches)")
         return latest
 
     def close(self) -> None:
