@@ -603,7 +603,10 @@ def run_peer(path: str) -> None:
 
 # ============================================================================ main
 def run_system() -> dict[str, Any]:
-    """`--mode=system`: every schedule mode of `--modes` on the same devices, model and batch."""
+    """`--mode=system`: every schedule mode of `--modes` on the same devices, model and batch.
+
+    The JSON (and the traces) are written after every mode, so a run cut short keeps what it measured.
+    """
     import jax
 
     from digen_jax.runtime.benchmark import run_modes
@@ -612,18 +615,37 @@ def run_system() -> dict[str, Any]:
     device = jax.devices()[0]
     matmul = measure_matmul_peak(_MATMUL_SIZE.value, _MATMUL_CHAIN.value, 3) if _MATMUL_SIZE.value else None
     peak = matmul["flops_per_s"] if matmul else datasheet_peak(device.device_kind)
-    figures = run_modes(
-        config, _MODES.value, _WORKDIR.value, warmup=_WARMUP_ITERATIONS.value, iterations=_ITERATIONS.value,
-        peak_flops=peak, log=lambda m: print(m, flush=True),
-    )
-    return {
+    result = {
         **_run_record("system", used=jax.device_count()),
         "gpu": device.device_kind,
         "config": json.loads(config.to_json_best_effort()),
         "peaks": {"datasheet_bf16_flops_per_s": datasheet_peak(device.device_kind), "measured_matmul": matmul,
                   "mfu_against": "measured_matmul" if matmul else "datasheet"},
-        **figures,
     }
+    path = _OUT.value or default_out(result)
+
+    def write(figures: dict[str, Any]) -> None:
+        result.update(figures)
+        _write_result(result, path)
+        print(f"wrote {path} ({len(figures['modes'])} of {len(_MODES.value)} modes)", flush=True)
+
+    run_modes(
+        config, _MODES.value, _WORKDIR.value, warmup=_WARMUP_ITERATIONS.value, iterations=_ITERATIONS.value,
+        peak_flops=peak, log=lambda m: print(m, flush=True), on_mode=write,
+    )
+    return result
+
+
+def _write_result(result: dict[str, Any], path: str) -> None:
+    """Write `result` as JSON to `path`; a system run's traces go next to it (they explain the bubbles)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    if result["mode"] == "system":
+        traces = os.path.splitext(path)[0] + "_traces"
+        os.makedirs(traces, exist_ok=True)
+        for record in result.get("modes", {}).values():
+            shutil.copy(os.path.join(_WORKDIR.value, record["trace"]), traces)
 
 
 MODES: dict[str, Callable[[], dict[str, Any]]] = {"model": run_model, "system": run_system}
@@ -647,14 +669,7 @@ def run_from_flags() -> tuple[dict[str, Any], str]:
     """Run the mode the parsed flags ask for and write its JSON; returns (result, path)."""
     result = MODES[_MODE.value]()
     path = _OUT.value or default_out(result)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    if result["mode"] == "system":  # the traces travel with the figures (they explain the bubbles)
-        traces = os.path.splitext(path)[0] + "_traces"
-        os.makedirs(traces, exist_ok=True)
-        for record in result["modes"].values():
-            shutil.copy(os.path.join(_WORKDIR.value, record["trace"]), traces)
+    _write_result(result, path)
     return result, path
 
 

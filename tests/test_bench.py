@@ -110,9 +110,10 @@ def test_help_documents_the_flags():
         assert flag in proc.stdout, flag
 
 
-def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path):
+def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path, capsys):
     """Every requested schedule mode from one run: rates, measured task costs the simulator reads
-    (colocated included), the splits of the timed iterations, and the traces next to the JSON."""
+    (colocated included), the splits of the timed iterations, and the traces next to the JSON,
+    written after each mode (a run cut short keeps the modes it finished)."""
     from digen_jax.runtime import simulator
     from digen_jax.runtime.trace import read_trace
 
@@ -135,6 +136,8 @@ def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path):
         f"--workdir={tmp_path / 'work'}", f"--out={out}",
     )
     result, path = bench.run_from_flags()
+    printed = capsys.readouterr().out
+    assert f"wrote {out} (1 of 2 modes)" in printed and f"wrote {out} (2 of 2 modes)" in printed
     written = json.loads(out.read_text())
     assert written["config"]["model"]["num_layers"] == 1 and written["batch"] == 8
     assert list(written["modes"]) == modes

@@ -3,7 +3,8 @@
 One `rl.loop.Run` (model, sampler, trainer, reward) is built once; each mode gets its own
 `Executor` over it, so every mode starts from the same weights and shares compiled step
 functions where the meshes agree. After `warmup` iterations (compilation, first cost
-measurements for the elastic splits) `iterations` are timed from the trace: images (or
+measurements for the elastic splits; they finish before the timed ones are planned, so even
+the first timed iteration splits from measured costs) `iterations` are timed from the trace: images (or
 videos) per second and per device, end-to-end MFU from exact FLOP counts, busy/bubble per
 device group, weight-sync time and the splits the elastic modes chose.
 """
@@ -59,8 +60,13 @@ def run_modes(
     iterations: int = 2,
     peak_flops: float | None = None,
     log: Callable[[str], None] = print,
+    on_mode: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Benchmark `modes` on `config`; returns one record per mode plus the shared figures."""
+    """Benchmark `modes` on `config`; returns one record per mode plus the shared figures.
+
+    `on_mode` gets the figures so far after each mode, so a long run that is cut short
+    still leaves the modes it finished.
+    """
     for mode in modes:
         plan_lib.mode_flags(mode)
     if warmup < 0 or iterations < 1:
@@ -83,9 +89,11 @@ def run_modes(
         try:
             plans, timings = [], []
             for k in range(warmup + iterations):
+                if k and k == warmup:  # the timed iterations plan from the warm-up's measured costs
+                    timings.append(executor.timing(k - 1, plans[k - 1]))
                 plan, _ = executor.iteration(k)
                 plans.append(plan)
-                if k:  # one step late, as in training: the elastic splits of k + 1 use k - 1's costs
+                if k and k != warmup:  # one step late, as in training: the splits of k + 1 use k - 1's costs
                     timings.append(executor.timing(k - 1, plans[k - 1]))
             timings.append(executor.timing(len(plans) - 1, plans[-1]))
             timings = timings[warmup:]
@@ -124,12 +132,16 @@ def run_modes(
         )
         del executor
         gc.collect()
-    if "disagg_sync" in records:
-        base = records["disagg_sync"]["samples_per_s"]
-        for r in records.values():
-            r["speedup_vs_disagg_sync"] = r["samples_per_s"] / base
-    if "colocated" in records:
-        base = records["colocated"]["samples_per_s"]
-        for r in records.values():
-            r["speedup_vs_colocated"] = r["samples_per_s"] / base
+        if on_mode is not None:
+            on_mode(_figures(records, batch))
+    return _figures(records, batch)
+
+
+def _figures(records: dict, batch: int) -> dict:
+    """The per-mode records with their speedups over the baselines among them, and the shared figures."""
+    for baseline in ("disagg_sync", "colocated"):
+        if baseline in records:
+            base = records[baseline]["samples_per_s"]
+            for r in records.values():
+                r[f"speedup_vs_{baseline}"] = r["samples_per_s"] / base
     return {"modes": records, "batch": batch, "num_devices": len(jax.devices())}
