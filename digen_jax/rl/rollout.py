@@ -220,6 +220,15 @@ def initial_noise(sample_keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, _INITIAL_NOISE_TAG), shape))(sample_keys)
 
 
+_initial_noise = jax.jit(initial_noise, static_argnums=1)
+
+
+@jax.jit
+def _stack_steps(path, log_probs, means):
+    """(B, N + 1, ...) latents, (B, N) log-probs, (B, N, ...) means from the per-step lists."""
+    return jnp.stack(path, axis=1), jnp.stack(log_probs, axis=1), jnp.stack(means, axis=1)
+
+
 class Sampler:
     """Jitted per-step denoising for one model, ladder and sampler spec.
 
@@ -252,20 +261,26 @@ class Sampler:
         return out.prev_sample, out.log_prob, out.mean
 
     def rollout(self, params, cond: Conditioning, sample_keys: jax.Array, noise_levels, latent_shape, version) -> Trajectory:
-        """Sample the whole ladder for a batch; every step dispatched asynchronously."""
-        latents = initial_noise(sample_keys, tuple(latent_shape))
-        noise_levels = jnp.asarray(noise_levels, jnp.float32)
+        """Sample the whole ladder for a batch; every step dispatched asynchronously.
+
+        Twelve programs per batch (initial noise, N steps, one stack): the GPU client admits
+        32 programs in flight per device before the dispatching thread blocks, and that thread
+        must stay ahead of every device group at once. The noise levels are indexed on the host.
+        """
+        levels = np.asarray(noise_levels, np.float32)
+        latents = _initial_noise(sample_keys, tuple(latent_shape))
         path, log_probs, means = [latents], [], []
         for i in range(self.num_steps):
-            latents, log_prob, mean = self.step(params, latents, cond, i, noise_levels[i], sample_keys)
+            latents, log_prob, mean = self.step(params, latents, cond, i, levels[i], sample_keys)
             path.append(latents)
             log_probs.append(log_prob)
             means.append(mean)
+        latents, log_probs, means = _stack_steps(path, log_probs, means)
         return Trajectory(
-            latents=jnp.stack(path, axis=1),
-            log_probs=jnp.stack(log_probs, axis=1),
-            means=jnp.stack(means, axis=1),
-            noise_levels=noise_levels,
+            latents=latents,
+            log_probs=log_probs,
+            means=means,
+            noise_levels=jnp.asarray(levels),
             sample_keys=sample_keys,
             version=jnp.array(version, jnp.int32),  # a copy: the trainer donates its state
         )

@@ -128,7 +128,23 @@ def plan_iteration(
         previous = (("train", k, m),)
     tasks.append(Task("update", "train", k, 0, version + 1, deps=previous))
     tasks.append(Task("sync", "link", k + 1, 0, version + 1, deps=(("update", k, 0),)))
-    return IterationPlan(k, m_total, tuple(tasks), carried, tag, prefetch)
+    return IterationPlan(k, m_total, _dispatch_order(tasks), carried, tag, prefetch)
+
+
+def _dispatch_order(tasks: Sequence[Task]) -> tuple[Task, ...]:
+    """`tasks` (each group's in its order) interleaved across groups by when they could start.
+
+    The one dispatching thread blocks twice: on a micro-batch's rewards before its training
+    task, and in the GPU client once a device has 32 programs in flight. Dispatching every
+    rollout before the first training task would leave the trainer waiting for the last
+    rollout to be enqueued; in this order each group is kept about one task ahead. Nominal
+    costs suffice (only the order across groups changes, never a group's own order); every
+    cost is positive, so a task starts strictly after its dependencies and the order stays
+    topological.
+    """
+    plan = IterationPlan(0, 0, tuple(tasks), 0, 0, 0)
+    start = schedule([plan], _NOMINAL).start
+    return tuple(sorted(tasks, key=lambda t: start[t.key]))  # stable: ties keep the plan's order
 
 
 def _plan_colocated(k: int, m_total: int, updates: int) -> IterationPlan:
@@ -163,6 +179,9 @@ class Costs:
         if task.kind == "rollout":
             return self.rollout[task.group]
         return {"reward": self.reward, "train": self.train, "update": self.update, "sync": self.sync}[task.kind]
+
+
+_NOMINAL = Costs(rollout={"rollout": 1.0, "train": 1.0, "shared": 1.0}, reward=0.1, train=0.5, update=0.1, sync=0.05)
 
 
 @dataclasses.dataclass(frozen=True)
