@@ -72,3 +72,24 @@ def test_group_order_and_unrecorded_dependencies():
     _complete(tracer, clock, second, 6.0)
     spans = sorted((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in tracer.events)
     np.testing.assert_allclose(spans, [(1.0, 4.0), (4.0, 6.0)])
+
+
+def test_dispatch_time_is_recorded_and_summarised_per_group():
+    """A dispatch call that returns only once its work is nearly done shows as dispatch_frac near 1;
+    an asynchronous one as near 0."""
+    from digen_jax.runtime.trace import iteration_summary
+
+    clock = Clock()
+    tracer = Tracer(None, clock=clock)
+    blocking, asynchronous = Gate(), Gate()
+    clock.now = 1.8  # the rollout's dispatch call returned at 1.8 (dispatched at 0, done at 2)
+    tracer.record(Task("rollout", "rollout", 0, 0, 0), blocking, 0.0)
+    clock.now = 0.51  # the training task's returned 0.01 s after its dispatch at 0.5
+    tracer.record(Task("train", "train", 0, 0, 0, sample_version=0), asynchronous, 0.5)
+    _complete(tracer, clock, blocking, 2.0)
+    _complete(tracer, clock, asynchronous, 2.5)
+    by_kind = {e["args"]["kind"]: e["args"]["dispatch_s"] for e in tracer.events}
+    np.testing.assert_allclose([by_kind["rollout"], by_kind["train"]], [1.8, 0.01])
+    summary = iteration_summary(tracer.events, 0, (0.0, 2.5), ["rollout", "train"])
+    np.testing.assert_allclose(summary["dispatch_frac"]["rollout"], 1.8 / 2.0)
+    np.testing.assert_allclose(summary["dispatch_frac"]["train"], 0.01 / 2.0)  # dispatched at 0.5, done at 2.5

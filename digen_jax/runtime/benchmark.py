@@ -108,6 +108,7 @@ def run_modes(
             "devices": devices,
             "iteration_s": [t["seconds"] for t in timings],
             "bubble_frac": {g: statistics.mean(t["bubble_frac"][g] for t in timings) for g in groups},
+            "dispatch_frac": {g: statistics.mean(t["dispatch_frac"][g] for t in timings) for g in groups},
             "sync_s": statistics.mean(t["sync_s"] for t in timings),
             "staleness_max": max(t["staleness_max"] for t in timings),
             "splits": [{"tag": p.tag, "prefetch": p.prefetch, "carried": p.carried} for p in plans[warmup:]],

@@ -80,8 +80,14 @@ class Tracer:
 
     # ------------------------------------------------------------------ recording
     def record(self, task: Task, outputs: Any, dispatched: float, **args: Any) -> None:
-        """Time `task` by waiting (in the group's watcher) for `outputs` to be ready."""
+        """Time `task` by waiting (in the group's watcher) for `outputs` to be ready.
+
+        Called right after the task's programs were dispatched: the host time since
+        `dispatched` goes into the event as `dispatch_s` (near the task's duration when
+        dispatch waits for the device, see `iteration_summary`'s dispatch_frac).
+        """
         self._check()
+        args = {**args, "dispatch_s": round(self.now() - dispatched, 6)}
         with self._lock:
             self._count(task, +1)
             self._recorded.add(_key(task))
@@ -202,9 +208,17 @@ def group_busy(events: Iterable[dict], window: tuple[float, float]) -> dict[str,
 
 
 def iteration_summary(events: Sequence[dict], iteration: int, window: tuple[float, float], device_groups: Sequence[str]) -> dict:
-    """bubble_frac per device group, staleness histogram and weight-sync time of one iteration."""
+    """bubble_frac per device group, staleness histogram and weight-sync time of one iteration,
+    and dispatch_frac per device group: host time spent in its tasks' dispatch calls over their
+    device time (near 0 when dispatch is asynchronous, near 1 when each call waits for its work)."""
     span = max(window[1] - window[0], 1e-12)
     busy = group_busy(events, window)
+    dispatch, device = dict.fromkeys(device_groups, 0.0), dict.fromkeys(device_groups, 0.0)
+    for e in events:
+        group = e["args"]["group"]
+        if group in dispatch and "dispatch_s" in e["args"] and window[0] <= e["ts"] / 1e6 < window[1]:
+            dispatch[group] += e["args"]["dispatch_s"]
+            device[group] += e["dur"] / 1e6
     trained = [e for e in events if e["args"]["kind"] == "train" and e["args"]["iteration"] == iteration]
     staleness: dict[str, int] = {}
     for e in trained:
@@ -213,6 +227,7 @@ def iteration_summary(events: Sequence[dict], iteration: int, window: tuple[floa
     syncs = [e["dur"] / 1e6 for e in events if e["args"]["kind"] == "sync" and e["args"]["iteration"] == iteration + 1]
     return {
         "bubble_frac": {g: max(0.0, 1.0 - busy.get(g, 0.0) / span) for g in device_groups},
+        "dispatch_frac": {g: dispatch[g] / device[g] if device[g] else 0.0 for g in device_groups},
         "staleness_hist": staleness,
         "staleness_max": max((int(s) for s in staleness), default=0),
         "sync_s": sum(syncs),
