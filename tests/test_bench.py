@@ -145,7 +145,8 @@ def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path, capsys):
         assert record["samples_per_s"] > 0 and len(record["iteration_s"]) == 2 and len(record["splits"]) == 2
         assert record["flops_per_sample"]["total"] > 0 and record["mfu"] > 0
         groups = {"shared"} if mode == "colocated" else {"rollout", "train"}
-        assert set(record["bubble_frac"]) == groups
+        assert set(record["bubble_frac"]) == groups and set(record["dispatch_frac"]) == groups
+        assert all(0.0 <= f for f in record["dispatch_frac"].values())
         assert groups <= set(record["costs"]["rollout"]) and record["costs"]["train"] > 0
         events = read_trace(os.path.join(os.path.splitext(path)[0] + "_traces", record["trace"]))
         assert {"rollout", "train", "update"} <= {e["args"]["kind"] for e in events}

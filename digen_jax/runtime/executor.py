@@ -29,6 +29,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import threading
 from typing import Any, Callable
 
 import jax
@@ -45,7 +46,8 @@ from digen_jax.rl.trainer import GradSum, TrainState, build_units
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import to_every_process, transfer
-from digen_jax.runtime.trace import Tracer, iteration_summary
+from digen_jax.runtime.dispatch import dispatch
+from digen_jax.runtime.trace import Tracer, iteration_summary, wait_ready
 
 def validate_runtime_config(config, num_devices: int) -> None:
     """Reject a bad `runtime` section before any compute, naming the key."""
@@ -165,6 +167,7 @@ class Executor:
         self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
         self.rollout_params = None
         self.rollout_version = -1
+        self._reward_dispatch = threading.Lock()  # see _rollout
 
     def _weights_for_sampling(self, trainable, frozen):
         """Sampling weights from trainable (+ frozen base for LoRA) where they live."""
@@ -228,8 +231,9 @@ class Executor:
     def _rollout(self, task: plan_lib.Task, mb: MicroBatch) -> None:
         """Roll out, then decode where the reward runs; only host work goes to the reward threads.
 
-        Device programs are dispatched from this thread alone: programs with collectives
-        dispatched from several threads can interleave differently per device and deadlock.
+        Runs on the dispatching thread of `task.group` (dispatch.py). Programs with collectives
+        dispatched from several threads could interleave differently per device and deadlock,
+        so the reward role, which decodes for both groups, takes one dispatch at a time.
         """
         mesh = self.meshes.for_group(task.group)
         params = self._params_on(task.group, task.version)
@@ -239,15 +243,19 @@ class Executor:
         mb.group, mb.version = task.group, task.version
         self.tracer.record(task, mb.traj.latents, start, sample_ids=mb.sample_ids.tolist())
         final, decoder = mb.traj.final, self._decoder.get(task.group)
-        if self.meshes.reward is not None:
-            final, decoder = mesh_lib.put_batch(final, self.meshes.reward), self._decoder.get("reward")
         # Every process scores the same rewards from its own copy of the pixels (their bytes cross
         # to each process once; the host reward work is repeated per process), so advantages and
         # reward metrics need no further exchange. One process: the decoded arrays as they are.
-        decoded = to_every_process(self.run.workload.decode(final, decoder))
+        if self.meshes.reward is None:
+            decoded = to_every_process(self.run.workload.decode(final, decoder))
+        else:
+            with self._reward_dispatch:
+                final, decoder = mesh_lib.put_batch(final, self.meshes.reward), self._decoder.get("reward")
+                decoded = to_every_process(self.run.workload.decode(final, decoder))
         mb.rewards = self.pool.submit(self._score, mb, decoded)
 
     def _score(self, mb: MicroBatch, decoded: jax.Array) -> np.ndarray:
+        wait_ready(decoded)  # not blocking in the runtime: see trace.wait_ready
         pixels = np.asarray(decoded)  # device-to-host copies only: no device program from this thread
         start = self.tracer.now()
         # Reward models that run on a device (CLIP scorers) use a device that decoded this
@@ -355,7 +363,9 @@ class Executor:
             next_mbs = {(k + 1, m.index): m for m in self.microbatches_of(k + 1)[:prefetch]}
         acc = self._fresh_acc()
         update_metrics = []
-        for task in plan.tasks:
+
+        def handle(task: plan_lib.Task) -> None:
+            nonlocal acc
             if task.kind == "rollout":
                 self._rollout(task, mbs.get((task.iteration, task.index)) or next_mbs[(task.iteration, task.index)])
             elif task.kind == "train":
@@ -365,6 +375,11 @@ class Executor:
                 acc = self._fresh_acc()
             elif task.kind == "sync":
                 self._sync(task.version, task.deps)
+
+        # Each device group's tasks from its own thread (dispatch.py says why). Several
+        # processes dispatch from one thread: their cross-process transfers must be issued in
+        # the same order by every process.
+        dispatch(plan.tasks, handle, threaded=jax.process_count() == 1)
         self.carried = list(next_mbs.values())
         self._last = [mbs[(k, m)] for m in range(self.microbatches)]
         all_rewards = np.concatenate([mb.rewards.result() for mb in sorted(mbs.values(), key=lambda m: m.index)])
