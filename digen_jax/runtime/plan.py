@@ -1,8 +1,9 @@
 """The planner: what every device group does in one iteration, in order, for each schedule mode.
 
-A plan is an ordered list of tasks (DESIGN.md section 4). The executor dispatches it from
-one host thread; the simulator (`schedule`) runs the same list against a cost model. Both
-read the same plan, so what the simulator predicts is what the executor does.
+A plan is an ordered list of tasks (DESIGN.md section 4). The executor dispatches each
+device group's tasks in this order (from the group's own host thread, `dispatch.py`); the
+simulator (`schedule`) runs the same list against a cost model. Both read the same plan, so
+what the simulator predicts is what the executor does.
 
 Groups: `rollout` and `train` are the two device roles of a disaggregated run; colocated
 runs use the single group `shared`; `reward` is the reward queue (host threads or reward
@@ -134,13 +135,13 @@ def plan_iteration(
 def _dispatch_order(tasks: Sequence[Task]) -> tuple[Task, ...]:
     """`tasks` (each group's in its order) interleaved across groups by when they could start.
 
-    The one dispatching thread blocks twice: on a micro-batch's rewards before its training
-    task, and in the GPU client once a device has 32 programs in flight. Dispatching every
-    rollout before the first training task would leave the trainer waiting for the last
-    rollout to be enqueued; in this order each group is kept about one task ahead. Nominal
-    costs suffice (only the order across groups changes, never a group's own order); every
-    cost is positive, so a task starts strictly after its dependencies and the order stays
-    topological.
+    The order for a single dispatching thread (several processes use one, `dispatch.py`). It
+    blocks on a micro-batch's rewards before its training task, and inside any dispatch call
+    that waits for its device; dispatching every rollout before the first training task would
+    leave the trainer waiting for the last rollout to be enqueued. In this order each group
+    is kept about one task ahead. Nominal costs suffice (only the order across groups
+    changes, never a group's own order); every cost is positive, so a task starts strictly
+    after its dependencies and the order stays topological.
     """
     plan = IterationPlan(0, 0, tuple(tasks), 0, 0, 0)
     start = schedule([plan], _NOMINAL).start
