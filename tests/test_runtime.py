@@ -11,7 +11,6 @@ import time
 import jax
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from configs import tiny
 from digen_jax.rl import loop
@@ -124,28 +123,8 @@ def runtime_config(cache_dir, mode, **runtime):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("pretrained")
-
-
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """A persistent compilation cache for this module (its path): the kill test's child processes
-    load the programs the `runs` fixture compiled instead of compiling them again."""
-    path = str(tmp_path_factory.mktemp("compiled"))
-    settings = {
-        "jax_compilation_cache_dir": path,
-        "jax_persistent_cache_min_compile_time_secs": 0,
-        "jax_persistent_cache_min_entry_size_bytes": -1,
-    }
-    before = {name: getattr(jax.config, name) for name in settings}
-    for name, value in settings.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()  # JAX sets the cache up once per process, at its first compile
-    yield path
-    for name, value in before.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
+def cache_dir(pretrain_cache_dir):
+    return pretrain_cache_dir
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +132,7 @@ def runs(cache_dir, compile_cache, tmp_path_factory):
     """Every mode for two iterations from the same Run (same initial weights, shared compiled steps)."""
     workdir = tmp_path_factory.mktemp("runtime")
     run = loop.Run(runtime_config(cache_dir, "colocated"), str(workdir), log=lambda _: None)
-    out = {"initial": jax.device_get(run.state.trainable)}
+    out = {"run": run, "initial": jax.device_get(run.state.trainable)}
     for mode in plan_lib.MODES:
         config = runtime_config(cache_dir, mode)
         trace_path = os.path.join(workdir, mode.replace("+", "_") + ".json")
@@ -216,10 +195,9 @@ def test_trace_shows_every_sample_trained_once_at_bounded_staleness(runs, mode):
     assert [int(m["version"]) for m in result["metrics"]] == list(range(1, ITERATIONS + 1))
 
 
-def test_tag_share_follows_measured_costs(cache_dir, tmp_path):
+def test_tag_share_follows_measured_costs(runs, cache_dir, tmp_path):
     config = runtime_config(cache_dir, "gap+tsp+tag", tag_microbatches=-1)
-    run = loop.Run(config, str(tmp_path), log=lambda _: None)
-    executor = Executor(run, log=lambda _: None)
+    executor = Executor(runs["run"], config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
     assert executor.split_for(0) == (0, 0)  # nothing measured yet
     executor.measured = {("rollout", "rollout"): [4.0], ("train", "train"): [1.0], ("rollout", "train"): [4.0]}
     slow = executor.split_for(1)
@@ -251,7 +229,7 @@ def test_bad_runtime_config_names_the_key(cache_dir, override, key):
 # KILLED_IN (after checkpoint KILLED_IN was written) announces itself and stalls until its
 # stdin closes, so the SIGKILL always lands mid-iteration (and a child outlives no parent).
 # It runs the programs the `runs` fixture compiled (same configs, and conftest.py's matmul
-# precision), loaded from the module's compilation cache.
+# precision), loaded from the session's compilation cache (conftest.py).
 KILLED_IN = ITERATIONS - 1
 _KILLED_RUN = """
 import os
@@ -383,15 +361,15 @@ def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(runs, ki
     assert set(rolled.values()) == {1}
 
 
-def test_host_derived_inputs_are_computed_off_the_role_devices(cache_dir, tmp_path, monkeypatch):
+def test_host_derived_inputs_are_computed_off_the_role_devices(runs, cache_dir, tmp_path, monkeypatch):
     """Sample keys, conditioning slices and advantages are computed on `mesh.host_device()` (the
     CPU backend on accelerator machines), not on the default device: that is a rollout device,
-    and a training task's advantages would wait there behind every rollout dispatched before it."""
+    and a training task's advantages would wait there behind every rollout dispatched before it.
+    On the `runs` fixture's Run, whose rollout step on these rollout devices is compiled."""
     host = jax.devices()[7]  # stands in for the CPU backend: a reward device, neither rollout nor train
     monkeypatch.setattr(mesh_lib, "host_device", lambda: host)
-    config = runtime_config(cache_dir, "gap", rollout_devices=2, train_devices=2, reward_devices=4)
-    run = loop.Run(config, str(tmp_path), log=lambda _: None)
-    executor = Executor(run, log=lambda _: None)
+    config = runtime_config(cache_dir, "gap", rollout_devices=4, train_devices=2, reward_devices=2)
+    executor = Executor(runs["run"], config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
     assert host not in set(executor.meshes.rollout.devices.flat) | set(executor.meshes.train.devices.flat)
     for mb in executor.microbatches_of(0):
         assert {d for leaf in jax.tree.leaves((mb.cond, mb.sample_keys)) for d in leaf.devices()} == {host}

@@ -34,8 +34,8 @@ def small_config(cache_dir, **train):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("pretrained")
+def cache_dir(pretrain_cache_dir):
+    return pretrain_cache_dir
 
 
 def read_metrics(workdir):
@@ -107,8 +107,10 @@ def test_nonfinite_rewards_skip_updates_then_stop(cache_dir, tmp_path):
     assert sum("skipped: non-finite" in line for line in logs) == 2
 
 
-def test_tiny_demo_raises_reward(tmp_path):
+def test_tiny_demo_raises_reward(tiny_pretrained_cache, tmp_path):
     """The README demo's recipe, seeded and cut to 10 iterations, must clearly raise the reward.
+    Its pretrained base model comes from the cache conftest.py fills in the background with the
+    same config.
 
     Margins (0.1 each, about half the rise this run shows): (a) the eval reward, deterministic
     ODE samples of 32 fixed prompts and noises before vs after, is a paired comparison, so
@@ -117,7 +119,7 @@ def test_tiny_demo_raises_reward(tmp_path):
     error of the difference is about 0.02 and 0.1 is 5 of them).
     """
     c = tiny.get_config()
-    c.pretrain.cache_dir = str(tmp_path / "cache")
+    c.pretrain.cache_dir = tiny_pretrained_cache
     c.rl.ema = False  # evaluate the trained weights themselves, not a lagging average
     run = loop.Run(c, str(tmp_path / "run"), log=lambda _: None)
     executor = Executor(run, log=lambda _: None)
