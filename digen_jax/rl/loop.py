@@ -144,13 +144,26 @@ class Run:
         """Rewards (B,) of final latents (decoded first) and the per-reward arrays, for sample prompt ids."""
         return self.workload.score(latents, ids)
 
-    def evaluate(self, state: TrainState) -> float:
-        """Mean reward of deterministic (ODE) samples of the fixed eval prompts (EMA weights if kept)."""
+    def evaluate(self, state: TrainState, executor: Executor | None = None) -> float:
+        """Mean reward of deterministic (ODE) samples of the fixed eval prompts (EMA weights if kept).
+
+        With an executor the samples roll out where its micro-batches do (`Executor.sample`: the
+        rollout role, whatever process owns it) and every process scores its own copy of the
+        pixels, so all return the same value. Without one: where the state lives (one process).
+        """
         weights = state.ema if state.ema is not None else state.trainable
-        params = self.trainer.params_for(weights)
         zeros = np.zeros((self.sampler.num_steps,), np.float32)
-        traj = self.sampler.rollout(params, self.eval_cond, self.eval_keys, zeros, self.latent_shape, state.version)
-        rewards, _ = self.score(traj.final, self.eval_ids)
+        if executor is not None:
+            pixels = executor.sample(weights, self.eval_cond, self.eval_keys, zeros, state.version)
+        elif jax.process_count() > 1:
+            raise ValueError(
+                "Run.evaluate needs the executor in a multi-process run (the state lives on some processes only)"
+            )
+        else:
+            params = self.trainer.params_for(weights)
+            traj = self.sampler.rollout(params, self.eval_cond, self.eval_keys, zeros, self.latent_shape, state.version)
+            pixels = self.workload.decode(traj.final)
+        rewards, _ = self.workload.reward(np.asarray(pixels), self.eval_ids)
         return float(np.mean(rewards))
 
 
@@ -226,7 +239,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
         for k in range(start, total):
             plan, metrics = executor.iteration(k)
             if config.train.eval_every and (k + 1) % config.train.eval_every == 0:
-                metrics["eval_reward_mean"] = run.evaluate(executor.state)
+                metrics["eval_reward_mean"] = run.evaluate(executor.state, executor)
             if config.train.image_every and (k + 1) % config.train.image_every == 0:
                 finals = executor.last_finals()[:: config.rl.group_size][:16]
                 if writes_files:

@@ -555,14 +555,21 @@ def _ppermute_fn(mesh: Mesh, specs: tuple, rounds: tuple):
 def _fence(moved: tuple) -> tuple:
     """Wait until a cross-process move has finished on this process's devices.
 
-    Without this wait `loop.train` on 2 processes x 4 CPU devices deadlocked in 3 of 8 runs
-    ('disagg_sync' and 'gap+tsp'; both main threads stuck dispatching, one in the weight
-    sync, the other in a gradient chunk). The likely cause: a gloo collective holds an
-    executor thread per local participant until the other process joins, and a process
-    that dispatches far ahead (the rollout process runs none of the trainer's programs) fills
-    its threads with moves the other has not reached, starving the local work an earlier
-    move waits for. Waiting here keeps the processes in step at every move (no deadlock in
-    the runs since); device work dispatched before the move still overlaps with it.
+    Why (jax 0.10 CPU client over gloo, read from its scheduling rules and seen as hangs of
+    `loop.train` on 2 processes x 4 devices before this wait): a process's pool of executor
+    threads is as large as its device count, because the participants of a collective each
+    block a thread until all have joined; so programs that span several local devices run one
+    at a time, in dispatch order. A program with one local device (this process's share of a
+    `to_every_process` move, one receiving device) is not in that order: it runs beside it and
+    blocks its thread until the other process joins. Without the wait a process could dispatch
+    move B while its earlier move A still queued behind local work; B's participant then holds
+    a thread the local work needs (or B runs before A), while the other process waits in A for
+    this one: a cycle. With it, every process has at most one cross-process program pending,
+    and it is the same one everywhere (every process dispatches the same programs in the same
+    order); all that either process enqueued before it is local work that finishes without the
+    other process, so the move always completes (provided local work cannot starve itself: a
+    device with 32 programs in flight can, which `Executor._train` prevents). Device work
+    dispatched before the move still overlaps with it.
     """
     return jax.block_until_ready(moved)
 

@@ -6,7 +6,9 @@ asynchronous JAX dispatch: the thread only enqueues it, and JAX's data dependenc
 cross-mesh `device_put` do the overlap. Rewards run on a host thread pool as soon as a
 micro-batch's rollout is dispatched (queue scheduling). The only places the dispatching
 thread waits are the rewards a training task needs (all device work that can run meanwhile
-is already enqueued) and the metrics of the previous iteration (read one step late).
+is already enqueued), the metrics of the previous iteration (read one step late), and two
+bounds on running ahead: a transfer between processes completes before the next is issued
+(`distributed._fence`), and on CPU one gradient chunk is in flight at a time (`_train`).
 
 Micro-batches are whole groups: iteration k's P prompts are cut into M contiguous slices,
 each carrying its prompts' G samples. Advantages are normalised per micro-batch (the grain
@@ -17,11 +19,13 @@ Several processes (roles on different hosts): every process runs this same loop 
 dispatches the same device programs in the same order. Host-derived inputs (prompts, sample
 keys, advantages) are computed alike on every process and placed by each on its own devices
 (`distributed.transfer` of uncommitted arrays); every process scores the rewards from its own
-copy of the decoded pixels and reads the metrics from its own copy (`to_every_process`).
+copy of the decoded pixels and reads the metrics from its own copy (`to_every_process`);
+evaluation samples roll out on the rollout role the same way (`sample`).
 
 Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
 split of each iteration is chosen by `plan.choose_split` from the task times measured in
-the previous iteration; the first iteration uses no trainer rollouts and no prefetch.
+the previous iteration (with several processes, process 0's choice, broadcast: the plan must
+be the same everywhere); the first iteration uses no trainer rollouts and no prefetch.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import lora
@@ -88,6 +93,38 @@ def validate_runtime_config(config, num_devices: int) -> None:
         )
 
 
+def _unit_rows(units, start, size: int):
+    """Units start .. start + size - 1 (`start` traced: one program serves every chunk)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), units)
+
+
+def _step_units(units, step, per_sample: int):
+    """Each sample's unit of its `step`-th trained step (units are sample-major: a[step::per_sample])."""
+    return jax.tree.map(
+        lambda a: jax.lax.dynamic_index_in_dim(a.reshape(-1, per_sample, *a.shape[1:]), step, axis=1, keepdims=False),
+        units,
+    )
+
+
+@jax.jit
+def _iteration_metrics(update_metrics: list[dict]) -> dict:
+    """An iteration's figures from its updates' (means; the last version and streak; skips summed),
+    in one program on the train devices rather than two per figure."""
+    last = update_metrics[-1]
+    metrics = {name: jnp.mean(jnp.stack([m[name] for m in update_metrics])) for name in last}
+    metrics.update(
+        version=last["version"],
+        nonfinite_streak=last["nonfinite_streak"],
+        skipped=jnp.sum(jnp.stack([m["skipped"] for m in update_metrics])),
+    )
+    return metrics
+
+
+@functools.lru_cache(maxsize=16)
+def _cut_fn(cut, static: int, sharding):
+    return jax.jit(lambda units, index: cut(units, index, static), out_shardings=sharding)
+
+
 @dataclasses.dataclass
 class MicroBatch:
     """One micro-batch of an iteration: its inputs, and once rolled out its trajectory and rewards."""
@@ -117,6 +154,7 @@ class Executor:
         self.mode, self.flags = rt.mode, plan_lib.mode_flags(rt.mode)
         validate_runtime_config(self.config, len(jax.devices()))
         self.meshes = mesh_lib.build_role_meshes(rt)
+        self._pace_chunks = self.meshes.train.devices.flat[0].platform == "cpu"  # see `_train`
         self.microbatches = rt.micro_batches
         # Process 0 writes the trace (it stamps tasks on other processes' devices when dispatched).
         write_trace = rt.trace and jax.process_index() == 0
@@ -177,16 +215,21 @@ class Executor:
             return self._merge(frozen, trainable)
         return lora.LoraWeights(frozen, trainable, self.lora_scale)
 
+    def _to_rollout(self, trainable):
+        """`trainable` (on the train role) moved to the rollout role: the tree that moved (only
+        adapters with LoRA) and the sampling weights made from it there."""
+        if self.lora_scale is None:
+            moved = transfer(trainable, self._sharding["rollout"])
+        else:
+            moved = transfer(trainable, mesh_lib.replicated(self.meshes.rollout))
+        return moved, self._weights_for_sampling(moved, self.frozen_on_rollout)
+
     def _sync(self, version: int, deps: tuple = ()) -> None:
         """Trainer -> rollout weight transfer of `version` (asynchronous; only adapters with LoRA)."""
         task = plan_lib.Task("sync", "link", version, 0, version, deps=deps)
         start = self.tracer.now()
-        if self.lora_scale is None:
-            moved = transfer(self.state.trainable, self._sharding["rollout"])
-        else:
-            moved = transfer(self.state.trainable, mesh_lib.replicated(self.meshes.rollout))
+        moved, self.rollout_params = self._to_rollout(self.state.trainable)
         self.tracer.record(task, moved, start)
-        self.rollout_params = self._weights_for_sampling(moved, self.frozen_on_rollout)
         self.rollout_version = version
 
     def _params_on(self, group: str, version: int):
@@ -267,17 +310,20 @@ class Executor:
         self.tracer.record_done(reward_task, start, self.tracer.now(), sample_ids=mb.sample_ids.tolist())
         return rewards
 
-    def _chunks(self, units, per_sample: int):
-        """Gradient micro-batches of a micro-batch's units.
+    def _chunks(self, units, per_sample: int) -> list:
+        """Gradient micro-batches of a micro-batch's units, batch-split over the train mesh.
 
         TSP: units (samples x trained steps) flattened and cut into `rl.micro_batch_size`
         pieces split over every trainer device. Without TSP the grain is the trajectory: one
         trained step of all the micro-batch's samples at a time, split over samples only.
+        One program cuts and places each chunk (not one per leaf plus a reshard: see `_train`).
         """
         if self.flags.tsp or self.flags.colocated:
-            step = self.config.rl.micro_batch_size
-            return [units.slice(i, i + step) for i in range(0, units.size, step)]
-        return [jax.tree.map(lambda a: a[t::per_sample], units) for t in range(per_sample)]
+            size = self.config.rl.micro_batch_size
+            cut = _cut_fn(_unit_rows, size, mesh_lib.batch_sharding(self.meshes.train, (size,)))
+            return [cut(units, start) for start in range(0, units.size, size)]
+        cut = _cut_fn(_step_units, per_sample, mesh_lib.batch_sharding(self.meshes.train, (units.size // per_sample,)))
+        return [cut(units, t) for t in range(per_sample)]
 
     def _train(self, task: plan_lib.Task, mb: MicroBatch, acc: dict) -> None:
         rl = self.config.rl
@@ -297,7 +343,15 @@ class Executor:
         units = build_units(traj, cond, adv, trained)
         trainer, acc_grads = self.run.trainer, acc["sum"]
         for chunk in self._chunks(units, mb.trained.shape[1]):
-            trainer.add_chunk(acc_grads, self.state.trainable, mesh_lib.put_batch(chunk, mesh))
+            if self._pace_chunks and acc_grads.metrics is not None:
+                # The CPU client runs a program's launch and its collective participants on one
+                # pool of as many threads as devices, and a launch that finds a device with 32
+                # programs in flight holds its thread until one finishes. Dispatched far ahead,
+                # those launches took the threads that a queued gradient's all-gather needed:
+                # the started participants waited for the missing ones, forever (2-process
+                # gap+tsp, 1 run in 7). One chunk in flight keeps every device far below 32.
+                jax.block_until_ready(acc_grads.metrics)
+            trainer.add_chunk(acc_grads, self.state.trainable, chunk)
         self.tracer.record(task, acc_grads.metrics["loss"], start, sample_ids=mb.sample_ids.tolist())  # grads get donated
 
     def _update(self, task: plan_lib.Task, acc: dict) -> dict:
@@ -316,12 +370,20 @@ class Executor:
             fixed_tag = 0
         if not self.flags.tcss or rt.staleness == 0:
             fixed_prefetch = 0
-        carried = len(self.carried)
+        if fixed_tag is not None and fixed_prefetch is not None:
+            return fixed_tag, fixed_prefetch
         costs = self.measured_costs()
-        if costs is None or (fixed_tag is not None and fixed_prefetch is not None):
-            return (fixed_tag or 0, fixed_prefetch or 0)
-        tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag, fixed_prefetch=fixed_prefetch)
-        return min(tag, self.microbatches - carried), prefetch
+        if costs is None:
+            split = (fixed_tag or 0, fixed_prefetch or 0)
+        else:
+            tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag, fixed_prefetch=fixed_prefetch)
+            split = (min(tag, self.microbatches - len(self.carried)), prefetch)
+        if jax.process_count() > 1:
+            # Each process timed the tasks as it saw them (its own devices' work, the others' as
+            # dispatched), so their choices can differ; a different plan would issue different
+            # cross-process transfers and hang them all. Every process takes process 0's split.
+            split = tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(split, np.int32)))
+        return split
 
     def measured_costs(self) -> plan_lib.Costs | None:
         def typical(kind, group):  # the median: robust to a stray slow task (a late compile, a host pause)
@@ -383,14 +445,7 @@ class Executor:
         self.carried = list(next_mbs.values())
         self._last = [mbs[(k, m)] for m in range(self.microbatches)]
         all_rewards = np.concatenate([mb.rewards.result() for mb in sorted(mbs.values(), key=lambda m: m.index)])
-        last = update_metrics[-1]
-        metrics = {name: jnp.mean(jnp.stack([m[name] for m in update_metrics])) for name in last}
-        metrics.update(
-            version=last["version"],
-            nonfinite_streak=last["nonfinite_streak"],
-            skipped=jnp.sum(jnp.stack([m["skipped"] for m in update_metrics])),
-        )
-        metrics = to_every_process(metrics)  # readable on every process (they live on the train devices)
+        metrics = to_every_process(_iteration_metrics(update_metrics))  # readable on every process
         metrics.update(
             step=k + 1,
             reward_mean=float(np.mean(all_rewards)),
@@ -401,6 +456,23 @@ class Executor:
             carried_microbatches=carried,
         )
         return plan, metrics
+
+    def sample(self, trainable, cond: Conditioning, sample_keys: jax.Array, noise_levels, version) -> jax.Array:
+        """Decoded samples of `trainable` (a tree laid out like the train state's, e.g. its EMA) for
+        `cond` and `sample_keys` (host-derived, alike on every process), readable on every process.
+
+        They roll out where micro-batches do: on the rollout role, the weights moved there first
+        (outside the plan: the synced weights stay as they are), or on the shared mesh when
+        colocated. Every process calls it at the same point of the loop (it runs transfers).
+        """
+        group = "shared" if self.meshes.colocated else "rollout"
+        if self.meshes.colocated:
+            params = self._weights_for_sampling(trainable, self.run.trainer.frozen)
+        else:
+            params = self._to_rollout(trainable)[1]
+        cond, sample_keys = mesh_lib.put_batch((cond, sample_keys), self.meshes.for_group(group))
+        traj = self.run.sampler.rollout(params, cond, sample_keys, noise_levels, self.run.latent_shape, version)
+        return to_every_process(self.run.workload.decode(traj.final, self._decoder.get(group)))
 
     def last_finals(self) -> jax.Array:
         """Final latents of the last iteration's samples, in sample order (readable on every process)."""
