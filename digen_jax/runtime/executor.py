@@ -1,14 +1,16 @@
-"""The executor: runs the planner's task lists on role meshes from one host thread.
+"""The executor: runs the planner's task lists on role meshes, one host thread per device group.
 
 Per iteration it asks the planner for the task list (`plan.plan_iteration`) and dispatches
-it in order. Device work (rollout steps, weight transfers, gradients, the update) is
-asynchronous JAX dispatch: the thread only enqueues it, and JAX's data dependencies and
-cross-mesh `device_put` do the overlap. Rewards run on a host thread pool as soon as a
-micro-batch's rollout is dispatched (queue scheduling). The only places the dispatching
-thread waits are the rewards a training task needs (all device work that can run meanwhile
-is already enqueued), the metrics of the previous iteration (read one step late), and two
-bounds on running ahead: a transfer between processes completes before the next is issued
-(`distributed._fence`), and on CPU one gradient chunk is in flight at a time (`_train`).
+each device group's tasks in order from that group's thread (`dispatch.py`; one thread in
+plan order when the run spans several processes). Device work (rollout steps, weight
+transfers, gradients, the update) is asynchronous JAX dispatch: a thread only enqueues it,
+and JAX's data dependencies and cross-mesh `device_put` do the overlap; where a dispatch call
+does wait for its device, it holds up only its own group. Rewards run on a host thread pool
+as soon as a micro-batch's rollout is dispatched (queue scheduling). The only places a
+dispatching thread waits are the rewards a training task needs, the dispatch of the tasks it
+depends on in other groups, the metrics of the previous iteration (read one step late), and
+two bounds on running ahead: a transfer between processes completes before the next is
+issued (`distributed._fence`), and on CPU one gradient chunk is in flight at a time (`_train`).
 
 Micro-batches are whole groups: iteration k's P prompts are cut into M contiguous slices,
 each carrying its prompts' G samples. Advantages are normalised per micro-batch (the grain
