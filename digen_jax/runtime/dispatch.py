@@ -2,10 +2,12 @@
 
 The executor's task handlers enqueue device programs and return; JAX runs them
 asynchronously. That holds only while a dispatch call returns before its program ends, and
-on the lent H100s (jax 0.11.2) it does not for the model's programs: a rollout step or a
-gradient micro-batch returned from its jit call only about when it had run. One host
-thread dispatching every group would then run the groups one after the other, whatever
-the plan says. With one thread per group a dispatch that waits holds up only its own group.
+on the lent H100s (jax 0.11.2) it did not for the model's programs: a rollout step or a
+gradient micro-batch returned from its jit call only about when it had run (the GPU client
+also admits at most 32 programs in flight per device; a dispatch beyond that waits for one
+to finish). One host thread dispatching every group then ran the groups one after the
+other, whatever the plan said. With one thread per group a dispatch that waits holds up
+only its own group.
 
 Order: a group's tasks are dispatched in plan order by its thread, so every device gets
 its programs in the plan's order (programs with collectives need one order on every

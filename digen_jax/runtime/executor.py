@@ -54,7 +54,7 @@ from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import to_every_process, transfer
 from digen_jax.runtime.dispatch import dispatch
-from digen_jax.runtime.trace import Tracer, iteration_summary, wait_ready
+from digen_jax.runtime.trace import Tracer, iteration_summary
 
 def validate_runtime_config(config, num_devices: int) -> None:
     """Reject a bad `runtime` section before any compute, naming the key."""
@@ -300,7 +300,6 @@ class Executor:
         mb.rewards = self.pool.submit(self._score, mb, decoded)
 
     def _score(self, mb: MicroBatch, decoded: jax.Array) -> np.ndarray:
-        wait_ready(decoded)  # not blocking in the runtime: see trace.wait_ready
         pixels = np.asarray(decoded)  # device-to-host copies only: no device program from this thread
         start = self.tracer.now()
         # Reward models that run on a device (CLIP scorers) use a device that decoded this

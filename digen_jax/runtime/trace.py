@@ -1,8 +1,8 @@
 """Task timing without blocking the dispatching thread, the Chrome trace, per-iteration metrics.
 
 The executor dispatches a task and hands its output arrays to `Tracer.record`; one watcher
-thread per device group waits for them (`wait_ready`) in dispatch order and stamps the end
-time. A group runs its tasks in dispatch order and a task runs once its inputs
+thread per device group waits for them (`block_until_ready`) in dispatch order and stamps
+the end time. A group runs its tasks in dispatch order and a task runs once its inputs
 exist, so a task starts at the latest of: its dispatch, the end of the group's previous
 task, and the ends of the recorded tasks it depends on (`Task.deps`; a rollout waits for
 the weight sync, a sync for the update). Without the last term a task's duration would
@@ -27,23 +27,7 @@ import jax
 from digen_jax.runtime.plan import GROUPS, Task
 
 _THREAD_IDS = {g: i for i, g in enumerate(GROUPS)}
-_POLL_S = 0.001  # wait_ready's poll interval: the timing resolution of a task's end
 _DEP_WAIT_S = 60.0  # bound on waiting for a dependency's stamp (a failed task never gets one)
-
-
-def wait_ready(tree: Any) -> None:
-    """Return once every array of `tree` is computed, polling (`is_ready`) instead of blocking.
-
-    On GPUs (jax 0.11), while one thread sits in `block_until_ready` on a device's work,
-    every program another thread dispatches to that device returns only when it has about
-    run: the dispatching thread would lose its lead on the devices a watcher waits on, and
-    with it the overlap of the device groups. Polling leaves dispatch asynchronous.
-    """
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            while not leaf.is_ready():
-                time.sleep(_POLL_S)
-    jax.block_until_ready(tree)  # done by now; raises a failed computation's error
 
 
 def _key(task: Task) -> tuple:
@@ -110,7 +94,7 @@ class Tracer:
         while True:
             task, outputs, dispatched, args = q.get()
             try:
-                wait_ready(outputs)
+                jax.block_until_ready(outputs)
             except BaseException as e:  # surfaced to the dispatching thread on its next call
                 self._error = e
             end = self.now()
