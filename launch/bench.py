@@ -99,6 +99,11 @@ _OUT = flags.DEFINE_string(
     "out", None,
     "Output JSON path. Default: benchmarks/results/model_<family>_<variant>_b<batch>_<h>x<w>[x<frames>]_<utc time>.json.",
 )
+_PROFILE = flags.DEFINE_bool(
+    "profile", False,
+    "Model mode: record one more call of each measurement with the JAX profiler (a Perfetto trace in "
+    "<out without .json>_profile/) and put its device time per kernel and per kernel class into the JSON.",
+)
 _PEER = flags.DEFINE_bool("peer", False, "Also time the diffusers PyTorch module (bf16, eager, SDPA) on the same card.")
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/tiny.py", "System mode: the training config (ml_collections; override keys as --config.a.b=v)."
@@ -109,7 +114,9 @@ _MODES = flags.DEFINE_list(
 )
 _ITERATIONS = flags.DEFINE_integer("iterations", 2, "System mode: timed iterations per schedule mode.")
 _WARMUP_ITERATIONS = flags.DEFINE_integer(
-    "warmup_iterations", 1, "System mode: untimed iterations first (compilation, first measured costs)."
+    "warmup_iterations", 1,
+    "System mode: untimed iterations first (compilation, first measured costs); modes with elastic splits "
+    "add one, planned from those costs, so that the timed iterations start as a long run's do.",
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/digen_bench", "System mode: where traces (trace_<mode>.json) go.")
 _PEER_WORKER = flags.DEFINE_string("peer_worker", None, "Internal: run only the PyTorch peer and write its JSON here.")
@@ -342,6 +349,11 @@ def run_model_jax(setup: dict[str, Any], peaks: dict[str, float | None]) -> dict
                 time_calls(lambda: compiled(*args), jax.block_until_ready, _REPEATS.value, _WARMUP.value),
                 entry["flops"], peaks,
             ))
+            if _PROFILE.value:
+                log_dir = os.path.join(_profile_root(), what)
+                with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+                    jax.block_until_ready(compiled(*args))
+                entry["profile"] = device_time_by_kernel(log_dir)
         except Exception as e:  # noqa: BLE001 - recorded, and the run goes on
             entry["error"] = f"{type(e).__name__}: {e}"[:4000]
             traceback.print_exc()
@@ -351,12 +363,77 @@ def run_model_jax(setup: dict[str, Any], peaks: dict[str, float | None]) -> dict
     return out
 
 
+def _profile_root() -> str:
+    out = _OUT.value or os.path.join("benchmarks", "results", "profile")
+    return os.path.splitext(out)[0] + "_profile"
+
+
+# Kernel classes by name, first match wins: GEMMs (cuBLAS/cuBLASLt/CUTLASS), fused attention
+# (cuDNN/flash), collectives, copies; the rest are XLA's generated fusions.
+KERNEL_CLASSES = (
+    ("attention", re.compile(r"cudnn|flash|fmha|sdpa", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma", re.I)),
+    ("collective", re.compile(r"nccl|all_reduce|all_gather|reduce_scatter", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def kernel_class(name: str) -> str:
+    return next((cls for cls, pattern in KERNEL_CLASSES if pattern.search(name)), "fusion/other")
+
+
+def device_time_by_kernel(log_dir: str, top: int = 40) -> dict[str, Any]:
+    """Device time of the Perfetto trace under `log_dir`: per kernel class and the `top` kernels.
+
+    Device events are those of processes named like a device ('/device:GPU:0'), except the
+    XLA summary lines (modules and ops), which would count every kernel twice.
+    """
+    import glob
+    import gzip
+
+    paths = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not paths:
+        return {"error": f"no perfetto_trace.json.gz under {log_dir}"}
+    with gzip.open(paths[-1], "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
+             for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    processes = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    devices = {pid for pid, name in processes.items() if "/device:" in name}
+    per_kernel: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in devices:
+            continue
+        if re.search(r"XLA (Modules|Ops|TraceMe)|Steps", names.get((e.get("pid"), e.get("tid")), "")):
+            continue
+        stat = per_kernel.setdefault(e.get("name", "?"), [0.0, 0])
+        stat[0] += float(e.get("dur", 0.0)) / 1e3
+        stat[1] += 1
+    total = sum(ms for ms, _ in per_kernel.values())
+    classes: dict[str, float] = {}
+    for name, (ms, _) in per_kernel.items():
+        classes[kernel_class(name)] = classes.get(kernel_class(name), 0.0) + ms
+    kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "trace": paths[-1],
+        "processes": sorted(processes.values()),
+        "device_ms": total,
+        "class_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
+        "kernels": [{"name": n[:200], "ms": ms, "calls": calls, "class": kernel_class(n)} for n, (ms, calls) in kernels],
+    }
+
+
 def _row(what: str, entry: dict[str, Any]) -> str:
     if "error" in entry:
         return f"{what:14s} ERROR {entry['error'][:200]}"
     mfu = " ".join(f"{k}={v:.1%}" for k, v in entry.items() if k.startswith("mfu_") and v is not None)
-    return (f"{what:14s} median {entry['median_s'] * 1e3:9.2f} ms  {entry['flops'] / 1e12:9.2f} TFLOP  "
-            f"{entry['flops_per_s'] / 1e12:7.1f} TFLOP/s  {mfu}")
+    row = (f"{what:14s} median {entry['median_s'] * 1e3:9.2f} ms  {entry['flops'] / 1e12:9.2f} TFLOP  "
+           f"{entry['flops_per_s'] / 1e12:7.1f} TFLOP/s  {mfu}")
+    if "class_ms" in entry.get("profile", {}):
+        row += "\n  device ms by class: " + ", ".join(f"{c} {ms:.1f}" for c, ms in entry["profile"]["class_ms"].items())
+    return row
 
 
 def _run_record(mode: str, used: int) -> dict[str, Any]:
@@ -370,6 +447,7 @@ def _run_record(mode: str, used: int) -> dict[str, Any]:
         "argv": sys.argv,
         "git": _git_commit(),
         "versions": _versions(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "device": {"kind": device.device_kind, "platform": device.platform, "count": jax.device_count(),
                    "used": used, "all_kinds": sorted({d.device_kind for d in jax.devices()})},
     }
@@ -630,7 +708,7 @@ def run_system() -> dict[str, Any]:
         print(f"wrote {path} ({len(figures['modes'])} of {len(_MODES.value)} modes)", flush=True)
 
     run_modes(
-        config, _MODES.value, _WORKDIR.value, warmup=_WARMUP_ITERATIONS.value, iterations=_ITERATIONS.value,
+        config, _MODES.value, _WORKDIR.value, warmups=_WARMUP_ITERATIONS.value, iterations=_ITERATIONS.value,
         peak_flops=peak, log=lambda m: print(m, flush=True), on_mode=write,
     )
     return result
@@ -675,6 +753,9 @@ def run_from_flags() -> tuple[dict[str, Any], str]:
 
 def main(argv):
     del argv
+    from digen_jax import xla_flags
+
+    xla_flags.set_defaults()  # before the first device is touched
     if _PEER_WORKER.value:
         run_peer(_PEER_WORKER.value)
         return 0

@@ -17,6 +17,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 from PIL import Image
 
+from digen_jax import xla_flags
 from digen_jax.rl.loop import Run
 from digen_jax.runtime.executor import Executor
 
@@ -40,6 +41,7 @@ def image_grid(images: np.ndarray, scale: int = 8) -> Image.Image:
 
 def main(argv):
     del argv
+    xla_flags.set_defaults()  # before the first device is touched
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     config.runtime.trace = False  # sampling adds nothing to the training trace

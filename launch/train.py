@@ -27,6 +27,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from digen_jax import xla_flags
 from digen_jax.rl.loop import ConfigError, train, validate_config
 from digen_jax.runtime.distributed import initialize
 
@@ -57,6 +58,7 @@ def autosize_line(config, spec: str) -> str:
 
 def main(argv):
     del argv
+    xla_flags.set_defaults()  # before the first device is touched
     logging.set_verbosity(logging.WARNING)
     initialize(_CONFIG.value)  # multi-process runs (runtime.distributed, SLURM) join before any JAX work
     try:

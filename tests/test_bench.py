@@ -151,3 +151,42 @@ def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path, capsys):
         events = read_trace(os.path.join(os.path.splitext(path)[0] + "_traces", record["trace"]))
         assert {"rollout", "train", "update"} <= {e["args"]["kind"] for e in events}
     assert set(simulator.predict_from_profile(written)) == set(modes)  # the record is a simulator profile
+
+
+def test_profile_sums_device_time_by_kernel(tmp_path):
+    """`--profile`'s summary on a trace shaped like a GPU one: device kernels counted once (not the
+    XLA summary lines), host events left out, kernels put in their classes."""
+    import gzip
+
+    run = tmp_path / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+    ]
+    kernels = [("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 3000.0), ("memcpy128", 500.0),
+               ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 700.0), ("loop_add_fusion", 250.0),
+               ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 1000.0)]
+    events = meta + [{"ph": "X", "pid": 1, "tid": 7, "ts": i, "dur": d, "name": n} for i, (n, d) in enumerate(kernels)]
+    events += [{"ph": "X", "pid": 1, "tid": 8, "ts": 0, "dur": 9999.0, "name": "fusion.1"},
+               {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 9999.0, "name": "PjitFunction(f)"}]
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = bench.device_time_by_kernel(str(tmp_path))
+    assert summary["device_ms"] == pytest.approx(5.45)
+    assert summary["class_ms"] == pytest.approx({"matmul": 4.0, "attention": 0.7, "copy": 0.5, "fusion/other": 0.25})
+    assert summary["kernels"][0]["calls"] == 2 and summary["kernels"][0]["class"] == "matmul"
+    assert "error" in bench.device_time_by_kernel(str(tmp_path / "none"))
+
+
+def test_xla_flag_defaults_keep_what_the_user_set():
+    from digen_jax import xla_flags
+
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    assert xla_flags.set_defaults(env).split() == [
+        "--xla_force_host_platform_device_count=8", *(f"--{k}={v}" for k, v in xla_flags.GPU_DEFAULTS.items())]
+    env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
+    assert xla_flags.set_defaults(env) == "--xla_gpu_enable_triton_gemm=true"
+    assert xla_flags.set_defaults({}) == xla_flags.set_defaults({"XLA_FLAGS": ""})

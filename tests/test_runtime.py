@@ -96,6 +96,24 @@ def test_tcss_prefetch_fills_the_training_tail():
     assert plan_lib.iteration_time("gap", 4, costs) < plan_lib.iteration_time("disagg_sync", 4, costs)
 
 
+def test_steady_state_waits_for_a_lagging_prefetch():
+    # Rollout the bottleneck with most of the batch prefetched: its head start shrinks a little
+    # every iteration, so a short horizon times iterations the trainer never waits in. The
+    # steady state is the rollout group's own load: 7 micro-batches per iteration.
+    costs = _costs(rollout=3.2, train=1.9)
+    steady = plan_lib.steady_state("gap+tsp+tag+tcss", 8, costs, tag=1, prefetch=7)
+    assert steady.iteration_s == pytest.approx(7 * 3.2)
+    assert steady.iterations > 6
+    short = plan_lib.schedule(
+        [plan_lib.plan_iteration("gap+tsp+tag+tcss", k, 8, carried=7, tag=1, prefetch=7) for k in range(1, 7)], costs
+    )
+    assert short.end[("update", 5, 0)] - short.end[("update", 4, 0)] < 0.95 * steady.iteration_s
+    # Balanced loads settle at once, at the trainer's load (2 rollouts + 8 trainings + update).
+    tag2 = plan_lib.steady_state("gap+tsp+tag", 8, costs, tag=2)
+    assert tag2.iteration_s == pytest.approx(2 * 3.2 + 8 * 1.9 + 0.05 + 0.01, rel=0.02)
+    assert plan_lib.choose_split("gap+tsp+tag+tcss", 8, costs)[0] == 2
+
+
 # ---------------------------------------------------------------- executor on fake devices
 def runtime_config(cache_dir, mode, **runtime):
     c = tiny.get_config()

@@ -4,7 +4,10 @@ One `rl.loop.Run` (model, sampler, trainer, reward) is built once; each mode get
 `Executor` over it, so every mode starts from the same weights and shares compiled step
 functions where the meshes agree. After `warmup` iterations (compilation, first cost
 measurements for the elastic splits; they finish before the timed ones are planned, so even
-the first timed iteration splits from measured costs) `iterations` are timed from the trace: images (or
+the first timed iteration splits from measured costs; a mode with elastic splits warms up one
+iteration more, planned from those costs, so that its trainer rollouts are compiled and the
+micro-batches it prefetches are in flight when the timing starts, as in a long run)
+`iterations` are timed from the trace: images (or
 videos) per second and per device, end-to-end MFU from exact FLOP counts, busy/bubble per
 device group, weight-sync time and the splits the elastic modes chose.
 """
@@ -56,7 +59,7 @@ def run_modes(
     modes: Sequence[str],
     workdir: str,
     *,
-    warmup: int = 1,
+    warmups: int = 1,
     iterations: int = 2,
     peak_flops: float | None = None,
     log: Callable[[str], None] = print,
@@ -69,8 +72,8 @@ def run_modes(
     """
     for mode in modes:
         plan_lib.mode_flags(mode)
-    if warmup < 0 or iterations < 1:
-        raise ValueError(f"warmup must be >= 0 and iterations >= 1, got {warmup}, {iterations}")
+    if warmups < 0 or iterations < 1:
+        raise ValueError(f"warmups must be >= 0 and iterations >= 1, got {warmups}, {iterations}")
     os.makedirs(workdir, exist_ok=True)
     started = time.time()
     run = loop.Run(config, workdir, log=log)
@@ -84,16 +87,17 @@ def run_modes(
         trace_path = os.path.join(workdir, f"trace_{mode.replace('+', '_')}.json")
         if os.path.exists(trace_path):
             os.remove(trace_path)
-        log(f"[{mode}] {warmup} warm-up + {iterations} timed iterations of {batch} samples")
         executor = Executor(run, config=mode_config, trace_path=trace_path, log=log)
+        warmup = warmups + (1 if warmups and executor.elastic_split else 0)
+        log(f"[{mode}] {warmup} warm-up + {iterations} timed iterations of {batch} samples")
         try:
             plans, timings = [], []
             for k in range(warmup + iterations):
-                if k and k == warmup:  # the timed iterations plan from the warm-up's measured costs
+                if 0 < k <= warmup:  # a warm-up finishes before the next iteration is planned from its costs
                     timings.append(executor.timing(k - 1, plans[k - 1]))
                 plan, _ = executor.iteration(k)
                 plans.append(plan)
-                if k and k != warmup:  # one step late, as in training: the splits of k + 1 use k - 1's costs
+                if k > warmup:  # one step late, as in training: the splits of k + 1 use k - 1's costs
                     timings.append(executor.timing(k - 1, plans[k - 1]))
             timings.append(executor.timing(len(plans) - 1, plans[-1]))
             timings = timings[warmup:]
@@ -114,6 +118,7 @@ def run_modes(
             "splits": [{"tag": p.tag, "prefetch": p.prefetch, "carried": p.carried} for p in plans[warmup:]],
             "trace": os.path.basename(trace_path),
             "micro_batches": mode_config.runtime.micro_batches,
+            "warmup_iterations": warmup,
         }
         costs = executor.measured_costs()
         if costs is not None:  # the measured task times, for the simulator (simulator.predict_from_profile)

@@ -362,8 +362,8 @@ class Executor:
         return metrics
 
     # ------------------------------------------------------------------ one iteration
-    def split_for(self, k: int) -> tuple[int, int]:
-        """(tag, prefetch) of iteration k: fixed by config, or chosen from measured costs."""
+    def _fixed_split(self) -> tuple[int | None, int | None]:
+        """(tag, prefetch) as the config fixes them; None where the executor chooses from costs."""
         rt = self.config.runtime
         fixed_tag = rt.tag_microbatches if rt.tag_microbatches >= 0 or not self.flags.tag else None
         fixed_prefetch = rt.prefetch_microbatches if rt.prefetch_microbatches >= 0 or not self.flags.tcss else None
@@ -371,6 +371,16 @@ class Executor:
             fixed_tag = 0
         if not self.flags.tcss or rt.staleness == 0:
             fixed_prefetch = 0
+        return fixed_tag, fixed_prefetch
+
+    @property
+    def elastic_split(self) -> bool:
+        """Whether iterations choose their (tag, prefetch) from measured costs."""
+        return None in self._fixed_split()
+
+    def split_for(self, k: int) -> tuple[int, int]:
+        """(tag, prefetch) of iteration k: fixed by config, or chosen from measured costs."""
+        fixed_tag, fixed_prefetch = self._fixed_split()
         if fixed_tag is not None and fixed_prefetch is not None:
             return fixed_tag, fixed_prefetch
         costs = self.measured_costs()
@@ -586,5 +596,5 @@ class Executor:
         return latest
 
     def close(self) -> None:
+        self.pool.shutdown(wait=True)  # first: the reward threads record their tasks in the trace
         self.tracer.close()
-        self.pool.shutdown(wait=True)

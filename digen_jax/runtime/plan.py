@@ -197,38 +197,75 @@ def schedule(plans: Sequence[IterationPlan], costs: Costs, *, free_at: Mapping[s
 
     Dependencies on tasks outside `plans` count as done at time 0.
     """
+    timeline = Timeline({}, {}, {})
     free = dict.fromkeys(GROUPS, 0.0)
     free.update(free_at or {})
-    start: dict[TaskKey, float] = {}
-    end: dict[TaskKey, float] = {}
-    group: dict[TaskKey, str] = {}
     for plan in plans:
-        for task in plan.tasks:
-            ready = max([free[task.group], *(end.get(d, 0.0) for d in task.deps)])
-            start[task.key], end[task.key] = ready, ready + costs.of(task)
-            group[task.key] = task.group
-            free[task.group] = end[task.key]
-    return Timeline(start, end, group)
+        _schedule_into(timeline, free, plan, costs)
+    return timeline
 
 
-def iteration_time(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, prefetch: int = 0, updates: int = 1,
-                   iterations: int = 6) -> float:
-    """Steady-state seconds per iteration: `iterations` iterations with the same split, the
-    next-to-last one timed (the first starts with its carried micro-batches already done, so
-    with prefetch it needs a few iterations to settle)."""
-    if iterations < 3:
-        raise ValueError(f"iterations must be >= 3, got {iterations}")
-    plans = [
-        plan_iteration(mode, k, microbatches, carried=prefetch, tag=tag, prefetch=prefetch, updates=updates)
-        for k in range(1, iterations + 1)
-    ]
-    timeline = schedule(plans, costs)
-    last_update = updates - 1
-    return timeline.end[("update", iterations - 1, last_update)] - timeline.end[("update", iterations - 2, last_update)]
+def _schedule_into(timeline: Timeline, free: dict[str, float], plan: IterationPlan, costs: Costs) -> None:
+    for task in plan.tasks:
+        ready = max([free[task.group], *(timeline.end.get(d, 0.0) for d in task.deps)])
+        timeline.start[task.key], timeline.end[task.key] = ready, ready + costs.of(task)
+        timeline.group[task.key] = task.group
+        free[task.group] = timeline.end[task.key]
+
+
+@dataclasses.dataclass(frozen=True)
+class SteadyState:
+    """A schedule run until its update-to-update interval repeats, and its timed window."""
+
+    timeline: Timeline
+    iterations: int  # iterations scheduled (1..iterations)
+    window: tuple[float, float]  # the last `period` iterations, update end to update end
+    period: int  # iterations in the window: 1, or 2 when the intervals alternate
+    iteration_s: float  # mean seconds per iteration inside the window
+
+
+def steady_state(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, prefetch: int = 0, updates: int = 1,
+                 min_iterations: int = 6, max_iterations: int = 64) -> SteadyState:
+    """Iterations with the same split, scheduled until the interval between their last updates
+    repeats (the first starts with its carried micro-batches already done).
+
+    A fixed short horizon is not enough: when the prefetching group is the bottleneck, it falls
+    a little further behind every iteration, and the trainer only starts to wait for it after
+    the head start it had is used up, many iterations in.
+    """
+    if min_iterations < 4 or max_iterations < min_iterations:
+        raise ValueError(f"need 4 <= min_iterations <= max_iterations, got {min_iterations}, {max_iterations}")
+    timeline = Timeline({}, {}, {})
+    free = dict.fromkeys(GROUPS, 0.0)
+    last = updates - 1
+    ends: list[float] = []
+    for k in range(1, max_iterations + 1):
+        plan = plan_iteration(mode, k, microbatches, carried=prefetch, tag=tag, prefetch=prefetch, updates=updates)
+        _schedule_into(timeline, free, plan, costs)
+        ends.append(timeline.end[("update", k, last)])
+        if k < min_iterations:
+            continue
+        gaps = [b - a for a, b in zip(ends[-5:], ends[-4:])]
+        same = lambda a, b: abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)  # noqa: E731
+        if same(gaps[-1], gaps[-2]) and same(gaps[-2], gaps[-3]):
+            period = 1
+            break
+        if same(gaps[-1], gaps[-3]) and same(gaps[-2], gaps[-4]):
+            period = 2
+            break
+    else:
+        period = 4  # still settling: the mean of the last intervals
+    window = (ends[-1 - period], ends[-1])
+    return SteadyState(timeline, len(ends), window, period, (window[1] - window[0]) / period)
+
+
+def iteration_time(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, prefetch: int = 0, updates: int = 1) -> float:
+    """Steady-state seconds per iteration (`steady_state`)."""
+    return steady_state(mode, microbatches, costs, tag=tag, prefetch=prefetch, updates=updates).iteration_s
 
 
 def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int | None = None, fixed_prefetch: int | None = None,
-                 iterations: int = 6, tolerance: float = 0.02) -> tuple[int, int]:
+                 tolerance: float = 0.02) -> tuple[int, int]:
     """(tag, prefetch) with the least trainer rollout and staleness among the splits predicted
     within `tolerance` of the fastest: gains smaller than the noise of measured costs are not
     worth moving work or training on stale samples."""
@@ -236,7 +273,7 @@ def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int |
     tags = [fixed_tag] if fixed_tag is not None else (range(microbatches + 1) if flags.tag else [0])
     prefetches = [fixed_prefetch] if fixed_prefetch is not None else (range(microbatches + 1) if flags.tcss else [0])
     predicted = {
-        (tag, prefetch): iteration_time(mode, microbatches, costs, tag=tag, prefetch=prefetch, iterations=iterations)
+        (tag, prefetch): iteration_time(mode, microbatches, costs, tag=tag, prefetch=prefetch)
         for prefetch in prefetches
         for tag in tags
         if tag <= microbatches - prefetch

@@ -505,16 +505,11 @@ class Prediction:
         return d
 
 
-# Iterations scheduled per prediction, the next-to-last timed: the first starts with its
-# prefetched micro-batches already done, and a full prefetch takes a few iterations to settle.
-STEADY_ITERATIONS = 6
-
-
 def predict(mode: str, costs: plan_lib.Costs, *, batch: int, microbatches: int, devices: int, updates: int = 1,
             tag: int | None = None, prefetch: int | None = None, style: str | None = None,
             flops_per_sample: float | None = None, peak_flops: float | None = None,
             dollars_per_hour: float | None = None) -> Prediction:
-    """Schedule `STEADY_ITERATIONS` iterations of `mode` with `costs` and time the next-to-last.
+    """`mode` with `costs` in steady state (`plan.steady_state`): throughput, bubbles, timeline.
 
     The (tag, prefetch) split is chosen by `plan.choose_split` (as the elastic executor does
     from measured costs) unless given.
@@ -522,30 +517,23 @@ def predict(mode: str, costs: plan_lib.Costs, *, batch: int, microbatches: int, 
     flags = plan_lib.mode_flags(mode)
     updates = updates if flags.colocated else 1
     if tag is None or prefetch is None:
-        tag, prefetch = plan_lib.choose_split(mode, microbatches, costs, fixed_tag=tag, fixed_prefetch=prefetch,
-                                              iterations=STEADY_ITERATIONS)
-    n = STEADY_ITERATIONS
-    plans = [
-        plan_lib.plan_iteration(mode, k, microbatches, carried=prefetch, tag=tag, prefetch=prefetch, updates=updates)
-        for k in range(1, n + 1)
-    ]
-    timeline = plan_lib.schedule(plans, costs)
-    last = updates - 1
-    start, end = timeline.end[("update", n - 2, last)], timeline.end[("update", n - 1, last)]
-    seconds = end - start
+        tag, prefetch = plan_lib.choose_split(mode, microbatches, costs, fixed_tag=tag, fixed_prefetch=prefetch)
+    steady = plan_lib.steady_state(mode, microbatches, costs, tag=tag, prefetch=prefetch, updates=updates)
+    timeline, (start, end) = steady.timeline, steady.window
+    timed = range(steady.iterations - steady.period + 1, steady.iterations + 1)
     groups = ("shared",) if flags.colocated else ("rollout", "train")
     busy = plan_lib.busy_fractions(timeline, list(timeline.start), (start, end))
     tasks = [
         {"group": timeline.group[k], "kind": k[0], "iteration": k[1], "index": k[2],
-         "start": timeline.start[k] - start, "end": timeline.end[k] - start, "timed": k[1] == n - 1}
+         "start": timeline.start[k] - start, "end": timeline.end[k] - start, "timed": k[1] in timed}
         for k in timeline.start
         if timeline.end[k] > start and timeline.start[k] < end and timeline.end[k] > timeline.start[k]
     ]
-    rate = batch / seconds
+    rate = batch / steady.iteration_s
     mfu = rate * flops_per_sample / peak_flops if flops_per_sample and peak_flops else None
     return Prediction(
         mode=mode, style=style if flags.colocated else None, microbatches=microbatches, tag=tag, prefetch=prefetch,
-        iteration_s=seconds, samples_per_s=rate, devices=devices,
+        iteration_s=steady.iteration_s, samples_per_s=rate, devices=devices,
         bubble_frac={g: 1.0 - busy.get(g, 0.0) for g in groups}, costs=costs, timeline=tasks,
         mfu=mfu, dollars_per_hour=dollars_per_hour,
     )

@@ -1,0 +1,28 @@
+"""XLA flags the launchers set before the first device is touched (XLA reads them once, then).
+
+GPU defaults, each measured (benchmarks/results, README "Benchmarks"):
+  --xla_gpu_enable_triton_gemm=false: cuBLAS for every matmul. Triton picked the per-block
+      modulation projections (batch-sized rows against 3072 x 18432 weights) and ran them far
+      below memory bandwidth; with cuBLAS, Qwen-Image-20B at batch 4, 512x512 on one H100 went
+      from 152.4 to 145.7 ms per forward and from 497 to 481 ms per LoRA forward+backward.
+
+A flag already in XLA_FLAGS is left as the user set it. Setting them on a CPU-only machine is
+harmless: XLA parses GPU flags everywhere and the CPU backend ignores them.
+"""
+from __future__ import annotations
+
+import os
+from typing import MutableMapping
+
+GPU_DEFAULTS = {
+    "xla_gpu_enable_triton_gemm": "false",
+}
+
+
+def set_defaults(environ: MutableMapping[str, str] = os.environ) -> str:
+    """Add every `GPU_DEFAULTS` flag that XLA_FLAGS does not set already; returns the new XLA_FLAGS."""
+    flags = environ.get("XLA_FLAGS", "").split()
+    present = {f.lstrip("-").split("=", 1)[0] for f in flags}
+    flags += [f"--{name}={value}" for name, value in GPU_DEFAULTS.items() if name not in present]
+    environ["XLA_FLAGS"] = " ".join(flags)
+    return environ["XLA_FLAGS"]
