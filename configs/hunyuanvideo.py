@@ -79,7 +79,10 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.max_grad_norm = 1.0
     c.rl.lora_rank = 64
     c.rl.lora_alpha = 128.0
-    c.rl.lora_merge_for_sampling = True
+    # Factored adapters in rollout: while a sync lands the rollout role holds two weight versions,
+    # and two merged copies next to the frozen base do not fit an 80 GB card (FLUX ran out of
+    # memory that way in the full mode on 4 H100s).
+    c.rl.lora_merge_for_sampling = False
     # Attention + MLP of the double and single blocks, not the text refiner's.
     c.rl.lora_targets = (
         r"_blocks/attn/(to_|add_)", r"double_blocks/(ff|ff_context)/", r"single_blocks/proj_(mlp|out)/"

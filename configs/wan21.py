@@ -78,7 +78,10 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.max_grad_norm = 1.0
     c.rl.lora_rank = 32
     c.rl.lora_alpha = 64.0
-    c.rl.lora_merge_for_sampling = True
+    # Factored adapters in rollout: while a sync lands the rollout role holds two weight versions,
+    # and two merged copies next to the frozen base do not fit an 80 GB card (FLUX ran out of
+    # memory that way in the full mode on 4 H100s).
+    c.rl.lora_merge_for_sampling = False
     c.rl.lora_targets = (r"blocks/attn[12]/to_", r"blocks/ffn/")  # self + cross attention, MLP
     c.rl.ema = True
     c.rl.ema_decay = ml_collections.config_dict.placeholder(float)

@@ -25,6 +25,7 @@ the run goes on; the exit status is 1 if any failed. Modes are entries of `MODES
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -175,6 +176,26 @@ def _git_commit() -> dict[str, Any]:
     if commit.returncode:
         return {"commit": None, "dirty": None}
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def source_digest(root: str | None = None) -> str:
+    """SHA-256 over the code (path and bytes of every .py under digen_jax/, launch/, configs/).
+
+    It names the code that ran where git cannot: a copy of the tree with stale or no git
+    metadata (a device machine's). `git ls-files` + this function on a checkout tell which
+    commit it was.
+    """
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for top in ("digen_jax", "launch", "configs"):
+        for folder, dirs, files in sorted(os.walk(os.path.join(root, top))):
+            dirs.sort()
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    digest.update(f.read() + b"\0")
+    return digest.hexdigest()
 
 
 def _lora_targets(family: str) -> list[str]:
@@ -446,6 +467,7 @@ def _run_record(mode: str, used: int) -> dict[str, Any]:
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
         "git": _git_commit(),
+        "source_sha256": source_digest(),
         "versions": _versions(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "device": {"kind": device.device_kind, "platform": device.platform, "count": jax.device_count(),

@@ -36,6 +36,7 @@ def test_model_mode_writes_every_figure(tmp_path):
     assert written["device"]["count"] >= 1 and written["device"]["kind"]
     assert written["versions"]["jax"] and written["versions"]["flax"] and "torch" in written["versions"]
     assert set(written["git"]) == {"commit", "dirty"}
+    assert written["source_sha256"] == bench.source_digest() and len(written["source_sha256"]) == 64
     assert written["peaks"]["datasheet_bf16_flops_per_s"] is None  # a CPU has no datasheet entry
     assert written["peaks"]["measured_matmul"]["flops_per_s"] > 0
     assert written["peer"] is None
@@ -190,3 +191,15 @@ def test_xla_flag_defaults_keep_what_the_user_set():
     env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
     assert xla_flags.set_defaults(env) == "--xla_gpu_enable_triton_gemm=true"
     assert xla_flags.set_defaults({}) == xla_flags.set_defaults({"XLA_FLAGS": ""})
+
+
+def test_source_digest_names_the_code(tmp_path):
+    for top in ("digen_jax", "launch", "configs"):
+        (tmp_path / top).mkdir()
+        (tmp_path / top / "a.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("not code")
+    before = bench.source_digest(str(tmp_path))
+    (tmp_path / "README.md").write_text("still not code")
+    assert bench.source_digest(str(tmp_path)) == before
+    (tmp_path / "configs" / "a.py").write_text("x = 2\n")
+    assert bench.source_digest(str(tmp_path)) != before
