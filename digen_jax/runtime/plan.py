@@ -213,6 +213,10 @@ def _schedule_into(timeline: Timeline, free: dict[str, float], plan: IterationPl
         free[task.group] = timeline.end[task.key]
 
 
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class SteadyState:
     """A schedule run until its update-to-update interval repeats, and its timed window."""
@@ -246,11 +250,10 @@ def steady_state(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, pr
         if k < min_iterations:
             continue
         gaps = [b - a for a, b in zip(ends[-5:], ends[-4:])]
-        same = lambda a, b: abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)  # noqa: E731
-        if same(gaps[-1], gaps[-2]) and same(gaps[-2], gaps[-3]):
+        if _same(gaps[-1], gaps[-2]) and _same(gaps[-2], gaps[-3]):
             period = 1
             break
-        if same(gaps[-1], gaps[-3]) and same(gaps[-2], gaps[-4]):
+        if _same(gaps[-1], gaps[-3]) and _same(gaps[-2], gaps[-4]):
             period = 2
             break
     else:
