@@ -17,7 +17,12 @@ traced matmul count (`flops.jaxpr_matmul_flops`, which includes remat recomputat
 fused attention kernels) is recorded beside it. `--peer` first runs the diffusers PyTorch module
 of the same family and config on the same card (eager, SDPA with flash/fused kernels, the same
 LoRA targets) in a subprocess, so each framework has the card to itself, and records its times
-and the ratio peer / JAX per measurement (> 1: JAX is faster).
+and the ratio peer / JAX per measurement (> 1: JAX is faster). `--profile` records one more
+call of each measurement with the JAX profiler and adds its device time per kernel and per
+kernel class (matmul, attention, copy, fusion) to the JSON.
+
+Every JSON also records the XLA flags in effect (the launchers add the GPU defaults of
+`digen_jax/xla_flags.py`) and `source_sha256`, a digest of the code that ran.
 
 A measurement that fails (out of memory, an unsupported kernel) is recorded with its error and
 the run goes on; the exit status is 1 if any failed. Modes are entries of `MODES`.
