@@ -15,6 +15,7 @@ CPU smoke run of the tiny variant: --config=configs/hunyuanvideo.py:tiny
 """
 import ml_collections
 
+from digen_jax.rl.lora import ATTENTION_MLP_TARGETS
 from digen_jax.rl.workload import tiny_overrides
 from digen_jax.runtime.config import runtime_section, sharding_section
 
@@ -35,6 +36,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.model.param_dtype = "bfloat16"
     c.model.attention_impl = "auto"
     c.model.remat_policy = "full"  # training these sizes needs it; sampling has no backward to save for
+    c.model.scan_layers = True  # False unrolls the blocks: no per-layer weight copies, slower compile
     c.model.vae_decode_batch = 1  # samples per VAE decode call
 
     c.data = ml_collections.ConfigDict()
@@ -84,9 +86,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     # memory that way in the full mode on 4 H100s).
     c.rl.lora_merge_for_sampling = False
     # Attention + MLP of the double and single blocks, not the text refiner's.
-    c.rl.lora_targets = (
-        r"_blocks/attn/(to_|add_)", r"double_blocks/(ff|ff_context)/", r"single_blocks/proj_(mlp|out)/"
-    )
+    c.rl.lora_targets = ATTENTION_MLP_TARGETS["hunyuan_video"]  # regexes searched in each kernel's path
     c.rl.ema = False
     c.rl.ema_decay = ml_collections.config_dict.placeholder(float)
     c.rl.ema_every = 8

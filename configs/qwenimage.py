@@ -13,6 +13,7 @@ CPU smoke run of the tiny variant: --config=configs/qwenimage.py:tiny
 """
 import ml_collections
 
+from digen_jax.rl.lora import ATTENTION_MLP_TARGETS
 from digen_jax.rl.workload import tiny_overrides
 from digen_jax.runtime.config import runtime_section, sharding_section
 
@@ -32,6 +33,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.model.param_dtype = "bfloat16"
     c.model.attention_impl = "auto"
     c.model.remat_policy = "full"  # training these sizes needs it; sampling has no backward to save for
+    c.model.scan_layers = True  # False unrolls the blocks: no per-layer weight copies, slower compile
     c.model.vae_decode_batch = 8  # samples per VAE decode call
 
     c.data = ml_collections.ConfigDict()
@@ -77,7 +79,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.lora_alpha = 128.0
     # Factored adapters in rollout: a merged copy next to the frozen base would not fit an 80 GB card.
     c.rl.lora_merge_for_sampling = False
-    c.rl.lora_targets = (r"transformer_blocks/attn/(to_|add_)", r"transformer_blocks/(img|txt)_mlp/")  # attention + MLP
+    c.rl.lora_targets = ATTENTION_MLP_TARGETS["qwenimage"]  # regexes searched in each kernel's path
     c.rl.ema = False
     c.rl.ema_decay = ml_collections.config_dict.placeholder(float)
     c.rl.ema_every = 8

@@ -11,6 +11,7 @@ then trains it against a programmatic reward that checks colour, shape and posit
 """
 import ml_collections
 
+from digen_jax.rl.lora import ATTENTION_MLP_TARGETS
 from digen_jax.runtime.config import runtime_section, sharding_section
 
 
@@ -38,6 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.attention_impl = "auto"
     c.model.remat_policy = "none"
+    c.model.scan_layers = True  # False unrolls the blocks: no per-layer weight copies, slower compile
     c.model.checkpoint = ""  # a converted checkpoint dir; empty: pretrain on the task (cached)
 
     # The synthetic task (digen_jax.data.shapes.ShapesTask).
@@ -86,7 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.lora_rank = 0  # 0: full fine-tuning
     c.rl.lora_alpha = 0.0
     c.rl.lora_merge_for_sampling = True  # False: adapters applied on the fly in each rollout step
-    c.rl.lora_targets = (r"attn/(to_|add_)", r"/(ff|ff_context)/", r"single_blocks/proj_(mlp|out)/")  # attention + MLP
+    c.rl.lora_targets = ATTENTION_MLP_TARGETS["flux"]  # regexes searched in each kernel's path
     c.rl.ema = True
     c.rl.ema_decay = ml_collections.config_dict.placeholder(float)  # None: Flow-GRPO warm-up schedule
     c.rl.ema_every = 8

@@ -15,6 +15,7 @@ CPU smoke run of the tiny variant: --config=configs/wan21.py:tiny
 """
 import ml_collections
 
+from digen_jax.rl.lora import ATTENTION_MLP_TARGETS
 from digen_jax.rl.workload import tiny_overrides
 from digen_jax.runtime.config import runtime_section, sharding_section
 
@@ -34,6 +35,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.model.param_dtype = "bfloat16"
     c.model.attention_impl = "auto"
     c.model.remat_policy = "full"  # training these sizes needs it; sampling has no backward to save for
+    c.model.scan_layers = True  # False unrolls the blocks: no per-layer weight copies, slower compile
     c.model.vae_decode_batch = 1  # samples per VAE decode call
 
     c.data = ml_collections.ConfigDict()
@@ -82,7 +84,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     # and two merged copies next to the frozen base do not fit an 80 GB card (FLUX ran out of
     # memory that way in the full mode on 4 H100s).
     c.rl.lora_merge_for_sampling = False
-    c.rl.lora_targets = (r"blocks/attn[12]/to_", r"blocks/ffn/")  # self + cross attention, MLP
+    c.rl.lora_targets = ATTENTION_MLP_TARGETS["wan"]  # regexes searched in each kernel's path
     c.rl.ema = True
     c.rl.ema_decay = ml_collections.config_dict.placeholder(float)
     c.rl.ema_every = 8

@@ -92,6 +92,8 @@ _LORA_TARGETS = flags.DEFINE_multi_string(
 )
 _LORA_MODE = flags.DEFINE_enum("lora_mode", "factored", ["factored", "merged"], "How LoRA is applied in lora_fwd_bwd.")
 _REMAT = flags.DEFINE_string("remat_policy", "none", "Per-block remat policy: a key of models.layers.REMAT_POLICIES.")
+_SCAN_LAYERS = flags.DEFINE_bool(
+    "scan_layers", True, "Run the blocks as one scan (stacked weights); false unrolls them (no per-layer weight copies).")
 _ATTENTION = flags.DEFINE_enum(
     "attention_impl", "auto", ["auto", "cudnn", "xla"], "Attention kernel (auto: cuDNN on GPU in bf16)."
 )
@@ -128,7 +130,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/digen_bench", "System mode: wher
 _PEER_WORKER = flags.DEFINE_string("peer_worker", None, "Internal: run only the PyTorch peer and write its JSON here.")
 # The flags the peer process needs to build the same model and inputs.
 _FORWARDED = (_FAMILY, _VARIANT, _BATCH, _HEIGHT, _WIDTH, _FRAMES, _TEXT_LEN, _WHAT, _LORA_RANK, _LORA_ALPHA,
-              _LORA_TARGETS, _REMAT, _ATTENTION, _DTYPE, _REPEATS, _WARMUP, _SEED)
+              _LORA_TARGETS, _REMAT, _SCAN_LAYERS, _ATTENTION, _DTYPE, _REPEATS, _WARMUP, _SEED)
 
 
 # ============================================================================ shared
@@ -232,7 +234,7 @@ def _model_setup() -> dict[str, Any]:
         raise ValueError("--batch, --repeats and --lora_rank must be >= 1 and --warmup >= 0")
     cfg = dataclasses.replace(
         fam.variants[variant], dtype=_DTYPE.value, param_dtype=_DTYPE.value,
-        attention_impl=_ATTENTION.value, remat_policy=_REMAT.value,
+        attention_impl=_ATTENTION.value, remat_policy=_REMAT.value, scan_layers=_SCAN_LAYERS.value,
     )
     text_len = _TEXT_LEN.value or DEFAULT_TEXT_LEN[family]
     shape = dict(height=_HEIGHT.value, width=_WIDTH.value, frames=_FRAMES.value)
@@ -541,10 +543,13 @@ def _run_peer_subprocess() -> dict[str, Any]:
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, f"--peer_worker={path}"],
                               env=env, capture_output=True, text=True)
-        if proc.returncode or not os.path.exists(path):
+        if not os.path.exists(path):
             return {"error": f"peer exited with {proc.returncode}: {proc.stderr[-4000:]}"}
         with open(path) as f:
-            return json.load(f)
+            peer = json.load(f)
+        if proc.returncode:
+            peer["error"] = f"peer exited with {proc.returncode} after {sorted(peer['results'])}: {proc.stderr[-4000:]}"
+        return peer
 
 
 def _torch_lora_names(setup: dict[str, Any]) -> tuple[re.Pattern, int]:
@@ -658,7 +663,9 @@ def run_peer(path: str) -> None:
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        # Flash first, memory-efficient as fallback. Not cuDNN: its backward faulted (illegal
+        # memory access) on FLUX.1-dev at 512x512 (torch 2.11, H100).
+        backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
         attention = lambda: sdpa_kernel(backends)  # noqa: E731
         sync = lambda _: torch.cuda.synchronize()  # noqa: E731
     else:
@@ -679,7 +686,7 @@ def run_peer(path: str) -> None:
 
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                            "torch": torch.__version__, "diffusers": diffusers.__version__,
-                           "attention": "sdpa (flash, cudnn, efficient)" if device.type == "cuda" else "sdpa (default)",
+                           "attention": "sdpa (flash, efficient)" if device.type == "cuda" else "sdpa (default)",
                            "results": {}}
     for what in _WHAT.value:
         entry: dict[str, Any] = {}
@@ -702,8 +709,8 @@ def run_peer(path: str) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         out["results"][what] = entry
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+        with open(path, "w") as f:  # after each measurement: a fault that kills the process keeps the rest
+            json.dump(out, f, indent=1)
 
 
 # ============================================================================ main

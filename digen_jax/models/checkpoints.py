@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from digen_jax.models import layers
 from digen_jax.models.conversion import POLICY_FIELDS, ConversionError, ModelFamily
 
 MODEL_JSON = "model.json"
@@ -18,8 +19,13 @@ PARAMS_DIR = "params"
 
 
 def save_checkpoint(path: str, family: ModelFamily, cfg: Any, params: dict) -> None:
-    """Write `params` (numpy or jax arrays) and the architecture config under `path`."""
+    """Write `params` (numpy or jax arrays, in `cfg`'s block layout) and the architecture
+    config under `path`. Blocks are stored stacked whatever the layout, so a checkpoint loads
+    into either (`scan_layers` is a loading policy)."""
     path = os.path.abspath(path)
+    stored = family.stored_config(cfg)
+    if stored is not cfg:
+        params = layers.relayout_blocks(params, nn.unbox(family.abstract_params(stored)))
     os.makedirs(path, exist_ok=True)
     arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POLICY_FIELDS}
     checkpointer = ocp.StandardCheckpointer()
@@ -54,9 +60,12 @@ def load_checkpoint(path: str, *, shardings=None, **policy) -> tuple[ModelFamily
         raise ConversionError(f"{meta_path}: unknown model family {meta.get('family')!r}; known: {sorted(FAMILIES)}")
     family = FAMILIES[meta["family"]]
     cfg = family.config_from_diffusers(meta["config"], **policy)
+    stored = family.stored_config(cfg)
     abstract = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, np.dtype(cfg.param_dtype)), nn.unbox(family.abstract_params(cfg))
+        lambda s: jax.ShapeDtypeStruct(s.shape, np.dtype(cfg.param_dtype)), nn.unbox(family.abstract_params(stored))
     )
+    if shardings is not None and stored is not cfg:  # restore stacked, each block's sharding behind a layers axis
+        shardings = layers.relayout_blocks(shardings, abstract, stack=lambda xs: _with_layers_axis(xs[0]))
     on_host = shardings is None and jax.process_count() > 1
     if on_host:  # the saved device may belong to another process: restore onto this one's first
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), abstract)
@@ -66,4 +75,25 @@ def load_checkpoint(path: str, *, shardings=None, **policy) -> tuple[ModelFamily
         params = ocp.StandardCheckpointer().restore(os.path.join(path, PARAMS_DIR), abstract)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConversionError(f"{path}: checkpoint does not match the {family.name} config in {MODEL_JSON}: {e}") from e
-    return family, cfg, jax.tree.map(np.asarray, params) if on_host else params
+    if on_host:
+        params = jax.tree.map(np.asarray, params)
+    # Each stacked weight is freed as soon as it is split, so an unrolled layout never holds
+    # the model twice.
+    return family, cfg, layers.relayout_blocks(params, nn.unbox(family.abstract_params(cfg)), unstack=_unstack_freeing)
+
+
+def _with_layers_axis(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """The sharding of a stacked weight whose blocks each have `sharding` (layers unsplit)."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    raise ValueError(f"cannot restore unrolled blocks into a {type(sharding).__name__}: pass NamedShardings")
+
+
+def _unstack_freeing(leaf, n: int) -> list:
+    pieces = [leaf[i] for i in range(n)]
+    if isinstance(leaf, jax.Array):
+        jax.block_until_ready(pieces)
+        leaf.delete()
+    return pieces

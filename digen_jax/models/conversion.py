@@ -21,7 +21,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
-POLICY_FIELDS = ("dtype", "param_dtype", "attention_impl", "remat_policy")
+from digen_jax.models import layers
+
+POLICY_FIELDS = ("dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers")
 
 # Layout changes from PyTorch to Flax, by name.
 TRANSFORMS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
@@ -86,6 +88,16 @@ class ModelFamily:
         if bad_policy:
             raise TypeError(f"unknown policy overrides {bad_policy}; valid: {list(POLICY_FIELDS)}")
         return self.config_cls(**arch, **policy)
+
+    def stored_config(self, cfg: Any) -> Any:
+        """`cfg` in the layout checkpoints and conversion rules use: blocks scanned (stacked)."""
+        return dataclasses.replace(cfg, scan_layers=True) if getattr(cfg, "scan_layers", True) is False else cfg
+
+    def to_layout(self, params: Mapping, cfg: Any) -> dict:
+        """Stored-layout (stacked) `params` in `cfg`'s block layout (`layers.relayout_blocks`)."""
+        if cfg is self.stored_config(cfg):
+            return params
+        return layers.relayout_blocks(params, nn.unbox(self.abstract_params(cfg)))
 
     def abstract_params(self, cfg: Any) -> dict:
         """Boxed (logically partitioned) ShapeDtypeStructs of the parameters, no FLOPs."""
@@ -193,14 +205,16 @@ class ParamBuilder:
 def convert_weights(
     family: ModelFamily, cfg: Any, weights: Iterable[tuple[str, np.ndarray]], dtype=None, source: str = "checkpoint"
 ) -> dict:
-    """Convert (key, array) pairs of a diffusers state dict into the family's Flax params."""
+    """Convert (key, array) pairs of a diffusers state dict into the family's Flax params
+    (in `cfg`'s block layout)."""
+    stored = family.stored_config(cfg)
     builder = ParamBuilder(
-        family.weight_rules(cfg), family.abstract_params(cfg), dtype=dtype, source=source,
+        family.weight_rules(stored), family.abstract_params(stored), dtype=dtype, source=source,
         ignored_prefixes=family.ignored_prefixes,
     )
     for key, array in weights:
         builder.add(key, array)
-    return builder.finish()
+    return family.to_layout(builder.finish(), cfg)
 
 
 _SAFETENSORS_DTYPES = {

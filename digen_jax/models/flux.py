@@ -8,7 +8,8 @@ AdaLN-Continuous norm whose chunks are (scale, shift).
 
 Deliberate differences from the PyTorch module, none of which changes fp32 output:
 * Blocks are stacked and run with `nn.scan` (parameters carry a leading `layers`
-  axis), which keeps compile time independent of depth.
+  axis), which keeps compile time independent of depth; `scan_layers=False` unrolls
+  them instead (`layers.scan_blocks`).
 * Text and image tokens are concatenated once before the single-stream blocks and
   split once after them, instead of in every block.
 * The timestep and guidance scalars stay float32 in the sinusoid; diffusers first
@@ -49,6 +50,7 @@ class FluxConfig:
     param_dtype: str = "float32"  # master weights
     attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla'
     remat_policy: str = "none"  # a key of layers.REMAT_POLICIES
+    scan_layers: bool = True  # False: blocks unrolled (layers.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
@@ -245,12 +247,12 @@ class FluxTransformer(nn.Module):
         cos, sin = layers.rope_tables(jnp.concatenate([txt_ids, img_ids], axis=0), cfg.axes_dims_rope, 10000.0)
 
         if cfg.num_layers:
-            blocks = layers.scan_blocks(FluxDoubleBlock, cfg.num_layers, cfg.remat_policy)
+            blocks = layers.scan_blocks(FluxDoubleBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
             (img, txt), _ = blocks(cfg, name="double_blocks")((img, txt), temb, cos, sin)
         txt_len = txt.shape[1]
         x = jnp.concatenate([txt, img], axis=1)
         if cfg.num_single_layers:
-            blocks = layers.scan_blocks(FluxSingleBlock, cfg.num_single_layers, cfg.remat_policy)
+            blocks = layers.scan_blocks(FluxSingleBlock, cfg.num_single_layers, cfg.remat_policy, cfg.scan_layers)
             x, _ = blocks(cfg, name="single_blocks")(x, temb, cos, sin)
         img = x[:, txt_len:]
 

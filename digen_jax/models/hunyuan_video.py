@@ -21,7 +21,8 @@ The text is right-padded: `encoder_attention_mask` (B, L) marks the first
 
 Deliberate differences from the PyTorch module, none of which changes fp32 output:
 * Blocks (refiner, double, single) are stacked and run with `nn.scan` (parameters
-  carry a leading `layers` axis), which keeps compile time independent of depth.
+  carry a leading `layers` axis), which keeps compile time independent of depth;
+  `scan_layers=False` unrolls them instead (`layers.scan_blocks`).
 * Image and text tokens are concatenated once before the single-stream blocks and
   split once after them, instead of in every block.
 * The Conv3d patch embedding (kernel = stride) runs as patchify + one matmul. Its
@@ -72,6 +73,7 @@ class HunyuanVideoConfig:
     param_dtype: str = "float32"  # master weights
     attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla'
     remat_policy: str = "none"  # a key of layers.REMAT_POLICIES
+    scan_layers: bool = True  # False: blocks unrolled (layers.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "rope_axes_dim", tuple(self.rope_axes_dim))
@@ -298,7 +300,7 @@ class TokenRefiner(nn.Module):
         x = layers.logical_dense(cfg.inner_dim, ("cond", "embed"), name="proj_in", **cfg.kw)(text.astype(cfg.kw["dtype"]))
         x = nn.with_logical_constraint(x, ACT)
         if cfg.num_refiner_layers:
-            blocks = layers.scan_blocks(RefinerBlock, cfg.num_refiner_layers, cfg.remat_policy)
+            blocks = layers.scan_blocks(RefinerBlock, cfg.num_refiner_layers, cfg.remat_policy, cfg.scan_layers)
             x, _ = blocks(cfg, name="refiner_blocks")(x, temb, text_lengths)
         return x
 
@@ -370,11 +372,11 @@ class HunyuanVideoTransformer(nn.Module):
         kv_lengths = img_len + text_lengths
 
         if cfg.num_layers:
-            blocks = layers.scan_blocks(HunyuanVideoDoubleBlock, cfg.num_layers, cfg.remat_policy)
+            blocks = layers.scan_blocks(HunyuanVideoDoubleBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
             (img, txt), _ = blocks(cfg, name="double_blocks")((img, txt), temb, cos, sin, kv_lengths)
         x = jnp.concatenate([img, txt], axis=1)
         if cfg.num_single_layers:
-            blocks = layers.scan_blocks(HunyuanVideoSingleBlock, cfg.num_single_layers, cfg.remat_policy)
+            blocks = layers.scan_blocks(HunyuanVideoSingleBlock, cfg.num_single_layers, cfg.remat_policy, cfg.scan_layers)
             x, _ = blocks(cfg, name="single_blocks")(x, temb, cos, sin, kv_lengths)
         img = x[:, :img_len]
 

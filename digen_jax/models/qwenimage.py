@@ -23,7 +23,8 @@ concrete (plain Python or numpy integers); under `jit` it cannot be.
 
 Deliberate differences from the PyTorch module, none of which changes fp32 output:
 * Blocks are stacked and run with `nn.scan` (parameters carry a leading `layers`
-  axis), which keeps compile time independent of depth.
+  axis), which keeps compile time independent of depth; `scan_layers=False` unrolls
+  them instead (`layers.scan_blocks`).
 * Joint attention runs on the sequence [image, text] instead of [text, image].
   Attention is permutation-equivariant once RoPE has been applied per token, so
   only the split of its output changes. With text last, the right-padded prompt
@@ -76,6 +77,7 @@ class QwenImageConfig:
     param_dtype: str = "float32"  # master weights
     attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla'
     remat_policy: str = "none"  # a key of layers.REMAT_POLICIES
+    scan_layers: bool = True  # False: blocks unrolled (layers.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
@@ -301,7 +303,7 @@ class QwenImageTransformer(nn.Module):
             kv_lengths = img_len + jnp.sum(encoder_hidden_states_mask != 0, axis=1, dtype=jnp.int32)
 
         if cfg.num_layers:
-            blocks = layers.scan_blocks(QwenImageBlock, cfg.num_layers, cfg.remat_policy)
+            blocks = layers.scan_blocks(QwenImageBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
             (img, txt), _ = blocks(cfg, name="transformer_blocks")((img, txt), temb, cos, sin, kv_lengths)
 
         scale, shift = layers.Modulation(2, cfg.inner_dim, name="norm_out", **cfg.kw)(temb)

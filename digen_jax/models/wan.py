@@ -14,7 +14,8 @@ cross-attention residual is added in the compute dtype, as diffusers does.
 
 Deliberate differences from the PyTorch module, none of which changes fp32 output:
 * Blocks are stacked and run with `nn.scan` (parameters carry a leading `layers`
-  axis), which keeps compile time independent of depth.
+  axis), which keeps compile time independent of depth; `scan_layers=False` unrolls
+  them instead (`layers.scan_blocks`).
 * The Conv3d patch embedding (kernel = stride = patch size) is a reshape into
   non-overlapping (pt, ph, pw, C) patches and one matmul with the conv kernel in
   Flax layout (pt, ph, pw, C, dim): the same sums, and a plain GEMM on accelerators.
@@ -73,6 +74,7 @@ class WanConfig:
     param_dtype: str = "float32"  # master weights
     attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla'
     remat_policy: str = "none"  # a key of layers.REMAT_POLICIES
+    scan_layers: bool = True  # False: blocks unrolled (layers.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "patch_size", tuple(self.patch_size))
@@ -292,7 +294,7 @@ class WanTransformer(nn.Module):
         ctx = nn.with_logical_constraint(ctx, ACT)
 
         if cfg.num_layers:
-            blocks = layers.scan_blocks(WanBlock, cfg.num_layers, cfg.remat_policy)
+            blocks = layers.scan_blocks(WanBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
             x, _ = blocks(cfg, name="blocks")(x, ctx, timestep_proj, cos, sin)
 
         table = self.param(

@@ -11,7 +11,8 @@ mirrors it down to each targeted module and holds ``{"lora_a": A, "lora_b": B}``
 module holds ``"kernel"``; it is an ordinary pytree, so optax, ``jax.device_put`` (weight sync
 moves only the adapter) and checkpointing apply to it directly. Target modules are chosen by
 regular expressions searched (``re.search``) in the '/'-joined path of each ``kernel`` leaf,
-e.g. ``r"attn/to_(q|k|v|out)/kernel$"`` for FLUX's ``double_blocks/attn/to_q/kernel``.
+e.g. ``r"attn/to_(q|k|v|out)/kernel$"`` for FLUX's ``double_blocks/attn/to_q/kernel`` (with
+unrolled blocks, ``scan_layers=False``, the path holds the block index: ``double_blocks/0/attn/...``).
 
 Two ways to apply adapters (``LORA_MODES``):
 * ``factored``: the model runs on the frozen base with the adapters in its ``lora`` variable
@@ -42,15 +43,15 @@ LORA_MODES = ("factored", "merged")
 # The usual RL target set, "attention and MLP" of every block, per model family: every q/k/v and
 # output projection of the attentions and both MLP matmuls (FLUX/HunyuanVideo single blocks:
 # proj_mlp and the fused proj_out). Embedders, AdaLN modulation and HunyuanVideo's token
-# refiner stay frozen.
+# refiner stay frozen. `(\d+/)?` admits the block index of unrolled layouts (`blocks/3/ffn/...`).
 ATTENTION_MLP_TARGETS: dict[str, tuple[str, ...]] = {
-    "flux": (r"attn/(to_|add_)", r"/(ff|ff_context)/", r"single_blocks/proj_(mlp|out)/"),
+    "flux": (r"attn/(to_|add_)", r"/(ff|ff_context)/", r"single_blocks/(\d+/)?proj_(mlp|out)/"),
     "qwenimage": (r"attn/(to_|add_)", r"/(img_mlp|txt_mlp)/"),
-    "wan": (r"blocks/attn[12]/to_", r"blocks/ffn/"),
+    "wan": (r"blocks/(\d+/)?attn[12]/to_", r"blocks/(\d+/)?ffn/"),
     "hunyuan_video": (
-        r"(double|single)_blocks/attn/(to_|add_)",
-        r"double_blocks/(ff|ff_context)/",
-        r"single_blocks/proj_(mlp|out)/",
+        r"(double|single)_blocks/(\d+/)?attn/(to_|add_)",
+        r"double_blocks/(\d+/)?(ff|ff_context)/",
+        r"single_blocks/(\d+/)?proj_(mlp|out)/",
     ),
 }
 

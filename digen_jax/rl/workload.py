@@ -238,7 +238,8 @@ class ShapesWorkload(_Workload):
 
 def _policy(model_config) -> dict:
     return dict(dtype=model_config.dtype, param_dtype=model_config.param_dtype,
-                attention_impl=model_config.attention_impl, remat_policy=model_config.remat_policy)
+                attention_impl=model_config.attention_impl, remat_policy=model_config.remat_policy,
+                scan_layers=model_config.scan_layers)
 
 
 def _read_model_json(path: str) -> dict:
