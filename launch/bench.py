@@ -317,16 +317,21 @@ def run_model_jax(setup: dict[str, Any], peaks: dict[str, float | None]) -> dict
     denoise = make_denoiser(family, module, guidance=3.5, image_grid=grid)
     example = fam.example_inputs(cfg)
 
+    stored = fam.stored_config(cfg)
+
     @jax.jit
     def init(key):
+        # Initialised stacked (one compiled block however deep), then split into per-block
+        # arrays if the run unrolls them.
         dummy = {k: jnp.zeros(v.shape, v.dtype) if isinstance(v, jax.ShapeDtypeStruct) else v for k, v in example.items()}
-        return nn.unbox(module.init(key, **dummy))["params"]
+        return nn.unbox(fam.module_cls(stored).init(key, **dummy))["params"]
 
     key_params, key_lora, key_inputs = jax.random.split(jax.random.key(_SEED.value), 3)
     start = time.perf_counter()
-    params = jax.block_until_ready(init(key_params))
+    params = jax.block_until_ready(fam.to_layout(init(key_params), cfg, consume=True))
     out: dict[str, Any] = {"init_s": time.perf_counter() - start,
                            "param_count": sum(int(p.size) for p in jax.tree.leaves(params))}
+    print(f"random weights: {out['param_count']:,} parameters in {out['init_s']:.1f} s", flush=True)
     latents, cond, sigma = _jax_inputs(setup, key_inputs)
 
     def mean_square(velocity):

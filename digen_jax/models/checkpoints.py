@@ -77,9 +77,7 @@ def load_checkpoint(path: str, *, shardings=None, **policy) -> tuple[ModelFamily
         raise ConversionError(f"{path}: checkpoint does not match the {family.name} config in {MODEL_JSON}: {e}") from e
     if on_host:
         params = jax.tree.map(np.asarray, params)
-    # Each stacked weight is freed as soon as it is split, so an unrolled layout never holds
-    # the model twice.
-    return family, cfg, layers.relayout_blocks(params, nn.unbox(family.abstract_params(cfg)), unstack=_unstack_freeing)
+    return family, cfg, family.to_layout(params, cfg, consume=True)
 
 
 def _with_layers_axis(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
@@ -90,10 +88,3 @@ def _with_layers_axis(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
         return sharding
     raise ValueError(f"cannot restore unrolled blocks into a {type(sharding).__name__}: pass NamedShardings")
 
-
-def _unstack_freeing(leaf, n: int) -> list:
-    pieces = [leaf[i] for i in range(n)]
-    if isinstance(leaf, jax.Array):
-        jax.block_until_ready(pieces)
-        leaf.delete()
-    return pieces

@@ -93,11 +93,16 @@ class ModelFamily:
         """`cfg` in the layout checkpoints and conversion rules use: blocks scanned (stacked)."""
         return dataclasses.replace(cfg, scan_layers=True) if getattr(cfg, "scan_layers", True) is False else cfg
 
-    def to_layout(self, params: Mapping, cfg: Any) -> dict:
-        """Stored-layout (stacked) `params` in `cfg`'s block layout (`layers.relayout_blocks`)."""
+    def to_layout(self, params: Mapping, cfg: Any, consume: bool = False) -> dict:
+        """Stored-layout (stacked) `params` in `cfg`'s block layout (`layers.relayout_blocks`).
+
+        `consume` frees each stacked device array once split (the caller gives `params` up):
+        a full-size model converts without being held twice.
+        """
         if cfg is self.stored_config(cfg):
             return params
-        return layers.relayout_blocks(params, nn.unbox(self.abstract_params(cfg)))
+        unstack = layers.unstack_consuming if consume else layers.unstack_leaf
+        return layers.relayout_blocks(params, nn.unbox(self.abstract_params(cfg)), unstack=unstack)
 
     def abstract_params(self, cfg: Any) -> dict:
         """Boxed (logically partitioned) ShapeDtypeStructs of the parameters, no FLOPs."""

@@ -453,11 +453,21 @@ def _stack_leaves(leaves: Sequence):
     return jnp.stack(leaves)
 
 
-def _unstack_leaf(leaf, n: int) -> list:
+def unstack_leaf(leaf, n: int) -> list:
     return [leaf[i] for i in range(n)]
 
 
-def relayout_blocks(tree, like, *, stack=_stack_leaves, unstack=_unstack_leaf):
+def unstack_consuming(leaf, n: int) -> list:
+    """`relayout_blocks`' `unstack` that frees each stacked device array once it is split, so
+    converting a model to the unrolled layout never holds it twice."""
+    pieces = [leaf[i] for i in range(n)]
+    if isinstance(leaf, jax.Array):
+        jax.block_until_ready(pieces)
+        leaf.delete()
+    return pieces
+
+
+def relayout_blocks(tree, like, *, stack=_stack_leaves, unstack=unstack_leaf):
     """`tree` (params, adapters, shardings...) in the block layout of `like`.
 
     Walks both nested dicts together: where `like` holds per-block sub-trees ("0", "1", ...)

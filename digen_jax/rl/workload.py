@@ -420,8 +420,12 @@ def _random_params(family, cfg, seed: int) -> dict:
 
     Built from the abstract parameters (a trace, no compiled init): kernels normal with
     variance 1 / fan-in (the input axis and any kernel-window axes before it, not a
-    stacked-layers axis), norm scales one, biases and modulation tables small normal.
+    stacked-layers axis), norm scales one, biases and modulation tables small normal. Drawn in
+    the stored (stacked) layout, then split per block if `cfg` unrolls them.
     """
+    stored = family.stored_config(cfg)
+    if stored is not cfg:
+        return family.to_layout(_random_params(family, stored, seed), cfg, consume=True)
     abstract = nn.unbox(family.abstract_params(cfg))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
 
