@@ -92,6 +92,8 @@ _LORA_TARGETS = flags.DEFINE_multi_string(
 )
 _LORA_MODE = flags.DEFINE_enum("lora_mode", "factored", ["factored", "merged"], "How LoRA is applied in lora_fwd_bwd.")
 _REMAT = flags.DEFINE_string("remat_policy", "none", "Per-block remat policy: a key of models.layers.REMAT_POLICIES.")
+_NUM_LAYERS = flags.DEFINE_integer(
+    "num_layers", 0, "Model mode: > 0 keeps that many (double-stream) blocks of the variant, for short probes.")
 _SCAN_LAYERS = flags.DEFINE_bool(
     "scan_layers", True, "Run the blocks as one scan (stacked weights); false unrolls them (no per-layer weight copies).")
 _ATTENTION = flags.DEFINE_enum(
@@ -130,7 +132,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/digen_bench", "System mode: wher
 _PEER_WORKER = flags.DEFINE_string("peer_worker", None, "Internal: run only the PyTorch peer and write its JSON here.")
 # The flags the peer process needs to build the same model and inputs.
 _FORWARDED = (_FAMILY, _VARIANT, _BATCH, _HEIGHT, _WIDTH, _FRAMES, _TEXT_LEN, _WHAT, _LORA_RANK, _LORA_ALPHA,
-              _LORA_TARGETS, _REMAT, _SCAN_LAYERS, _ATTENTION, _DTYPE, _REPEATS, _WARMUP, _SEED)
+              _LORA_TARGETS, _REMAT, _NUM_LAYERS, _SCAN_LAYERS, _ATTENTION, _DTYPE, _REPEATS, _WARMUP, _SEED)
 
 
 # ============================================================================ shared
@@ -236,6 +238,8 @@ def _model_setup() -> dict[str, Any]:
         fam.variants[variant], dtype=_DTYPE.value, param_dtype=_DTYPE.value,
         attention_impl=_ATTENTION.value, remat_policy=_REMAT.value, scan_layers=_SCAN_LAYERS.value,
     )
+    if _NUM_LAYERS.value > 0:
+        cfg = dataclasses.replace(cfg, num_layers=_NUM_LAYERS.value)
     text_len = _TEXT_LEN.value or DEFAULT_TEXT_LEN[family]
     shape = dict(height=_HEIGHT.value, width=_WIDTH.value, frames=_FRAMES.value)
     grid = flops.latent_grid(family, cfg, **shape)

@@ -203,3 +203,25 @@ def test_source_digest_names_the_code(tmp_path):
     assert bench.source_digest(str(tmp_path)) == before
     (tmp_path / "configs" / "a.py").write_text("x = 2\n")
     assert bench.source_digest(str(tmp_path)) != before
+
+
+def test_elastic_warm_up_runs_until_the_split_settles():
+    """One extra warm-up always; then more while the next split differs from the last (its extra
+    prefetch would finish inside the timed iteration), at most MAX_SETTLING_ITERATIONS."""
+    from types import SimpleNamespace
+
+    from digen_jax.runtime import benchmark
+
+    class Executor:
+        def __init__(self, split):
+            self.split = split
+
+        def split_for(self, k):
+            return self.split
+
+    last = [SimpleNamespace(tag=0, prefetch=3)]
+    assert benchmark._keep_warming(Executor((0, 3)), 1, last, extra=0)
+    assert not benchmark._keep_warming(Executor((0, 3)), 2, last, extra=1)
+    assert benchmark._keep_warming(Executor((0, 2)), 2, last, extra=1)
+    assert benchmark._keep_warming(Executor((1, 3)), 2, last, extra=2)
+    assert not benchmark._keep_warming(Executor((0, 2)), 4, last, extra=benchmark.MAX_SETTLING_ITERATIONS)

@@ -6,7 +6,8 @@ functions where the meshes agree. After `warmup` iterations (compilation, first 
 measurements for the elastic splits; they finish before the timed ones are planned, so even
 the first timed iteration splits from measured costs; a mode with elastic splits warms up one
 iteration more, planned from those costs, so that its trainer rollouts are compiled and the
-micro-batches it prefetches are in flight when the timing starts, as in a long run)
+micro-batches it prefetches are in flight when the timing starts, as in a long run, and more,
+up to `MAX_SETTLING_ITERATIONS`, until its split stops changing)
 `iterations` are timed from the trace: images (or
 videos) per second and per device, end-to-end MFU from exact FLOP counts, busy/bubble per
 device group, weight-sync time and the splits the elastic modes chose.
@@ -54,6 +55,27 @@ def sample_flops(run) -> dict[str, int] | None:
     )
 
 
+# Extra warm-up iterations an elastic mode may take for its split to settle.
+MAX_SETTLING_ITERATIONS = 3
+
+
+def _keep_warming(executor: Executor, k: int, plans: list, *, extra: int) -> bool:
+    """Whether an elastic mode warms up one more iteration before timing iteration `k`.
+
+    At least one (planned from measured costs: its trainer rollouts compile, its prefetch is
+    in flight), then until iteration `k` would start as a long run's do: with the split of the
+    one before and the micro-batches that one prefetched (a changed split leaves the previous
+    iteration's extra prefetch to finish inside the timed one), at most
+    `MAX_SETTLING_ITERATIONS`.
+    """
+    if extra == 0:
+        return True
+    if extra >= MAX_SETTLING_ITERATIONS:
+        return False
+    tag, prefetch = executor.split_for(k)
+    return (tag, prefetch) != (plans[-1].tag, plans[-1].prefetch)
+
+
 def run_modes(
     config,
     modes: Sequence[str],
@@ -88,17 +110,23 @@ def run_modes(
         if os.path.exists(trace_path):
             os.remove(trace_path)
         executor = Executor(run, config=mode_config, trace_path=trace_path, log=log)
-        warmup = warmups + (1 if warmups and executor.elastic_split else 0)
-        log(f"[{mode}] {warmup} warm-up + {iterations} timed iterations of {batch} samples")
+        warmup, settling = warmups, bool(warmups and executor.elastic_split)
+        more = f" (+1 to {MAX_SETTLING_ITERATIONS} while the elastic split settles)" if settling else ""
+        log(f"[{mode}] {warmup} warm-up{more} + {iterations} timed iterations of {batch} samples")
         try:
             plans, timings = [], []
-            for k in range(warmup + iterations):
+            k = 0
+            while k < warmup + iterations:
                 if 0 < k <= warmup:  # a warm-up finishes before the next iteration is planned from its costs
                     timings.append(executor.timing(k - 1, plans[k - 1]))
+                    if k == warmup and settling:
+                        settling = _keep_warming(executor, k, plans, extra=warmup - warmups)
+                        warmup += int(settling)
                 plan, _ = executor.iteration(k)
                 plans.append(plan)
                 if k > warmup:  # one step late, as in training: the splits of k + 1 use k - 1's costs
                     timings.append(executor.timing(k - 1, plans[k - 1]))
+                k += 1
             timings.append(executor.timing(len(plans) - 1, plans[-1]))
             timings = timings[warmup:]
         finally:

@@ -206,6 +206,13 @@ def schedule(plans: Sequence[IterationPlan], costs: Costs, *, free_at: Mapping[s
 
 
 def _schedule_into(timeline: Timeline, free: dict[str, float], plan: IterationPlan, costs: Costs) -> None:
+    # The executor dispatches an iteration once every device group (and the weight link) has
+    # finished the previous one's tasks: a group that finishes early waits at that barrier even
+    # where its next tasks' dependencies are met. Rewards run on in the background.
+    barrier = max(t for g, t in free.items() if g != "reward")
+    for group in free:
+        if group != "reward":
+            free[group] = barrier
     for task in plan.tasks:
         ready = max([free[task.group], *(timeline.end.get(d, 0.0) for d in task.deps)])
         timeline.start[task.key], timeline.end[task.key] = ready, ready + costs.of(task)
