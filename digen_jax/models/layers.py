@@ -454,13 +454,14 @@ def _stack_leaves(leaves: Sequence):
 
 
 def unstack_leaf(leaf, n: int) -> list:
+    """`relayout_blocks`' default `unstack`: the n slices along the leading (layers) axis."""
     return [leaf[i] for i in range(n)]
 
 
 def unstack_consuming(leaf, n: int) -> list:
     """`relayout_blocks`' `unstack` that frees each stacked device array once it is split, so
     converting a model to the unrolled layout never holds it twice."""
-    pieces = [leaf[i] for i in range(n)]
+    pieces = unstack_leaf(leaf, n)
     if isinstance(leaf, jax.Array):
         jax.block_until_ready(pieces)
         leaf.delete()
