@@ -83,3 +83,33 @@ def test_a_failing_handler_stops_every_group_and_raises_its_error():
         dispatch.dispatch(p.tasks, handle)
     assert ("rollout", 1, 3) not in handled  # its group stopped at the failure
     assert ("train", 1, 2) not in handled and ("update", 1, 0) not in handled  # they needed rollout 2
+
+
+def test_lanes_go_on_into_the_next_batch_while_another_lane_finishes_the_last():
+    """The trainer starts iteration 2 on its carried micro-batches while the rollout thread is
+    still held in iteration 1's last prefetch; what depends on that prefetch waits for it."""
+    first = plan.plan_iteration("gap+tsp+tag+tcss", 1, 2, carried=2, prefetch=2)
+    second = plan.plan_iteration("gap+tsp+tag+tcss", 2, 2, carried=2, prefetch=2)
+    release, trained_ahead, order = threading.Event(), threading.Event(), []
+
+    def handle(task):
+        if task.key == ("rollout", 2, 1):  # iteration 1's last prefetch
+            assert release.wait(10)
+        if task.key == ("train", 2, 0):
+            trained_ahead.set()
+        order.append(task.key)
+
+    lanes = dispatch.Lanes()
+    try:
+        lanes.submit(first.tasks, handle)
+        lanes.wait([t.key for t in first.tasks if t.iteration == 1 and t.kind != "reward"])
+        lanes.submit(second.tasks, handle)
+        assert trained_ahead.wait(10)
+        assert ("rollout", 2, 1) not in order and ("train", 2, 1) not in order
+        release.set()
+        lanes.drain()
+    finally:
+        release.set()
+        lanes.close()
+    assert order.index(("rollout", 2, 1)) < order.index(("train", 2, 1)) < order.index(("update", 2, 0))
+    assert order.index(("sync", 2, 0)) < order.index(("update", 2, 0))

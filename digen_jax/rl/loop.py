@@ -239,6 +239,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
         for k in range(start, total):
             plan, metrics = executor.iteration(k)
             if config.train.eval_every and (k + 1) % config.train.eval_every == 0:
+                executor.drain()  # evaluation's programs must not interleave with a group's prefetch
                 metrics["eval_reward_mean"] = run.evaluate(executor.state, executor)
             if config.train.image_every and (k + 1) % config.train.image_every == 0:
                 finals = executor.last_finals()[:: config.rl.group_size][:16]
@@ -252,6 +253,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
                 pending = None
                 executor.save(run.checkpoints, k + 1)
         if pending is not None:
+            executor.drain()  # the last iteration's prefetched rollouts belong to its timing
             emit(*pending)
         if total > start and (not config.train.checkpoint_every or total % config.train.checkpoint_every):
             executor.save(run.checkpoints, total)

@@ -127,6 +127,7 @@ def run_modes(
                 if k > warmup:  # one step late, as in training: the splits of k + 1 use k - 1's costs
                     timings.append(executor.timing(k - 1, plans[k - 1]))
                 k += 1
+            executor.drain()  # the last iteration's prefetched rollouts belong to its timing
             timings.append(executor.timing(len(plans) - 1, plans[-1]))
             timings = timings[warmup:]
         finally:

@@ -12,10 +12,14 @@ only its own group.
 Order: a group's tasks are dispatched in plan order by its thread, so every device gets
 its programs in the plan's order (programs with collectives need one order on every
 device of a mesh). A task waits until the tasks it depends on in other groups have been
-*dispatched* (their outputs exist as arrays; JAX orders the device work itself).
+*dispatched* (their outputs exist as arrays; JAX orders the device work itself). The
+threads outlive an iteration (`Lanes`): a group that finished its part of iteration k goes
+on with k + 1 while the other still works, so no group waits at an iteration boundary for
+work it does not depend on.
 """
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Callable, Sequence
 
@@ -44,42 +48,105 @@ def dispatch(tasks: Sequence[Task], handle: Callable[[Task], None], *, threaded:
     """Call `handle(task)` for every task but rewards: per `lane` in list order, each after the
     handlers of its dependencies in other lanes returned (dependencies outside `tasks` are done).
 
-    With `threaded` and more than one lane, each lane runs on its own thread and this returns
-    once every handler has returned; otherwise the calling thread runs them in list order (as
-    a multi-process run must: cross-process transfers need every process to issue them in the
-    same order). The first error of any handler is raised here, after the other lanes stopped.
+    With `threaded` and more than one lane, each lane runs on its own thread (`Lanes`) and this
+    returns once every handler has returned; otherwise the calling thread runs them in list
+    order (as a multi-process run must: cross-process transfers need every process to issue
+    them in the same order). The first error of any handler is raised here, after the other
+    lanes stopped.
     """
     tasks = [t for t in tasks if t.kind != "reward"]
-    lanes: dict[str, list[Task]] = {}
-    for task in tasks:
-        lanes.setdefault(lane(task), []).append(task)
-    if not threaded or len(lanes) < 2:
+    if not threaded or len({lane(t) for t in tasks}) < 2:
         for task in tasks:
             handle(task)
         return
-    done = {task.key: threading.Event() for task in tasks}
-    failed: list[BaseException] = []
+    lanes = Lanes()
+    try:
+        lanes.submit(tasks, handle)
+        lanes.drain()
+    finally:
+        lanes.close()
 
-    def run(own: list[Task]) -> None:
-        try:
-            for task in own:
+
+class Lanes:
+    """One long-lived dispatching thread per lane, fed batches of tasks (one iteration's plan
+    after another) that it runs in submission order.
+
+    A batch need not wait for the previous one: a lane that finished its share of iteration k
+    starts on iteration k + 1 while another lane still works through iteration k, and a task
+    waits only for the handlers of its dependencies, in this batch or an earlier one, to
+    return (dependencies never submitted count as done). After a handler fails, every lane
+    stops and `wait`, `drain` and `submit` raise its error.
+    """
+
+    def __init__(self):
+        self._queues: dict[str, queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
+        self._done: dict[TaskKey, threading.Event] = {}
+        self._failed: list[BaseException] = []
+
+    def submit(self, tasks: Sequence[Task], handle: Callable[[Task], None]) -> None:
+        """Queue `tasks` (rewards skipped) behind everything submitted before."""
+        self._raise_failure()
+        tasks = [t for t in tasks if t.kind != "reward"]
+        for task in tasks:  # all registered before any runs, so dependencies inside the batch wait
+            self._done[task.key] = threading.Event()
+        for task in tasks:
+            self._queue(lane(task)).put((task, handle))
+
+    def wait(self, keys) -> None:
+        """Block until the handlers of the submitted tasks `keys` returned."""
+        for key in keys:
+            event = self._done.get(tuple(key))
+            while event is not None and not event.wait(_POLL_S):
+                self._raise_failure()
+        self._raise_failure()
+
+    def drain(self) -> None:
+        """Block until every submitted task's handler returned; then forget them."""
+        self.wait(list(self._done))
+        self._done.clear()
+
+    def forget(self, before_iteration: int) -> None:
+        """Drop the finished tasks of iterations before `before_iteration` (later dependencies on
+        them then count as done)."""
+        for key in [k for k, e in self._done.items() if k[1] < before_iteration and e.is_set()]:
+            del self._done[key]
+
+    def close(self) -> None:
+        """Stop the threads once their queues are empty (call `drain` first to see errors)."""
+        for q in self._queues.values():
+            q.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._queues.clear()
+        self._threads.clear()
+
+    def _raise_failure(self) -> None:
+        if self._failed:
+            raise self._failed[0]
+
+    def _queue(self, name: str) -> queue.SimpleQueue:
+        if name not in self._queues:
+            self._queues[name] = queue.SimpleQueue()
+            thread = threading.Thread(target=self._run, args=(self._queues[name],), name=f"dispatch-{name}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        return self._queues[name]
+
+    def _run(self, own: queue.SimpleQueue) -> None:
+        while (item := own.get()) is not None:
+            task, handle = item
+            if self._failed:
+                continue  # drain the queue without running anything
+            try:
                 for dep in task.deps:
-                    waited = done.get(producer(tuple(dep)))
+                    waited = self._done.get(producer(tuple(dep)))
                     while waited is not None and not waited.wait(_POLL_S):
-                        if failed:
-                            return
-                if failed:
-                    return
+                        if self._failed:
+                            break
+                if self._failed:
+                    continue
                 handle(task)
-                done[task.key].set()
-        except BaseException as e:  # re-raised on the calling thread
-            failed.append(e)
-
-    threads = [threading.Thread(target=run, args=(own,), name=f"dispatch-{name}", daemon=True)
-               for name, own in lanes.items()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failed:
-        raise failed[0]
+                self._done[task.key].set()
+            except BaseException as e:  # re-raised on the waiting thread
+                self._failed.append(e)

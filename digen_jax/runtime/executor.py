@@ -53,7 +53,7 @@ from digen_jax.rl.trainer import GradSum, TrainState, build_units
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import to_every_process, transfer
-from digen_jax.runtime.dispatch import dispatch
+from digen_jax.runtime.dispatch import Lanes, dispatch
 from digen_jax.runtime.trace import Tracer, iteration_summary
 
 def validate_runtime_config(config, num_devices: int) -> None:
@@ -161,6 +161,7 @@ class Executor:
         # Process 0 writes the trace (it stamps tasks on other processes' devices when dispatched).
         write_trace = rt.trace and jax.process_index() == 0
         self.tracer = Tracer((trace_path or os.path.join(run.workdir, "trace.json")) if write_trace else None)
+        self.lanes = Lanes() if jax.process_count() == 1 else None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=rt.reward_workers, thread_name_prefix="reward")
         self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
         self.measured: dict[tuple[str, str], list[float]] = {}  # (kind, group) -> recent durations
@@ -449,10 +450,17 @@ class Executor:
             elif task.kind == "sync":
                 self._sync(task.version, task.deps)
 
-        # Each device group's tasks from its own thread (dispatch.py says why). Several
-        # processes dispatch from one thread: their cross-process transfers must be issued in
-        # the same order by every process.
-        dispatch(plan.tasks, handle, threaded=jax.process_count() == 1)
+        # Each device group's tasks from its own thread (dispatch.py says why), across
+        # iterations: this returns once iteration k's own tasks ran, while the next iteration's
+        # prefetched rollouts (and the sync after them) may still be on the rollout thread.
+        # Several processes dispatch from one thread: their cross-process transfers must be
+        # issued in the same order by every process.
+        if self.lanes is None:
+            dispatch(plan.tasks, handle, threaded=False)
+        else:
+            self.lanes.forget(before_iteration=k - 1)
+            self.lanes.submit(plan.tasks, handle)
+            self.lanes.wait([t.key for t in plan.tasks if t.iteration == k and t.kind != "reward"])
         self.carried = list(next_mbs.values())
         self._last = [mbs[(k, m)] for m in range(self.microbatches)]
         all_rewards = np.concatenate([mb.rewards.result() for mb in sorted(mbs.values(), key=lambda m: m.index)])
@@ -547,6 +555,7 @@ class Executor:
         for the save, a full state per train device and per host. One process: the state as it
         lives on its devices, written asynchronously without a host copy.
         """
+        self.drain()  # the prefetched micro-batches are saved: their rollouts must have run
         state = self.state
         if jax.process_count() > 1:
             state = jax.device_get(to_every_process(state))
@@ -595,6 +604,16 @@ class Executor:
         self.log(f"resumed from checkpoint {latest} (policy version {version}, {len(self.carried)} prefetched micro-batches)")
         return latest
 
+    def drain(self) -> None:
+        """Wait until every dispatched task (the next iteration's prefetched rollouts too) ran."""
+        if self.lanes is not None:
+            self.lanes.drain()
+
     def close(self) -> None:
-        self.pool.shutdown(wait=True)  # first: the reward threads record their tasks in the trace
-        self.tracer.close()
+        try:
+            self.drain()
+        finally:
+            if self.lanes is not None:
+                self.lanes.close()
+            self.pool.shutdown(wait=True)  # first: the reward threads record their tasks in the trace
+            self.tracer.close()

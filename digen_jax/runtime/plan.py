@@ -127,7 +127,10 @@ def plan_iteration(
         deps = (("reward", k, m),) if flags.pipelined else all_rewards
         tasks.append(Task("train", "train", k, m, version, sample_version=generated_by, deps=deps + previous))
         previous = (("train", k, m),)
-    tasks.append(Task("update", "train", k, 0, version + 1, deps=previous))
+    # The sync of version k reads the trainer's weights when it is dispatched, behind the
+    # rollout group's earlier tasks; the update that replaces them (donating their buffers)
+    # waits for it, however far ahead the trainer runs.
+    tasks.append(Task("update", "train", k, 0, version + 1, deps=previous + weights_on_rollout))
     tasks.append(Task("sync", "link", k + 1, 0, version + 1, deps=(("update", k, 0),)))
     return IterationPlan(k, m_total, _dispatch_order(tasks), carried, tag, prefetch)
 
@@ -206,13 +209,6 @@ def schedule(plans: Sequence[IterationPlan], costs: Costs, *, free_at: Mapping[s
 
 
 def _schedule_into(timeline: Timeline, free: dict[str, float], plan: IterationPlan, costs: Costs) -> None:
-    # The executor dispatches an iteration once every device group (and the weight link) has
-    # finished the previous one's tasks: a group that finishes early waits at that barrier even
-    # where its next tasks' dependencies are met. Rewards run on in the background.
-    barrier = max(t for g, t in free.items() if g != "reward")
-    for group in free:
-        if group != "reward":
-            free[group] = barrier
     for task in plan.tasks:
         ready = max([free[task.group], *(timeline.end.get(d, 0.0) for d in task.deps)])
         timeline.start[task.key], timeline.end[task.key] = ready, ready + costs.of(task)
