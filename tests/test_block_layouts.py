@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from digen_jax.models import FAMILIES, layers, load_checkpoint, save_checkpoint
-from digen_jax.rl import lora
+from digen_jax.rl import lora, workload
 
 TRANSFORMERS = ("flux", "qwenimage", "wan", "hunyuan_video")
 
@@ -33,8 +33,11 @@ def _inputs(example: dict, seed: int) -> dict:
 def _init(name: str, cfg):
     fam = FAMILIES[name]
     inputs = _inputs(fam.example_inputs(cfg), 1)
-    params = nn.unbox(fam.module_cls(cfg).init(jax.random.key(0), **inputs))["params"]
-    return fam, inputs, params
+    return fam, inputs, workload._random_params(fam, cfg, seed=0)  # host draws: no init program to compile
+
+
+def _apply(fam, cfg, params, inputs):
+    return jax.jit(lambda p, x: fam.module_cls(cfg).apply({"params": p}, **x))(params, inputs)
 
 
 @pytest.mark.parametrize("name", TRANSFORMERS)
@@ -51,8 +54,8 @@ def test_unrolled_blocks_compute_the_scanned_function(name):
     # ...and it converts back to the stacked weights bit for bit.
     chex.assert_trees_all_equal(layers.relayout_blocks(per_block, params), params)
 
-    out_scanned = fam.module_cls(scanned).apply({"params": params}, **inputs)
-    out_unrolled = fam.module_cls(unrolled).apply({"params": per_block}, **inputs)
+    out_scanned = _apply(fam, scanned, params, inputs)
+    out_unrolled = _apply(fam, unrolled, per_block, inputs)
     np.testing.assert_allclose(out_unrolled, out_scanned, rtol=1e-5, atol=1e-5)
 
     # The default LoRA targets adapt the same weights in both layouts.
