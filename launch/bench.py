@@ -277,6 +277,15 @@ def measure_matmul_peak(size: int, chain: int, repeats: int) -> dict[str, Any]:
     return {"size": size, "chain": chain, "times_s": times, "flops_per_s": flop / min(times)}
 
 
+def compiled_memory(compiled) -> dict[str, int] | None:
+    """Device bytes XLA planned for a compiled program (arguments, outputs, temporaries); None
+    where the backend does not say."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return {name: int(getattr(stats, f"{name}_size_in_bytes")) for name in ("argument", "output", "alias", "temp")}
+
+
 def _jax_inputs(setup: dict[str, Any], key):
     """Random latents, conditioning and sigmas of the benchmark shape (on the device)."""
     import jax
@@ -312,6 +321,7 @@ def run_model_jax(setup: dict[str, Any], peaks: dict[str, float | None]) -> dict
     import jax.numpy as jnp
 
     from digen_jax import flops
+    from digen_jax.models import layers
     from digen_jax.rl import lora
     from digen_jax.rl.rollout import make_denoiser
 
@@ -356,16 +366,25 @@ def run_model_jax(setup: dict[str, Any], peaks: dict[str, float | None]) -> dict
         "full_fwd_bwd": (full_grad, (params, latents, cond, sigma)),
     }
     if "lora_fwd_bwd" in _WHAT.value:
+        # Drawn in the stored (stacked) layout like the weights, then split: drawn per block, one
+        # RNG program per unrolled adapter took GPU XLA 48 s to compile at 12 Qwen-Image blocks.
+        stacked_params = nn.unbox(fam.abstract_params(stored))
+
         @jax.jit
-        def make_adapters(p, key):
+        def make_adapters(key):
             k_a, k_b = jax.random.split(key)
-            adapters = lora.init_lora(p, rank=_LORA_RANK.value, target_patterns=setup["targets"], key=k_a)
+            adapters = lora.init_lora(stacked_params, rank=_LORA_RANK.value, target_patterns=setup["targets"], key=k_a)
             # Random B (init gives zeros): no timing on zeros.
             leaves, tree = jax.tree.flatten(adapters)
             keys = jax.random.split(k_b, len(leaves))
             return jax.tree.unflatten(tree, [0.01 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
 
-        adapters = make_adapters(params, key_lora)
+        like = jax.eval_shape(
+            lambda p: lora.init_lora(p, rank=_LORA_RANK.value, target_patterns=setup["targets"], key=key_lora), params
+        )
+        adapters = jax.block_until_ready(
+            layers.relayout_blocks(make_adapters(key_lora), like, unstack=layers.unstack_consuming)
+        )
         out["lora_param_count"] = lora.lora_param_count(adapters)
         fns["lora_fwd_bwd"] = (lora_grad, (adapters, params, latents, cond, sigma))
 
@@ -382,6 +401,7 @@ def run_model_jax(setup: dict[str, Any], peaks: dict[str, float | None]) -> dict
             start = time.perf_counter()
             compiled = jax.jit(fn).lower(*args).compile()
             entry["compile_s"] = time.perf_counter() - start
+            entry["memory_bytes"] = compiled_memory(compiled)
             entry.update(_summary(
                 time_calls(lambda: compiled(*args), jax.block_until_ready, _REPEATS.value, _WARMUP.value),
                 entry["flops"], peaks,

@@ -54,11 +54,34 @@ def test_model_mode_writes_every_figure(tmp_path):
         assert entry["flops"] == flop == entry["traced_matmul_flops"]  # no remat, XLA attention: exact
         assert entry["flops_breakdown"]["total"] == flop
         assert len(entry["times_s"]) == 1 and entry["median_s"] > 0 and entry["compile_s"] > 0
+        assert set(entry["memory_bytes"]) == {"argument", "output", "alias", "temp"}
+        assert entry["memory_bytes"]["argument"] > 0 and entry["memory_bytes"]["temp"] > 0
         assert entry["flops_per_s"] == pytest.approx(flop / entry["median_s"])
         assert entry["mfu_datasheet"] is None
         peak = written["peaks"]["measured_matmul"]["flops_per_s"]
         assert entry["mfu_measured_peak"] == pytest.approx(entry["flops_per_s"] / peak)
     assert written["param_count"] == 89328 and written["lora_param_count"] > 0  # MODELS.md: the tiny Qwen-Image
+
+
+def test_model_mode_unrolled_blocks_time_the_same_program(tmp_path):
+    """`--scan_layers=false`: weights and adapters drawn stacked, then split per block."""
+    written = {}
+    for scan in ("true", "false"):
+        out = tmp_path / f"scan_{scan}.json"
+        parse("--family=flux", "--what=lora_fwd_bwd", f"--scan_layers={scan}", "--matmul_size=0", f"--out={out}")
+        bench.run_from_flags()
+        written[scan] = json.loads(out.read_text())
+    scanned, unrolled = written["true"], written["false"]
+    assert unrolled["config"]["model"]["scan_layers"] is False
+    entry = unrolled["results"]["lora_fwd_bwd"]
+    assert "error" not in entry, entry.get("error")
+    # Unrolled, autodiff drops the gradient w.r.t. the first block's input (nothing before it
+    # trains); the scanned body computes it for every layer, so it is in the exact count.
+    traced = scanned["results"]["lora_fwd_bwd"]["traced_matmul_flops"]
+    assert traced == entry["flops"] == scanned["results"]["lora_fwd_bwd"]["flops"]
+    assert 0.9 * traced < entry["traced_matmul_flops"] < traced
+    assert unrolled["param_count"] == scanned["param_count"]
+    assert unrolled["lora_param_count"] == scanned["lora_param_count"] > 0
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES.keys() & set(flops.FAMILIES)))
