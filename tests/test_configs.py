@@ -277,3 +277,27 @@ def test_train_script_reports_missing_inputs(tmp_path):
     assert result.returncode == 1
     assert "model.checkpoint is not set" in result.stderr and "Traceback" not in result.stderr
     assert not os.listdir(tmp_path)
+
+
+def test_auto_attention_avoids_cudnn_only_in_fsdp_programs_on_several_gpus(monkeypatch):
+    """`auto` resolves to XLA attention where the train rules shard weights on a multi-GPU run
+    (cuDNN attention deadlocked there, README "Training shards"); elsewhere it is left to the layer."""
+    from digen_jax.runtime.config import sharding_section
+
+    config = get_config("qwenimage")
+    config.model.random_init = True
+    assert not workload.shards_weights(config.sharding.train_rules)  # the zoo configs: data parallel
+    fsdp = sharding_section(fsdp=True)
+    assert workload.shards_weights(fsdp.train_rules) and not workload.shards_weights(fsdp.rollout_rules)
+
+    def resolved(rules, backend, devices, impl="auto"):
+        config.sharding.train_rules, config.model.attention_impl = rules, impl
+        monkeypatch.setattr(workload.jax, "default_backend", lambda: backend)
+        monkeypatch.setattr(workload.jax, "device_count", lambda: devices)
+        return workload.model_config(config).attention_impl
+
+    assert resolved(fsdp.train_rules, "gpu", 2) == "xla"
+    assert resolved(fsdp.train_rules, "gpu", 2, impl="cudnn") == "cudnn"  # asked for explicitly
+    assert resolved(fsdp.train_rules, "gpu", 1) == "auto"
+    assert resolved(fsdp.train_rules, "cpu", 8) == "auto"
+    assert resolved(sharding_section(fsdp=False).train_rules, "gpu", 4) == "auto"

@@ -194,7 +194,7 @@ class ShapesWorkload(_Workload):
 
     def _base_model(self):
         c = self.config.model
-        policy = _policy(c)
+        policy = _policy(self.config)
         if c.checkpoint:
             return load_checkpoint(c.checkpoint, **policy)
         family = FAMILIES[c.family]
@@ -236,10 +236,33 @@ class ShapesWorkload(_Workload):
 # ---------------------------------------------------------------------------------------- model zoo
 
 
-def _policy(model_config) -> dict:
-    return dict(dtype=model_config.dtype, param_dtype=model_config.param_dtype,
-                attention_impl=model_config.attention_impl, remat_policy=model_config.remat_policy,
-                scan_layers=model_config.scan_layers)
+def shards_weights(rules) -> bool:
+    """Whether logical-axis `rules` split a weight axis over the mesh (FSDP), not only activations."""
+    return any(mesh_axis and not logical.startswith("activation_") for logical, mesh_axis in rules)
+
+
+def attention_impl(config: ml_collections.ConfigDict) -> str:
+    """`model.attention_impl`, where `auto` also steers clear of cuDNN attention in FSDP programs
+    on several GPUs.
+
+    On the lent H100s (jax 0.11.2, NCCL 2.28.9) a program that all-gathers or all-reduces
+    sharded weights per layer and runs cuDNN's fused attention deadlocked at its first run: one
+    device's thread never joined the collective's rendezvous. The same programs with XLA's
+    attention ran every mode, as did cuDNN attention with replicated weights and a plain FSDP
+    scan without attention (README "Training shards"). An explicit 'cudnn' is kept as asked.
+    """
+    impl = config.model.attention_impl
+    sharding = config.get("sharding")
+    if (impl == "auto" and sharding is not None and shards_weights(sharding.train_rules)
+            and jax.default_backend() == "gpu" and jax.device_count() > 1):
+        return "xla"
+    return impl
+
+
+def _policy(config: ml_collections.ConfigDict) -> dict:
+    c = config.model
+    return dict(dtype=c.dtype, param_dtype=c.param_dtype, attention_impl=attention_impl(config),
+                remat_policy=c.remat_policy, scan_layers=c.scan_layers)
 
 
 def _read_model_json(path: str) -> dict:
@@ -252,8 +275,8 @@ def model_config(config: ml_collections.ConfigDict):
     c = config.model
     family = FAMILIES[c.family]
     if c.random_init:
-        return dataclasses.replace(family.variants[c.variant], **_policy(c), **_depth_overrides(c))
-    return family.config_from_diffusers(_read_model_json(c.checkpoint)["config"], **_policy(c))
+        return dataclasses.replace(family.variants[c.variant], **_policy(config), **_depth_overrides(c))
+    return family.config_from_diffusers(_read_model_json(c.checkpoint)["config"], **_policy(config))
 
 
 def _depth_overrides(model: ml_collections.ConfigDict) -> dict[str, int]:
@@ -508,7 +531,7 @@ class ModelZooWorkload(_Workload):
         if c.random_init:
             family, cfg = FAMILIES[c.family], model_config(self.config)
             return family, cfg, _random_params(family, cfg, self.config.seed + 4)
-        return load_checkpoint(c.checkpoint, **_policy(c))
+        return load_checkpoint(c.checkpoint, **_policy(self.config))
 
     def _vae(self):
         c = self.config.model
