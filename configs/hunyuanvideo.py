@@ -36,7 +36,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.model.param_dtype = "bfloat16"
     c.model.attention_impl = "auto"
     c.model.remat_policy = "full"  # training these sizes needs it; sampling has no backward to save for
-    c.model.scan_layers = True  # False unrolls blocks: no per-layer weight copies, but see README (compile time)
+    c.model.scan_layers = True  # False unrolls blocks: no per-layer weight copies, longer compiles
     c.model.vae_decode_batch = 1  # samples per VAE decode call
 
     c.data = ml_collections.ConfigDict()

@@ -39,7 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.attention_impl = "auto"
     c.model.remat_policy = "none"
-    c.model.scan_layers = True  # False unrolls blocks: no per-layer weight copies, but see README (compile time)
+    c.model.scan_layers = True  # False unrolls blocks: no per-layer weight copies, longer compiles
     c.model.checkpoint = ""  # a converted checkpoint dir; empty: pretrain on the task (cached)
 
     # The synthetic task (digen_jax.data.shapes.ShapesTask).
