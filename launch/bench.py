@@ -30,6 +30,7 @@ the run goes on; the exit status is 1 if any failed. Modes are entries of `MODES
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -369,19 +370,18 @@ def run_model_jax(setup: dict[str, Any], peaks: dict[str, float | None]) -> dict
         # Drawn in the stored (stacked) layout like the weights, then split: drawn per block, one
         # RNG program per unrolled adapter took GPU XLA 48 s to compile at 12 Qwen-Image blocks.
         stacked_params = nn.unbox(fam.abstract_params(stored))
+        draw = functools.partial(lora.init_lora, rank=_LORA_RANK.value, target_patterns=setup["targets"])
 
         @jax.jit
         def make_adapters(key):
             k_a, k_b = jax.random.split(key)
-            adapters = lora.init_lora(stacked_params, rank=_LORA_RANK.value, target_patterns=setup["targets"], key=k_a)
+            adapters = draw(stacked_params, key=k_a)
             # Random B (init gives zeros): no timing on zeros.
             leaves, tree = jax.tree.flatten(adapters)
             keys = jax.random.split(k_b, len(leaves))
             return jax.tree.unflatten(tree, [0.01 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
 
-        like = jax.eval_shape(
-            lambda p: lora.init_lora(p, rank=_LORA_RANK.value, target_patterns=setup["targets"], key=key_lora), params
-        )
+        like = jax.eval_shape(lambda p: draw(p, key=key_lora), params)
         adapters = jax.block_until_ready(
             layers.relayout_blocks(make_adapters(key_lora), like, unstack=layers.unstack_consuming)
         )
