@@ -72,6 +72,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.micro_batch_size = 16  # training units (sample, step) per gradient micro-batch
     c.rl.decoupled = False
     c.rl.is_cap = ml_collections.config_dict.placeholder(float)
+    c.rl.onpolicy_anchor = "trainer"
     c.rl.learning_rate = 3e-4
     c.rl.weight_decay = 1e-4
     c.rl.max_grad_norm = 1.0

@@ -82,6 +82,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.micro_batch_size = 112  # training units per gradient micro-batch
     c.rl.decoupled = False  # decoupled PPO (proximal policy) for off-policy updates
     c.rl.is_cap = ml_collections.config_dict.placeholder(float)
+    # Anchor of the ratio for samples of the weights being trained (version lag 0, first update):
+    # 'trainer' = the training pass's own log-prob (ratio exactly 1 whatever numerics the rollout
+    # ran with); 'rollout' = the log-prob the rollout recorded. Stale samples always use the latter.
+    c.rl.onpolicy_anchor = "trainer"
     c.rl.learning_rate = 3e-4
     c.rl.weight_decay = 1e-4
     c.rl.max_grad_norm = 1.0

@@ -29,7 +29,7 @@ from digen_jax.rl import lora, optim
 from digen_jax.rl import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, SamplerSpec
 from digen_jax.rl.timesteps import plan_steps, validate_step_selection
-from digen_jax.rl.trainer import LossConfig, Trainer, TrainState
+from digen_jax.rl.trainer import LAG0_FIGURES, ONPOLICY_ANCHORS, LossConfig, Trainer, TrainState
 from digen_jax.rl.workload import ConfigError
 from digen_jax.runtime.executor import Executor, validate_runtime_config
 
@@ -60,6 +60,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"rl.micro_batch_size={rl.micro_batch_size} must divide the {per_update} training units of an update"
         )
+    if rl.onpolicy_anchor not in ONPOLICY_ANCHORS:
+        raise ConfigError(f"rl.onpolicy_anchor must be one of {ONPOLICY_ANCHORS}, got {rl.onpolicy_anchor!r}")
     if rl.lora_rank < 0:
         raise ConfigError(f"rl.lora_rank must be >= 0 (0 = full fine-tuning), got {rl.lora_rank}")
     try:
@@ -103,6 +105,7 @@ class Run:
             kl_beta=rl.kl_beta,
             decoupled=rl.decoupled,
             is_cap=rl.is_cap,
+            onpolicy_anchor=rl.onpolicy_anchor,
             lora_scale=scale,
             ema_decay=rl.ema_decay,
             ema_every=rl.ema_every,
@@ -167,6 +170,9 @@ class Run:
         return float(np.mean(rewards))
 
 
+_LAG0_KEYS = {f"{name}_{stat}" for name in LAG0_FIGURES for stat in ("mean", "max")}
+
+
 def _host(metrics: dict) -> dict:
     out = {}
     for k, v in jax.device_get(metrics).items():
@@ -175,6 +181,8 @@ def _host(metrics: dict) -> dict:
             continue
         v = np.asarray(v)
         out[k] = v.item() if v.ndim == 0 else v.tolist()
+        if k in _LAG0_KEYS and not math.isfinite(out[k]):
+            out[k] = None  # no unit of the iteration was at version lag 0
     return out
 
 
@@ -223,7 +231,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
         extra = f" eval {m['eval_reward_mean']:.3f}" if "eval_reward_mean" in m else ""
         log(
             f"[{m['step']:4d}/{total}] reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}{extra} "
-            f"loss {m['loss']:+.4f} kl {m['kl']:.2e} clip {m['clip_frac']:.3f} "
+            f"loss {m['loss']:+.3e} kl {m['kl']:.2e} clip_frac {m['clip_frac']:.4f} approx_kl {m['approx_kl']:.2e} "
             f"{m['samples_per_s']:.1f} samples/s"
         )
         if m["skipped"]:
