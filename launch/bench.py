@@ -124,6 +124,10 @@ _MODES = flags.DEFINE_list(
     "System mode: the runtime.mode values to measure, one after another on the same devices.",
 )
 _ITERATIONS = flags.DEFINE_integer("iterations", 2, "System mode: timed iterations per schedule mode.")
+_ANCHORS = flags.DEFINE_list(
+    "onpolicy_anchors", [],
+    "System mode: run every mode once per value of rl.onpolicy_anchor listed here ('trainer', 'rollout'), "
+    "from the same weights; empty: the config's value only.")
 _WARMUP_ITERATIONS = flags.DEFINE_integer(
     "warmup_iterations", 1,
     "System mode: untimed iterations first (compilation, first measured costs); modes with elastic splits "
@@ -768,11 +772,11 @@ def run_system() -> dict[str, Any]:
     def write(figures: dict[str, Any]) -> None:
         result.update(figures)
         _write_result(result, path)
-        print(f"wrote {path} ({len(figures['modes'])} of {len(_MODES.value)} modes)", flush=True)
+        print(f"wrote {path} ({len(figures['modes'])} of {len(_MODES.value) * max(1, len(_ANCHORS.value))} runs)", flush=True)
 
     run_modes(
         config, _MODES.value, _WORKDIR.value, warmups=_WARMUP_ITERATIONS.value, iterations=_ITERATIONS.value,
-        peak_flops=peak, log=lambda m: print(m, flush=True), on_mode=write,
+        peak_flops=peak, log=lambda m: print(m, flush=True), on_mode=write, onpolicy_anchors=_ANCHORS.value,
     )
     return result
 

@@ -161,7 +161,7 @@ def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path, capsys):
     )
     result, path = bench.run_from_flags()
     printed = capsys.readouterr().out
-    assert f"wrote {out} (1 of 2 modes)" in printed and f"wrote {out} (2 of 2 modes)" in printed
+    assert f"wrote {out} (1 of 2 runs)" in printed and f"wrote {out} (2 of 2 runs)" in printed
     written = json.loads(out.read_text())
     assert written["config"]["model"]["num_layers"] == 1 and written["batch"] == 8
     assert list(written["modes"]) == modes
@@ -175,6 +175,36 @@ def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path, capsys):
         events = read_trace(os.path.join(os.path.splitext(path)[0] + "_traces", record["trace"]))
         assert {"rollout", "train", "update"} <= {e["args"]["kind"] for e in events}
     assert set(simulator.predict_from_profile(written)) == set(modes)  # the record is a simulator profile
+
+
+def test_system_mode_compares_onpolicy_anchors_in_one_run(tmp_path):
+    """`--onpolicy_anchors=rollout,trainer`: each mode once per anchor from the same weights, with the
+    ratio figures of the timed iterations; anchored on the trainer's pass the lag-0 log-ratio is 0."""
+    out = tmp_path / "anchors.json"
+    config_file = tmp_path / "anchors_config.py"
+    config_file.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.join(ROOT, 'configs')!r})\n"
+        "import qwenimage\n\n"
+        "def get_config():\n"
+        "    c = qwenimage.get_config('tiny')\n"
+        "    c.model.num_layers = 1\n"
+        "    return c\n"
+    )
+    parse(
+        "--mode=system", f"--config={config_file}", "--modes=colocated", "--onpolicy_anchors=rollout,trainer",
+        "--iterations=1", "--warmup_iterations=0", f"--workdir={tmp_path / 'work'}", f"--out={out}",
+    )
+    bench.run_from_flags()
+    records = json.loads(out.read_text())["modes"]
+    assert list(records) == ["colocated onpolicy_anchor=rollout", "colocated onpolicy_anchor=trainer"]
+    rollout, trainer = records.values()
+    for record in (rollout, trainer):
+        assert record["samples_per_s"] > 0 and record["lag0_units"] > 0
+        assert record["rollout_logp_gap_max"] is not None and record["rollout_logp_gap_max"] < 1e-5
+    assert rollout["onpolicy_anchor"] == "rollout" and rollout["logp_diff_max"] == rollout["rollout_logp_gap_max"]
+    assert trainer["onpolicy_anchor"] == "trainer" and trainer["logp_diff_max"] == 0
+    assert trainer["ratio_mean"] == 1 and trainer["clip_frac"] == 0
 
 
 def test_profile_sums_device_time_by_kernel(tmp_path):

@@ -15,6 +15,7 @@ device group, weight-sync time and the splits the elastic modes chose.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import os
 import statistics
@@ -27,6 +28,7 @@ import numpy as np
 from digen_jax import flops
 from digen_jax.rl import loop
 from digen_jax.rl.timesteps import plan_steps
+from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.executor import Executor
 
@@ -86,11 +88,14 @@ def run_modes(
     peak_flops: float | None = None,
     log: Callable[[str], None] = print,
     on_mode: Callable[[dict], None] | None = None,
+    onpolicy_anchors: Sequence[str] = (),
 ) -> dict:
     """Benchmark `modes` on `config`; returns one record per mode plus the shared figures.
 
     `on_mode` gets the figures so far after each mode, so a long run that is cut short
-    still leaves the modes it finished.
+    still leaves the modes it finished. `onpolicy_anchors` (values of `rl.onpolicy_anchor`)
+    runs every mode once per anchor, from the same run and weights; records are then keyed
+    `'<mode> onpolicy_anchor=<anchor>'`.
     """
     for mode in modes:
         plan_lib.mode_flags(mode)
@@ -103,18 +108,23 @@ def run_modes(
     per_sample = sample_flops(run)
     batch = config.rl.prompts_per_iteration * config.rl.group_size
     records = {}
-    for mode in modes:
+    for anchor, mode in [(a, m) for a in (onpolicy_anchors or [None]) for m in modes]:
+        name = mode if anchor is None else f"{mode} onpolicy_anchor={anchor}"
         mode_config = copy.deepcopy(config)
         mode_config.runtime.mode = mode
-        trace_path = os.path.join(workdir, f"trace_{mode.replace('+', '_')}.json")
+        if anchor is not None and anchor != run.trainer.cfg.onpolicy_anchor:
+            mode_config.rl.onpolicy_anchor = anchor
+            run.trainer = Trainer(run.sampler, run.trainer.frozen, run.trainer.optimizer,
+                                  dataclasses.replace(run.trainer.cfg, onpolicy_anchor=anchor))
+        trace_path = os.path.join(workdir, f"trace_{name.replace('+', '_').replace(' ', '_').replace('=', '_')}.json")
         if os.path.exists(trace_path):
             os.remove(trace_path)
         executor = Executor(run, config=mode_config, trace_path=trace_path, log=log)
         warmup, settling = warmups, bool(warmups and executor.elastic_split)
         more = f" (+1 to {MAX_SETTLING_ITERATIONS} while the elastic split settles)" if settling else ""
-        log(f"[{mode}] {warmup} warm-up{more} + {iterations} timed iterations of {batch} samples")
+        log(f"[{name}] {warmup} warm-up{more} + {iterations} timed iterations of {batch} samples")
         try:
-            plans, timings = [], []
+            plans, timings, metrics = [], [], []
             k = 0
             while k < warmup + iterations:
                 if 0 < k <= warmup:  # a warm-up finishes before the next iteration is planned from its costs
@@ -122,8 +132,9 @@ def run_modes(
                     if k == warmup and settling:
                         settling = _keep_warming(executor, k, plans, extra=warmup - warmups)
                         warmup += int(settling)
-                plan, _ = executor.iteration(k)
+                plan, figures = executor.iteration(k)
                 plans.append(plan)
+                metrics.append(figures)  # device arrays: read after the mode
                 if k > warmup:  # one step late, as in training: the splits of k + 1 use k - 1's costs
                     timings.append(executor.timing(k - 1, plans[k - 1]))
                 k += 1
@@ -132,6 +143,7 @@ def run_modes(
             timings = timings[warmup:]
         finally:
             executor.close()
+        metrics = jax.device_get(metrics[warmup:])
         devices = executor.meshes.num_devices
         rate = statistics.mean(t["samples_per_s"] for t in timings)
         groups = timings[0]["bubble_frac"].keys()
@@ -148,6 +160,8 @@ def run_modes(
             "trace": os.path.basename(trace_path),
             "micro_batches": mode_config.runtime.micro_batches,
             "warmup_iterations": warmup,
+            "onpolicy_anchor": mode_config.rl.onpolicy_anchor,
+            **_ratio_figures(metrics),
         }
         costs = executor.measured_costs()
         if costs is not None:  # the measured task times, for the simulator (simulator.predict_from_profile)
@@ -159,17 +173,34 @@ def run_modes(
             record["flops_per_s_per_device"] = achieved
             if peak_flops:
                 record["mfu"] = achieved / peak_flops
-        records[mode] = record
+        records[name] = record
         log(
-            f"[{mode}] {rate:.3f} samples/s = {rate / devices:.3f} per device; bubbles "
+            f"[{name}] {rate:.3f} samples/s = {rate / devices:.3f} per device; bubbles "
             + ", ".join(f"{g} {f:.0%}" for g, f in record["bubble_frac"].items())
             + (f"; MFU {record['mfu']:.1%}" if "mfu" in record else "")
+            + f"; clip_frac {record['clip_frac']:.4f}, lag-0 |log-ratio| max {record['logp_diff_max']}"
         )
         del executor
         gc.collect()
         if on_mode is not None:
             on_mode(_figures(records, batch))
     return _figures(records, batch)
+
+
+def _ratio_figures(metrics: list[dict]) -> dict:
+    """The timed iterations' ratio figures: means, and the lag-0 log-prob figures over all their
+    lag-0 units (None when there were none)."""
+    out = {k: float(np.mean([m[k] for m in metrics])) for k in ("ratio_mean", "clip_frac", "approx_kl")}
+    units = np.array([m["lag0_units"] for m in metrics], np.float64)
+    out["lag0_units"] = int(units.sum())
+    for name in LAG0_FIGURES:
+        if not units.sum():
+            out[f"{name}_mean"] = out[f"{name}_max"] = None
+            continue
+        means = np.array([m[f"{name}_mean"] for m in metrics], np.float64)
+        out[f"{name}_mean"] = float(np.sum(np.where(units > 0, means * units, 0.0)) / units.sum())
+        out[f"{name}_max"] = float(np.nanmax([m[f"{name}_max"] for m in metrics]))
+    return out
 
 
 def _figures(records: dict, batch: int) -> dict:
