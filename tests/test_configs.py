@@ -111,6 +111,22 @@ def test_tiny_flow_grpo_iteration_through_train(family, tmp_path):
     assert set(jax.tree.leaves(jax.tree.map(lambda x: x.ndim, state.trainable))) <= {2, 3}  # adapters only
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_tiny_lag0_log_ratio_is_exact_in_bf16_on_gpu(family, tmp_path):
+    """On a GPU in bf16 (cuDNN attention where it applies, the rollout and trainer programs differ
+    in batch layout and LoRA form): every lag-0 unit's log-ratio is within 1e-6 of 0 before the
+    update, nothing is clipped. CPU counterparts: test_tiny_flow_grpo_iteration_through_train (fp32)
+    and tests/test_runtime.py::test_bf16_rollout_log_probs_differ_and_the_trainer_anchor_removes_the_gap."""
+    c = get_config(family, "tiny")
+    c.model.dtype = c.model.param_dtype = "bfloat16"
+    loop.train(c, str(tmp_path), log=lambda _: None)
+    row = read_metrics(tmp_path)[0]
+    print(f"{family}: rollout_logp_gap max {row['rollout_logp_gap_max']:.3e} mean {row['rollout_logp_gap_mean']:.3e}")
+    assert row["lag0_units"] > 0 and row["logp_diff_max"] <= 1e-6
+    assert abs(row["ratio_mean"] - 1) <= 1e-6 and row["clip_frac"] == 0
+
+
 PROMPTS = ("a cat", "a dog", "a red car", "two birds", "a house")
 
 
