@@ -671,23 +671,25 @@ def costs_from_profile(costs: Mapping[str, Any]) -> plan_lib.Costs:
 def predict_from_profile(record: Mapping[str, Any]) -> dict[str, float]:
     """Predicted samples/s of every mode of a system bench record, from its recorded task costs.
 
-    `record`: {"modes": {mode: {"costs": ..., "micro_batches": M, "splits": [...]?}}, "batch": B
-    or "config": {"rl": ...}}. The split of a mode is the one its timed iterations used most
-    (the executor chose it from measured costs), else `plan.choose_split`'s.
+    `record`: {"modes": {name: {"costs": ..., "micro_batches": M, "splits": [...]?}}, "batch": B
+    or "config": {"rl": ...}}; a name is a schedule mode, or a mode and a variant after a space
+    (`'colocated onpolicy_anchor=trainer'`). The split of a mode is the one its timed iterations
+    used most (the executor chose it from measured costs), else `plan.choose_split`'s.
     """
     batch, updates = _record_batch(record)
     out = {}
-    for mode, r in record["modes"].items():
+    for name, r in record["modes"].items():
+        mode = name.split(" ")[0]
         try:
             microbatches = int(r["micro_batches"])
             costs = costs_from_profile(r["costs"])
         except KeyError as e:
-            raise ValueError(f"bench record mode {mode!r} lacks {e}") from None
+            raise ValueError(f"bench record mode {name!r} lacks {e}") from None
         split = _recorded_split(r.get("splits"))
         tag, prefetch = split if split else (None, None)
         p = predict(mode, costs, batch=batch, microbatches=microbatches, devices=int(r.get("devices", 1)),
                     updates=updates, tag=tag, prefetch=prefetch)
-        out[mode] = p.samples_per_s
+        out[name] = p.samples_per_s
     return out
 
 
