@@ -427,14 +427,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.max_body_mb < 1:
             raise ValueError(f"--max_body_mb must be >= 1, got {args.max_body_mb}")
         score_fn = load_function(args.score_fn)
-        # PIL's own bomb check agrees with the budget: no single image may exceed a whole request's.
-        Image.MAX_IMAGE_PIXELS = args.max_pixels
         server = make_server(score_fn, args.host, args.port, concurrent=args.concurrent, token=args.token,
                              workers=args.workers, queue_size=args.queue, max_body_bytes=args.max_body_mb << 20,
                              max_pixels=args.max_pixels, request_timeout=args.request_timeout,
                              log=None if args.quiet else lambda line: print(line, file=sys.stderr, flush=True))
     except (ValueError, ImportError, AttributeError, OSError) as e:
         parser.exit(2, f"reward_server: {e}\n")
+    # PIL's own bomb check agrees with the budget: no single image may exceed a whole request's.
+    Image.MAX_IMAGE_PIXELS = args.max_pixels
     host, port = server.server_address[:2]
     warning = exposure_warning(host, args.token)
     if warning:
