@@ -43,6 +43,7 @@ import argparse
 import base64
 import binascii
 import hmac
+import http.client
 import importlib
 import io
 import ipaddress
@@ -69,6 +70,9 @@ QUEUE = 128
 REQUEST_TIMEOUT = 30.0
 LISTEN_BACKLOG = 128
 _FORMATS = {"png": "PNG", "jpeg": "JPEG"}
+_BUSY_QUEUE = 64  # refusals waiting to be answered 503
+_BUSY_SECONDS = 2.0  # time a refused client has to finish sending its request
+_MAX_LINE = 1 << 16
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
          b"Content-Length: 56\r\nConnection: close\r\n\r\n"
          b'{"error": "server busy (queue full); retry in a moment"}')
@@ -213,8 +217,10 @@ class _DeadlineReader(io.RawIOBase):
 class RewardServer(HTTPServer):
     """An HTTPServer with a fixed pool of worker threads fed by a bounded queue of connections.
 
-    The accept loop only queues connections; when the queue is full it answers 503 itself,
-    without reading the request, so it never blocks behind slow clients.
+    The accept loop only queues connections. When the queue is full, one more thread answers
+    503: it sends the answer at once, then reads the client's request to its end (within a
+    short deadline) before closing, so that the client, still sending, is not reset and reads
+    the 503. When even that thread is backed up, connections are closed unanswered.
     """
 
     request_queue_size = LISTEN_BACKLOG
@@ -223,31 +229,21 @@ class RewardServer(HTTPServer):
         super().__init__(address, handler)
         self.errors = errors
         self._queue: queue.Queue = queue.Queue(queue_size)
-        self._workers = [threading.Thread(target=self._work, name=f"reward-server-{i}", daemon=True)
+        self._busy: queue.Queue = queue.Queue(_BUSY_QUEUE)
+        self._threads = [threading.Thread(target=self._work, name=f"reward-server-{i}", daemon=True)
                          for i in range(workers)]
-        for worker in self._workers:
-            worker.start()
+        self._threads.append(threading.Thread(target=self._refuse_busy, name="reward-server-busy", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     def process_request(self, request, client_address):
         try:
             self._queue.put_nowait((request, client_address))
         except queue.Full:
-            self._refuse_busy(request)
-
-    def _refuse_busy(self, request: socket.socket) -> None:
-        try:
-            request.setblocking(False)
-            try:  # read what already arrived, so that closing does not reset the connection
-                for _ in range(16):
-                    if not request.recv(1 << 16):
-                        break
-            except (BlockingIOError, InterruptedError):
-                pass
-            request.send(_BUSY)
-        except OSError:
-            pass
-        finally:
-            self.shutdown_request(request)
+            try:
+                self._busy.put_nowait(request)
+            except queue.Full:
+                self.shutdown_request(request)
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -259,22 +255,43 @@ class RewardServer(HTTPServer):
             finally:
                 self.shutdown_request(request)
 
+    def _refuse_busy(self) -> None:
+        while (request := self._busy.get()) is not None:
+            try:
+                request.settimeout(_BUSY_SECONDS)
+                request.sendall(_BUSY)
+                _drop_request(io.BufferedReader(_DeadlineReader(request, time.monotonic() + _BUSY_SECONDS)))
+            except (OSError, http.client.HTTPException):  # the deadline, or not HTTP: close anyway
+                pass
+            finally:
+                self.shutdown_request(request)
+
     def handle_error(self, request, client_address) -> None:
         kind, error, _ = sys.exc_info()
         self.errors(f"{client_address[0]}: connection failed: {kind.__name__}: {error}")
 
     def server_close(self) -> None:
         super().server_close()
-        # Connections still waiting are closed; each worker ends after its current request.
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                self.shutdown_request(item[0])
-        for _ in self._workers:
-            self._queue.put(None)
+        # Connections still waiting are closed; each thread ends after its current connection.
+        for waiting in (self._queue, self._busy):
+            while True:
+                try:
+                    item = waiting.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    self.shutdown_request(item[0] if isinstance(item, tuple) else item)
+        for thread in self._threads:
+            (self._busy if thread.name == "reward-server-busy" else self._queue).put(None)
+
+
+def _drop_request(rfile: io.BufferedReader) -> None:
+    """Read one HTTP request to its end (request line, headers, Content-Length bytes of body)."""
+    rfile.readline(_MAX_LINE)
+    declared = http.client.parse_headers(rfile).get("Content-Length", "")
+    left = int(declared) if declared.isdigit() else 0
+    while left > 0 and (chunk := rfile.read(min(left, 1 << 16))):
+        left -= len(chunk)
 
 
 def make_server(score_fn: Callable, host: str = "127.0.0.1", port: int = 0, *, concurrent: bool = False,
