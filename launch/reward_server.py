@@ -71,7 +71,8 @@ REQUEST_TIMEOUT = 30.0
 LISTEN_BACKLOG = 128
 _FORMATS = {"png": "PNG", "jpeg": "JPEG"}
 _BUSY_QUEUE = 64  # refusals waiting to be answered 503
-_BUSY_SECONDS = 2.0  # time a refused client has to finish sending its request
+_LINGER_SECONDS = 2.0  # time a refused client has to finish sending its request
+_LINGER_BYTES = 1 << 28  # and the most of it that is read
 _MAX_LINE = 1 << 16
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
          b"Content-Length: 56\r\nConnection: close\r\n\r\n"
@@ -201,13 +202,13 @@ class _DeadlineReader(io.RawIOBase):
     so a client trickling a byte at a time would never trip it."""
 
     def __init__(self, sock: socket.socket, deadline: float):
-        self._sock, self._deadline = sock, deadline
+        self._sock, self.deadline = sock, deadline
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        left = self._deadline - time.monotonic()
+        left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the request was not received in time")
         self._sock.settimeout(left)
@@ -218,9 +219,9 @@ class RewardServer(HTTPServer):
     """An HTTPServer with a fixed pool of worker threads fed by a bounded queue of connections.
 
     The accept loop only queues connections. When the queue is full, one more thread answers
-    503: it sends the answer at once, then reads the client's request to its end (within a
-    short deadline) before closing, so that the client, still sending, is not reset and reads
-    the 503. When even that thread is backed up, connections are closed unanswered.
+    503: it sends the answer at once, then reads the client's request to its end (briefly)
+    before closing, so that the client, still sending, is not reset and reads the 503. When
+    even that thread is backed up, connections are closed unanswered.
     """
 
     request_queue_size = LISTEN_BACKLOG
@@ -230,10 +231,10 @@ class RewardServer(HTTPServer):
         self.errors = errors
         self._queue: queue.Queue = queue.Queue(queue_size)
         self._busy: queue.Queue = queue.Queue(_BUSY_QUEUE)
-        self._threads = [threading.Thread(target=self._work, name=f"reward-server-{i}", daemon=True)
+        self._workers = [threading.Thread(target=self._work, name=f"reward-server-{i}", daemon=True)
                          for i in range(workers)]
-        self._threads.append(threading.Thread(target=self._refuse_busy, name="reward-server-busy", daemon=True))
-        for thread in self._threads:
+        self._refuser = threading.Thread(target=self._refuse_busy, name="reward-server-busy", daemon=True)
+        for thread in (*self._workers, self._refuser):
             thread.start()
 
     def process_request(self, request, client_address):
@@ -241,7 +242,7 @@ class RewardServer(HTTPServer):
             self._queue.put_nowait((request, client_address))
         except queue.Full:
             try:
-                self._busy.put_nowait(request)
+                self._busy.put_nowait((request, client_address))
             except queue.Full:
                 self.shutdown_request(request)
 
@@ -256,11 +257,15 @@ class RewardServer(HTTPServer):
                 self.shutdown_request(request)
 
     def _refuse_busy(self) -> None:
-        while (request := self._busy.get()) is not None:
+        while (item := self._busy.get()) is not None:
+            request = item[0]
             try:
-                request.settimeout(_BUSY_SECONDS)
+                request.settimeout(_LINGER_SECONDS)
                 request.sendall(_BUSY)
-                _drop_request(io.BufferedReader(_DeadlineReader(request, time.monotonic() + _BUSY_SECONDS)))
+                request.shutdown(socket.SHUT_WR)
+                rfile = io.BufferedReader(_DeadlineReader(request, time.monotonic() + _LINGER_SECONDS))
+                rfile.readline(_MAX_LINE)
+                discard(rfile, http.client.parse_headers(rfile).get("Content-Length"))
             except (OSError, http.client.HTTPException):  # the deadline, or not HTTP: close anyway
                 pass
             finally:
@@ -273,23 +278,22 @@ class RewardServer(HTTPServer):
     def server_close(self) -> None:
         super().server_close()
         # Connections still waiting are closed; each thread ends after its current connection.
-        for waiting in (self._queue, self._busy):
+        for waiting, threads in ((self._queue, self._workers), (self._busy, [self._refuser])):
             while True:
                 try:
                     item = waiting.get_nowait()
                 except queue.Empty:
                     break
                 if item is not None:
-                    self.shutdown_request(item[0] if isinstance(item, tuple) else item)
-        for thread in self._threads:
-            (self._busy if thread.name == "reward-server-busy" else self._queue).put(None)
+                    self.shutdown_request(item[0])
+            for _ in threads:
+                waiting.put(None)
 
 
-def _drop_request(rfile: io.BufferedReader) -> None:
-    """Read one HTTP request to its end (request line, headers, Content-Length bytes of body)."""
-    rfile.readline(_MAX_LINE)
-    declared = http.client.parse_headers(rfile).get("Content-Length", "")
-    left = int(declared) if declared.isdigit() else 0
+def discard(rfile: io.BufferedReader, content_length: str | None) -> None:
+    """Read and drop a request body of `content_length` bytes (at most _LINGER_BYTES), so that
+    closing the connection does not reset a client that is still sending and lose it the answer."""
+    left = min(int(content_length), _LINGER_BYTES) if content_length and content_length.isdigit() else 0
     while left > 0 and (chunk := rfile.read(min(left, 1 << 16))):
         left -= len(chunk)
 
@@ -357,6 +361,16 @@ def make_server(score_fn: Callable, host: str = "127.0.0.1", port: int = 0, *, c
                 errors(f"{self.address_string()}: internal error\n{traceback.format_exc()}")
                 self._answer(500, {"error": "internal server error (details in the server log)"})
 
+        def _refuse(self, status: int, message: str, headers: dict | None = None) -> None:
+            """Answer before reading the body, then read what the client still sends (briefly)."""
+            self._answer(status, {"error": message}, headers)
+            self.rfile.raw.deadline = time.monotonic() + _LINGER_SECONDS
+            try:
+                self.connection.shutdown(socket.SHUT_WR)  # the answer is complete
+                discard(self.rfile, self.headers.get("Content-Length"))
+            except OSError:  # the deadline, or the client is gone: close anyway
+                pass
+
         def _body(self) -> bytes:
             if self.headers.get("Transfer-Encoding") is not None:
                 raise BadRequest("send the body with a Content-Length, not Transfer-Encoding", 411)
@@ -384,11 +398,15 @@ def make_server(score_fn: Callable, host: str = "127.0.0.1", port: int = 0, *, c
                 return
             authorization = self.headers.get("Authorization", "").encode("utf-8", "replace")
             if expected_auth is not None and not hmac.compare_digest(authorization, expected_auth):
-                self._answer(401, {"error": "missing or wrong token (Authorization: Bearer <token>)"},
-                             {"WWW-Authenticate": "Bearer"})
+                self._refuse(401, "missing or wrong token (Authorization: Bearer <token>)", {"WWW-Authenticate": "Bearer"})
                 return
             try:
-                images, prompts, metadata = decode_request(self._body(), max_pixels)
+                body = self._body()
+            except BadRequest as e:
+                self._refuse(e.status, str(e))
+                return
+            try:
+                images, prompts, metadata = decode_request(body, max_pixels)
             except BadRequest as e:
                 self._answer(e.status, {"error": str(e)})
                 return
@@ -426,16 +444,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV),
                         help=f"shared secret clients must send as 'Authorization: Bearer <token>' "
                              f"(default: ${TOKEN_ENV}, which keeps it out of the process list; unset: no check)")
-    parser.add_argument("--workers", type=int, default=WORKERS, help="threads handling requests")
+    parser.add_argument("--workers", type=int, default=WORKERS, help="threads handling requests (default %(default)s)")
     parser.add_argument("--queue", type=int, default=QUEUE,
-                        help="connections waiting for a worker; more are answered 503 (busy) at once")
+                        help="connections waiting for a worker; more are answered 503 (busy) at once "
+                             "(default %(default)s)")
     parser.add_argument("--max_body_mb", type=int, default=MAX_BODY_MB,
-                        help="largest request body in MiB; larger ones are answered 413")
+                        help="largest request body in MiB; larger ones are answered 413 (default %(default)s)")
     parser.add_argument("--max_pixels", type=int, default=MAX_PIXELS,
                         help="decoded pixels allowed per request (sum of width*height of its images, checked "
-                             "from the image headers before decoding); more are answered 413")
+                             "from the image headers before decoding); more are answered 413 (default %(default)s)")
     parser.add_argument("--request_timeout", type=float, default=REQUEST_TIMEOUT,
-                        help="seconds a connection has to deliver its whole request; slower ones are closed")
+                        help="seconds a connection has to deliver its whole request; slower ones are closed "
+                             "(default %(default)s)")
     parser.add_argument("--concurrent", action="store_true", help="call the function from several workers at once")
     parser.add_argument("--quiet", action="store_true", help="do not log requests (errors are still logged)")
     args = parser.parse_args(argv)

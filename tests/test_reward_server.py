@@ -112,6 +112,8 @@ def test_body_cap():
         assert time.monotonic() - start < 5
     with Serving(reward_server.make_server(mean_pixel_score, max_body_bytes=1000)) as serving:
         assert _exchange(_port(serving), _request(b"x" * 1001))[0] == 413
+        # A client still sending a large body reads the answer instead of a reset connection.
+        assert _exchange(_port(serving), _request(b"x" * (16 << 20)))[0] == 413
         status, answer = _exchange(_port(serving), _request(b"x" * 1000))  # read, then found not JSON
         assert status == 400 and "not JSON" in answer["error"]
 
@@ -163,6 +165,7 @@ def test_token(monkeypatch):
             status, answer = _exchange(_port(serving), _request(body, headers=headers))
             assert status == 401 and "token" in answer["error"]
         assert _exchange(_port(serving), _request(body, headers=f"Authorization: Bearer {token}\r\n"))[0] == 200
+        assert _exchange(_port(serving), _request(b"x" * (16 << 20)))[0] == 401  # read out, not reset
         # The client sends its token option, or the environment variable; a 401 is not retried.
         want = mean_pixel_score(_images(1), ["a"], [{}])
         np.testing.assert_allclose(RemoteScorer(serving.url, token=token)(_images(1), ["a"], [{}]), want)
