@@ -105,7 +105,8 @@ def _open_images(images: list, max_pixels: int) -> list[Image.Image]:
     opened, pixels = [], 0
     try:
         for i, item in enumerate(images):
-            if not isinstance(item, dict) or item.get("format") not in _FORMATS or not isinstance(item.get("data"), str):
+            if (not isinstance(item, dict) or item.get("format") not in _FORMATS
+                    or not isinstance(item.get("data"), str)):
                 raise BadRequest(f"image {i} must be {{'format': 'png'|'jpeg', 'data': base64}}")
             try:
                 im = Image.open(io.BytesIO(base64.b64decode(item["data"], validate=True)),
@@ -118,7 +119,8 @@ def _open_images(images: list, max_pixels: int) -> list[Image.Image]:
             width, height = im.size
             pixels += width * height
             if pixels > max_pixels:
-                raise BadRequest(f"images 0..{i} hold {pixels} pixels, over the server's --max_pixels={max_pixels}", 413)
+                raise BadRequest(f"images 0..{i} hold {pixels} pixels, over the server's --max_pixels={max_pixels}",
+                                 413)
         if len({im.size for im in opened}) != 1:
             raise BadRequest(f"images in one request must share a size, got {sorted({im.size for im in opened})}")
     except BaseException:
@@ -268,6 +270,8 @@ class RewardServer(HTTPServer):
                 discard(rfile, http.client.parse_headers(rfile).get("Content-Length"))
             except (OSError, http.client.HTTPException):  # the deadline, or not HTTP: close anyway
                 pass
+            except Exception:  # noqa: BLE001 (this thread outlives any one connection)
+                self.handle_error(request, item[1])
             finally:
                 self.shutdown_request(request)
 
@@ -293,7 +297,8 @@ class RewardServer(HTTPServer):
 def discard(rfile: io.BufferedReader, content_length: str | None) -> None:
     """Read and drop a request body of `content_length` bytes (at most _LINGER_BYTES), so that
     closing the connection does not reset a client that is still sending and lose it the answer."""
-    left = min(int(content_length), _LINGER_BYTES) if content_length and content_length.isdigit() else 0
+    digits = content_length is not None and content_length.isascii() and content_length.isdigit()
+    left = min(int(content_length), _LINGER_BYTES) if digits else 0
     while left > 0 and (chunk := rfile.read(min(left, 1 << 16))):
         left -= len(chunk)
 
@@ -377,7 +382,7 @@ def make_server(score_fn: Callable, host: str = "127.0.0.1", port: int = 0, *, c
             declared = self.headers.get("Content-Length")
             if declared is None:
                 raise BadRequest("a Content-Length header is required", 411)
-            if not declared.strip().isdigit() or not declared.isascii():
+            if not declared.isascii() or not declared.strip().isdigit():
                 raise BadRequest(f"Content-Length must be a number of bytes, got {declared[:40]!r}")
             length = int(declared)
             if length > max_body_bytes:
@@ -394,11 +399,12 @@ def make_server(score_fn: Callable, host: str = "127.0.0.1", port: int = 0, *, c
 
         def _score(self) -> None:
             if self.path.rstrip("/") != "/score":
-                self._answer(404, {"error": "unknown path; POST /score"})
+                self._refuse(404, "unknown path; POST /score")
                 return
             authorization = self.headers.get("Authorization", "").encode("utf-8", "replace")
             if expected_auth is not None and not hmac.compare_digest(authorization, expected_auth):
-                self._refuse(401, "missing or wrong token (Authorization: Bearer <token>)", {"WWW-Authenticate": "Bearer"})
+                self._refuse(401, "missing or wrong token (Authorization: Bearer <token>)",
+                             {"WWW-Authenticate": "Bearer"})
                 return
             try:
                 body = self._body()

@@ -312,7 +312,8 @@ def test_oversized_answers_are_refused(declare_length):
     server, hits = _raw_server(answer)
     with Serving(server) as serving:
         message = r"Content-Length \d+ over" if declare_length else "longer than"
-        with pytest.raises(RemoteRewardError, match=f"after 2 attempt.*malformed answer: {message} max_answer_bytes=131072"):
+        failure = f"after 2 attempt.*malformed answer: {message} max_answer_bytes=131072"
+        with pytest.raises(RemoteRewardError, match=failure):
             RemoteScorer(serving.url, retries=1, backoff=0)(_images(1), ["a"], [{}])
         # The cap is an option, proportional to the batch by default.
         got = RemoteScorer(serving.url, max_answer_bytes=2 << 20)(_images(1), ["a"], [{}])

@@ -121,6 +121,8 @@ def test_body_cap():
 @pytest.mark.parametrize("data,status,message", [
     (b"POST /score HTTP/1.1\r\nContent-Length: abc\r\n\r\n", 400, "Content-Length must be a number"),
     (b"POST /score HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400, "Content-Length must be a number"),
+    ("POST /score HTTP/1.1\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"), 400,
+     "Content-Length must be a number"),
     (b"POST /score HTTP/1.1\r\n\r\n", 411, "Content-Length header is required"),
     (b"POST /score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411, "not Transfer-Encoding"),
     (_request(b"[" * 100_000), 400, "nested too deeply"),
@@ -129,8 +131,8 @@ def test_body_cap():
     (b"POST /score HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", 431, "Too many headers"),
     (b"BREW /score HTTP/1.1\r\n\r\n", 501, "Unsupported method"),
     (b"POST /score HTTP/1.1\r\nContent-Length: 100\r\n\r\n{}", 400, "ended after 2 of 100 bytes"),
-], ids=["length-abc", "length-negative", "no-length", "chunked", "deep-nesting", "bad-png", "too-many-headers",
-        "bad-method", "short-body"])
+], ids=["length-abc", "length-negative", "length-superscript", "no-length", "chunked", "deep-nesting", "bad-png",
+        "too-many-headers", "bad-method", "short-body"])
 def test_every_malformed_request_gets_a_json_answer(data, status, message):
     errors = []
     with Serving(reward_server.make_server(mean_pixel_score, errors=errors.append)) as serving:

@@ -306,7 +306,7 @@ class RemoteScorer:
         limit = self.max_answer_bytes
         with self._open(body, time.monotonic() + self.timeout) as response:
             declared = response.headers.get("Content-Length", "")
-            if declared.isdigit() and int(declared) > limit:
+            if declared.isascii() and declared.isdigit() and int(declared) > limit:
                 raise RemoteRewardError(f"malformed answer: Content-Length {declared} over max_answer_bytes={limit}")
             answer = response.read(limit + 1)
         if len(answer) > limit:
