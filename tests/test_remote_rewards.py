@@ -285,7 +285,7 @@ def test_timeout_is_a_deadline_for_the_whole_attempt(head):
         with pytest.raises(RemoteRewardError, match=r"after 2 attempt\(s\).*timed out"):
             fn(_images(1), ["a"], [{}])
         elapsed = time.monotonic() - start
-    assert elapsed < 2 * 0.5 + 1.5, elapsed  # two attempts of 0.5 s, with slack for a loaded machine
+    assert elapsed < 2 * 0.5 + 3, elapsed  # two attempts of 0.5 s, with slack for a loaded machine
     assert not server.served
     # The same answer at full speed is fine: the deadline, not the trickle, is what fails.
     with Trickler(_ANSWER + _SCORES, head=len(_ANSWER) + len(_SCORES)) as server:

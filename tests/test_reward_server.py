@@ -19,7 +19,7 @@ import zlib
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 from test_remote_rewards import Serving, _images, _post, mean_pixel_score, reward_server
 
 from digen_jax.rewards import RemoteRewardError, RemoteScorer, remote
@@ -79,13 +79,16 @@ def _recording(calls):
 
 
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL's own, at 89M pixels
-def test_decoded_pixel_budget_refuses_a_small_bomb_before_decoding():
+def test_decoded_pixel_budget_refuses_a_small_bomb_before_decoding(monkeypatch):
     bomb = _png(12000, 12000)
     assert len(bomb) < 64 << 10  # a small request that would decode to 432 MB of RGB
-    calls = []
+    calls, decoded = [], []
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda im: (decoded.append(im.size), load(im))[1])
     with Serving(reward_server.make_server(_recording(calls))) as serving:
         status, answer = _post(serving.url, _body_with([bomb]))
         assert status == 413 and "--max_pixels=33554432" in answer["error"]
+        assert decoded == []  # refused from the PNG header alone
         # The budget is per request, summed over its images, and exact.
         two = remote.request_body(_images(2), ["a", "b"], [{}, {}])
     with Serving(reward_server.make_server(_recording(calls), max_pixels=2 * 12 * 20)) as serving:
@@ -94,6 +97,7 @@ def test_decoded_pixel_budget_refuses_a_small_bomb_before_decoding():
         status, answer = _post(serving.url, two)
         assert status == 413 and "480 pixels" in answer["error"]
     assert calls == [(2, 12, 20, 3)]  # the scorer saw only the request within budget
+    assert set(decoded) == {(20, 12)}  # only the images within budget were decoded
 
 
 def test_pil_decompression_bomb_is_answered_not_dropped(monkeypatch):
