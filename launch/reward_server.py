@@ -22,7 +22,7 @@ Protocol (version 1, JSON, no pickle):
       500 {"error": "..."}               the function raised or returned bad scores (the
                                          details go to the server's log, never to the client)
       503 {"error": "..."}               every worker busy and the queue full: retry later
-    GET /health  200 {"status": "ok"}
+    GET /health  200 {"status": "ok"}        (no token needed)
 
 Requests are handled by --workers threads; up to --queue more connections wait for one,
 and further ones are answered 503 at once. Each connection has --request_timeout seconds
