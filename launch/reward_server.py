@@ -74,9 +74,9 @@ _BUSY_QUEUE = 64  # refusals waiting to be answered 503
 _LINGER_SECONDS = 2.0  # time a refused client has to finish sending its request
 _LINGER_BYTES = 1 << 28  # and the most of it that is read
 _MAX_LINE = 1 << 16
+_BUSY_BODY = b'{"error": "server busy (queue full); retry in a moment"}'
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-         b"Content-Length: 56\r\nConnection: close\r\n\r\n"
-         b'{"error": "server busy (queue full); retry in a moment"}')
+         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
 
 
 class BadRequest(ValueError):
@@ -171,7 +171,7 @@ def checked_scores(scores: Any, expected: int) -> list[float]:
     except (TypeError, ValueError):
         values = None
     if values is None or values.shape != (expected,):
-        raise ValueError(f"score function returned no {expected} numbers for {expected} images")
+        raise ValueError(f"score function did not return {expected} numbers (one per image)")
     with np.errstate(over="ignore"):
         if not np.isfinite(values.astype(np.float32)).all():
             raise ValueError("score function returned non-finite scores (checked in float32)")
