@@ -171,6 +171,7 @@ def test_dead_server_fails_loudly():
     ({"scores": [1.0]}, "1 scores for 2 images"),
     ({"scores": [1.0, "high"]}, "score 1 is 'high', not a number"),
     ('{"scores": [1.0, NaN]}', "score 1 is nan, not finite"),
+    ({"scores": [1.0, 1e308]}, "score 1 is 1e+308, not finite in float32"),  # finite in float64 only
     ("<html>oops</html>", "not JSON"),
     ({"rewards": [1.0, 2.0]}, "no 'scores' list"),
 ])
@@ -227,3 +228,97 @@ def test_server_cli_help_and_function_loading(capsys):
     assert decoded.shape == image.shape and prompts == ["p"] and metadata == [{"k": 1}]
     png = base64.b64decode(json.loads(remote.request_body(image, ["p"], [{}]))["images"][0]["data"])
     np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(png))), image[0])
+
+
+class Trickler:
+    """A raw TCP server that answers each connection with `answer`: `head` bytes at once, then the
+    rest one byte every `interval` seconds (a socket timeout, reset by each byte, never trips)."""
+
+    def __init__(self, answer: bytes, head: int = 0, interval: float = 0.05):
+        self.answer, self.head, self.interval = answer, head, interval
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/score"
+        self.stop, self.served = threading.Event(), []
+
+    def _serve(self, conn):
+        with conn:
+            conn.settimeout(5)
+            try:
+                conn.recv(1 << 16)  # the request (small; its content does not matter here)
+                conn.sendall(self.answer[: self.head])
+                for i in range(self.head, len(self.answer)):
+                    if self.stop.wait(self.interval):
+                        return
+                    conn.sendall(self.answer[i : i + 1])
+                self.served.append(time.monotonic())
+            except OSError:
+                pass  # the client gave up
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed by __exit__
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def __enter__(self):
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.listener.close()
+
+
+_SCORES = b'{"scores": [1.5]}' + b" " * 60
+_ANSWER = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(_SCORES)
+
+
+@pytest.mark.parametrize("head", [0, len(_ANSWER)], ids=["trickled-headers", "trickled-body"])
+def test_timeout_is_a_deadline_for_the_whole_attempt(head):
+    # The whole answer takes about 140 bytes * 0.05 s = 7 s (4 s from the body on), well past the
+    # timeout, but no single read waits longer than 0.05 s.
+    with Trickler(_ANSWER + _SCORES, head=head) as server:
+        fn = RemoteScorer(server.url, timeout=0.5, retries=1, backoff=0)
+        start = time.monotonic()
+        with pytest.raises(RemoteRewardError, match=r"after 2 attempt\(s\).*timed out"):
+            fn(_images(1), ["a"], [{}])
+        elapsed = time.monotonic() - start
+    assert elapsed < 2 * 0.5 + 3, elapsed  # two attempts of 0.5 s, with slack for a loaded machine
+    assert not server.served
+    # The same answer at full speed is fine: the deadline, not the trickle, is what fails.
+    with Trickler(_ANSWER + _SCORES, head=len(_ANSWER) + len(_SCORES)) as server:
+        np.testing.assert_array_equal(RemoteScorer(server.url, timeout=5)(_images(1), ["a"], [{}]), [1.5])
+
+
+@pytest.mark.parametrize("declare_length", [True, False])
+def test_oversized_answers_are_refused(declare_length):
+    # A valid answer padded to 1 MB: far more than one score needs (default cap: 4 KiB per image of
+    # a request of batch_size=16, plus 64 KiB).
+    padded = json.dumps({"scores": [1.0], "padding": "x" * (1 << 20)})
+
+    def answer(handler):
+        body = padded.encode()
+        handler.send_response(200)
+        if declare_length:
+            handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        try:
+            handler.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client stopped reading at its cap
+
+    server, hits = _raw_server(answer)
+    with Serving(server) as serving:
+        message = r"Content-Length \d+ over" if declare_length else "longer than"
+        failure = f"after 2 attempt.*malformed answer: {message} max_answer_bytes=131072"
+        with pytest.raises(RemoteRewardError, match=failure):
+            RemoteScorer(serving.url, retries=1, backoff=0)(_images(1), ["a"], [{}])
+        # The cap is an option, proportional to the batch by default.
+        got = RemoteScorer(serving.url, max_answer_bytes=2 << 20)(_images(1), ["a"], [{}])
+    np.testing.assert_array_equal(got, [1.0])
+    assert len(hits) == 3
+    assert RemoteScorer(serving.url, batch_size=64).max_answer_bytes == 64 * 4096 + 65536
+    with pytest.raises(ValueError, match="option max_answer_bytes must be an integer >= 1"):
+        RemoteScorer(serving.url, max_answer_bytes=0)

@@ -1,0 +1,328 @@
+"""The reference reward server (`launch/reward_server.py`) against hostile and heavy traffic on
+loopback: requests too large to decode or to read, malformed HTTP, stalled and trickling
+connections, more connections than workers, a scorer that fails, clients without the token.
+
+Contract: every request gets a JSON answer with a 4xx/5xx status (never a dropped connection,
+never the scorer's internal error text), memory and threads stay bounded per request, and a
+burst of connections is queued and answered, not reset.
+"""
+import base64
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image, ImageFile
+from test_remote_rewards import Serving, _images, _post, mean_pixel_score, reward_server
+
+from digen_jax.rewards import RemoteRewardError, RemoteScorer, remote
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _exchange(port: int, data: bytes, *, shut_write: bool = False, timeout: float = 10.0):
+    """Send raw bytes, read until the server closes: (status, JSON answer), or (None, raw bytes)
+    when the server closed without a parseable HTTP answer (a dropped connection)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        if shut_write:
+            s.shutdown(socket.SHUT_WR)
+        chunks = []
+        try:
+            while chunk := s.recv(1 << 16):
+                chunks.append(chunk)
+        except ConnectionResetError:
+            pass
+    raw = b"".join(chunks)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/"):
+        return None, raw
+    return int(head.split()[1]), json.loads(body)
+
+
+def _request(body: bytes, *, headers: str = "") -> bytes:
+    return (f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{headers}\r\n").encode() + body
+
+
+def _port(serving) -> int:
+    return serving.server.server_address[1]
+
+
+def _png(width: int, height: int) -> bytes:
+    """A valid 1-bit grayscale PNG of zeros: 12000x12000 compresses to about 20 KB."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row = b"\0" * (1 + (width + 7) // 8)  # filter byte + packed bits
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(row * height, 9))
+            + chunk(b"IEND", b""))
+
+
+def _body_with(pngs: list[bytes]) -> bytes:
+    images = [{"format": "png", "data": base64.b64encode(p).decode()} for p in pngs]
+    return json.dumps({"version": 1, "images": images, "prompts": [""] * len(pngs)}).encode()
+
+
+def _recording(calls):
+    def score(images, prompts, metadata):
+        calls.append(images.shape)
+        return mean_pixel_score(images, prompts, metadata)
+    return score
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL's own, at 89M pixels
+def test_decoded_pixel_budget_refuses_a_small_bomb_before_decoding(monkeypatch):
+    bomb = _png(12000, 12000)
+    assert len(bomb) < 64 << 10  # a small request that would decode to 432 MB of RGB
+    calls, decoded = [], []
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda im: (decoded.append(im.size), load(im))[1])
+    with Serving(reward_server.make_server(_recording(calls))) as serving:
+        status, answer = _post(serving.url, _body_with([bomb]))
+        assert status == 413 and "--max_pixels=33554432" in answer["error"]
+        assert decoded == []  # refused from the PNG header alone
+        # The budget is per request, summed over its images, and exact.
+        two = remote.request_body(_images(2), ["a", "b"], [{}, {}])
+    with Serving(reward_server.make_server(_recording(calls), max_pixels=2 * 12 * 20)) as serving:
+        assert _post(serving.url, two)[0] == 200
+    with Serving(reward_server.make_server(_recording(calls), max_pixels=2 * 12 * 20 - 1)) as serving:
+        status, answer = _post(serving.url, two)
+        assert status == 413 and "480 pixels" in answer["error"]
+    assert calls == [(2, 12, 20, 3)]  # the scorer saw only the request within budget
+    assert set(decoded) == {(20, 12)}  # only the images within budget were decoded
+
+
+def test_pil_decompression_bomb_is_answered_not_dropped(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # PIL refuses images over twice this
+    with Serving(reward_server.make_server(mean_pixel_score)) as serving:
+        status, answer = _exchange(_port(serving), _request(remote.request_body(_images(1), ["a"], [{}])))
+    assert status == 413 and "too large to decode" in answer["error"]
+
+
+def test_body_cap():
+    with Serving(reward_server.make_server(mean_pixel_score)) as serving:
+        # 1 GiB announced, nothing sent: refused at once instead of waiting for (and holding) it.
+        start = time.monotonic()
+        status, answer = _exchange(_port(serving), b"POST /score HTTP/1.1\r\nContent-Length: 1073741824\r\n\r\n")
+        assert status == 413 and "limit of 67108864" in answer["error"]
+        assert time.monotonic() - start < 5
+    with Serving(reward_server.make_server(mean_pixel_score, max_body_bytes=1000)) as serving:
+        assert _exchange(_port(serving), _request(b"x" * 1001))[0] == 413
+        # A client still sending a large body reads the answer instead of a reset connection.
+        assert _exchange(_port(serving), _request(b"x" * (16 << 20)))[0] == 413
+        status, answer = _exchange(_port(serving), _request(b"x" * 1000))  # read, then found not JSON
+        assert status == 400 and "not JSON" in answer["error"]
+
+
+@pytest.mark.parametrize("data,status,message", [
+    (b"POST /score HTTP/1.1\r\nContent-Length: abc\r\n\r\n", 400, "Content-Length must be a number"),
+    (b"POST /score HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400, "Content-Length must be a number"),
+    ("POST /score HTTP/1.1\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"), 400,
+     "Content-Length must be a number"),
+    (b"POST /score HTTP/1.1\r\n\r\n", 411, "Content-Length header is required"),
+    (b"POST /score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411, "not Transfer-Encoding"),
+    (_request(b"[" * 100_000), 400, "nested too deeply"),
+    (_request(b'{"version": 1, "images": [{"format": "png", "data": "AAAA"}], "prompts": [""]}'), 400,
+     "image 0 does not decode as png"),
+    (b"POST /score HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", 431, "Too many headers"),
+    (b"BREW /score HTTP/1.1\r\n\r\n", 501, "Unsupported method"),
+    (b"POST /score HTTP/1.1\r\nContent-Length: 100\r\n\r\n{}", 400, "ended after 2 of 100 bytes"),
+], ids=["length-abc", "length-negative", "length-superscript", "no-length", "chunked", "deep-nesting", "bad-png",
+        "too-many-headers", "bad-method", "short-body"])
+def test_every_malformed_request_gets_a_json_answer(data, status, message):
+    errors = []
+    with Serving(reward_server.make_server(mean_pixel_score, errors=errors.append)) as serving:
+        got, answer = _exchange(_port(serving), data, shut_write=True)
+        assert (got, message in answer["error"]) == (status, True), answer
+        # The server is unharmed.
+        assert _post(serving.url, remote.request_body(_images(1), ["a"], [{}]))[0] == 200
+    assert not errors  # expected refusals, not internal errors
+
+
+def test_scorer_failures_stay_in_the_server_log():
+    def leaky(images, prompts, metadata):
+        raise RuntimeError("cannot read /secret/models/ocr.bin")
+
+    errors = []
+    with Serving(reward_server.make_server(leaky, errors=errors.append)) as serving:
+        status, answer = _post(serving.url, remote.request_body(_images(1), ["a"], [{}]))
+    assert status == 500 and answer == {"error": "the score function failed (details in the server log)"}
+    assert len(errors) == 1 and "Traceback" in errors[0] and "/secret/models/ocr.bin" in errors[0]
+    # Scores finite in float64 but not in float32 (what the client trains on) are refused too.
+    with Serving(reward_server.make_server(lambda im, p, m: [1e308], errors=errors.append)) as serving:
+        status, answer = _post(serving.url, remote.request_body(_images(1), ["a"], [{}]))
+    assert status == 500 and "non-finite" in answer["error"] and "1e+308" not in answer["error"]
+
+
+def test_token(monkeypatch):
+    token = "s3cret-Token_1"
+    monkeypatch.delenv(remote.TOKEN_ENV, raising=False)
+    with Serving(reward_server.make_server(mean_pixel_score, token=token)) as serving:
+        body = remote.request_body(_images(1), ["a"], [{}])
+        for headers in ("", "Authorization: Bearer wrong\r\n", f"Authorization: Basic {token}\r\n"):
+            status, answer = _exchange(_port(serving), _request(body, headers=headers))
+            assert status == 401 and "token" in answer["error"]
+        assert _exchange(_port(serving), _request(body, headers=f"Authorization: Bearer {token}\r\n"))[0] == 200
+        assert _exchange(_port(serving), _request(b"x" * (16 << 20)))[0] == 401  # read out, not reset
+        # The client sends its token option, or the environment variable; a 401 is not retried.
+        want = mean_pixel_score(_images(1), ["a"], [{}])
+        np.testing.assert_allclose(RemoteScorer(serving.url, token=token)(_images(1), ["a"], [{}]), want)
+        with pytest.raises(RemoteRewardError, match=r"after 1 attempt\(s\).*HTTP 401"):
+            RemoteScorer(serving.url, retries=2, backoff=0)(_images(1), ["a"], [{}])
+        monkeypatch.setenv(remote.TOKEN_ENV, token)
+        np.testing.assert_allclose(RemoteScorer(serving.url)(_images(1), ["a"], [{}]), want)
+        with urlopen_get(serving.url.replace("/score", "/health")) as r:  # health needs no token
+            assert r.status == 200
+    with pytest.raises(ValueError, match="option token"):
+        RemoteScorer("http://127.0.0.1:1/score", token="two words")
+    with pytest.raises(ValueError, match="--token must be"):
+        reward_server.make_server(mean_pixel_score, token="")
+
+
+def urlopen_get(url):
+    import urllib.request
+
+    return urllib.request.urlopen(url, timeout=10)
+
+
+def test_exposure_warning_and_cli(capsys):
+    assert reward_server.exposure_warning("127.0.0.1", None) is None
+    with_token = reward_server.exposure_warning("0.0.0.0", "t")
+    without = reward_server.exposure_warning("0.0.0.0", None)
+    assert "plain HTTP" in with_token and "ANYONE" not in with_token and "ANYONE" in without
+    # The real command prints it when it binds every interface, before serving.
+    env = {k: v for k, v in os.environ.items() if k != reward_server.TOKEN_ENV}
+    command = [sys.executable, os.path.join(ROOT, "launch", "reward_server.py"), "--score_fn=builtins:len",
+               "--host=0.0.0.0", "--port=0", "--quiet"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            assert "serving builtins:len on http://0.0.0.0:" in proc.stdout.readline()
+        finally:
+            proc.kill()
+        assert "ANYONE who can reach this port" in proc.stderr.read()
+    # --help exits 0 and documents the limits; bad options are one line, not a traceback.
+    with pytest.raises(SystemExit) as exit_info:
+        reward_server.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--token", "--workers", "--queue", "--max_body_mb", "--max_pixels", "--request_timeout",
+                   reward_server.TOKEN_ENV):
+        assert option in text
+    with pytest.raises(SystemExit) as exit_info:
+        reward_server.main(["--score_fn=builtins:len", "--workers=0"])
+    assert exit_info.value.code == 2 and "workers must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_stalled_connections_are_closed_and_free_their_worker():
+    server = reward_server.make_server(mean_pixel_score, workers=2, request_timeout=0.5)
+    stop = threading.Event()
+    with Serving(server) as serving:
+        idle = socket.create_connection(("127.0.0.1", _port(serving)), timeout=10)
+        trickling = socket.create_connection(("127.0.0.1", _port(serving)), timeout=10)
+
+        def trickle():  # a header line one byte every 0.05 s: each read is quick, the request never ends
+            for byte in b"POST /score HTTP/1.1\r\nX-Slow: " + b"z" * 1000:
+                if stop.wait(0.05):
+                    return
+                try:
+                    trickling.send(bytes([byte]))
+                except OSError:
+                    return
+
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        try:
+            # Both workers are taken by the stalled connections; a good request still gets through
+            # once they are dropped at their deadline.
+            start = time.monotonic()
+            got = RemoteScorer(serving.url, timeout=10, retries=0)(_images(1), ["a"], [{}])
+            np.testing.assert_allclose(got, mean_pixel_score(_images(1), ["a"], [{}]))
+            for s in (idle, trickling):
+                try:  # closed by the server, without waiting for our 10 s timeout
+                    while s.recv(1 << 16):
+                        pass
+                except ConnectionResetError:
+                    pass
+            assert time.monotonic() - start < 6
+        finally:
+            stop.set()
+            idle.close()
+            trickling.close()
+            thread.join(5)
+
+
+def test_full_queue_answers_503_at_once():
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking(images, prompts, metadata):
+        entered.set()
+        release.wait(10)
+        return mean_pixel_score(images, prompts, metadata)
+
+    server = reward_server.make_server(blocking, workers=1, queue_size=1)
+    body = remote.request_body(_images(1), ["a"], [{}])
+    results = []
+    with Serving(server) as serving:
+        def post():
+            results.append(_post(serving.url, body)[0])
+
+        threads = [threading.Thread(target=post) for _ in range(2)]
+        threads[0].start()
+        assert entered.wait(10)  # the only worker is busy
+        threads[1].start()
+        deadline = time.monotonic() + 10
+        while server._queue.qsize() < 1 and time.monotonic() < deadline:  # the second one waits in the queue
+            time.sleep(0.01)
+        try:
+            start = time.monotonic()
+            status, answer = _post(serving.url, body)
+            assert status == 503 and "busy" in answer["error"] and time.monotonic() - start < 5
+        finally:
+            release.set()
+            for t in threads:
+                t.join(10)
+    assert results == [200, 200]  # the busy one and the queued one were both answered
+
+
+def test_load_100_concurrent_connections_all_answered():
+    """100 connections at once against the default settings: all queued (listen backlog, queue),
+    none reset, every one answered with its own score, within seconds."""
+    n = 100
+    server = reward_server.make_server(mean_pixel_score)
+    image = _images(1)[:, :8, :8]
+    prompts = ["p" * (i % 17) for i in range(n)]
+    bodies = [_request(remote.request_body(image, [p], [{"bias": i}])) for i, p in enumerate(prompts)]
+    want = [mean_pixel_score(image, [p], [{"bias": i}])[0] for i, p in enumerate(prompts)]
+    start = time.monotonic()
+    # Every connection is opened (and its request sent) before the server accepts any: the kernel
+    # holds them in the listen backlog.
+    sockets = [socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=15) for _ in range(n)]
+    try:
+        for s, body in zip(sockets, bodies):
+            s.sendall(body)
+        with Serving(server):
+            for i, s in enumerate(sockets):
+                raw = b""
+                while chunk := s.recv(1 << 16):
+                    raw += chunk
+                head, _, answer = raw.partition(b"\r\n\r\n")
+                assert head.split()[1] == b"200", (i, raw[:200])
+                np.testing.assert_allclose(json.loads(answer)["scores"], [want[i]], rtol=1e-6)
+            # And 100 clients at once through the remote reward itself.
+            scorer = RemoteScorer(f"http://127.0.0.1:{server.server_address[1]}/score", batch_size=1,
+                                  max_concurrency=n, timeout=15, retries=0)
+            images = np.repeat(image, n, axis=0)
+            got = scorer(images, prompts, [{"bias": i} for i in range(n)])
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+    finally:
+        for s in sockets:
+            s.close()
+    assert time.monotonic() - start < 30
