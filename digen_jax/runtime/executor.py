@@ -14,8 +14,8 @@ issued (`distributed._fence`), and on CPU one gradient chunk is in flight at a t
 
 Micro-batches are whole groups: iteration k's P prompts are cut into M contiguous slices,
 each carrying its prompts' G samples. Advantages are normalised per micro-batch (the grain
-that flows from reward to trainer; `rl.std_mode='global'` means micro-batch-global), so
-every mode trains the same numbers on the same batch.
+that flows from reward to trainer; 'global' in `rl.std_mode` and `rl.mean_mode` means
+micro-batch-global), so every mode trains the same numbers on the same batch.
 
 Several processes (roles on different hosts): every process runs this same loop and
 dispatches the same device programs in the same order. Host-derived inputs (prompts, sample
@@ -338,11 +338,11 @@ class Executor:
         with jax.default_device(mesh_lib.host_device()):  # not behind the rollouts queued on a rollout device
             adv = adv_lib.group_advantages(
                 jnp.asarray(np.where(np.isfinite(rewards), rewards, 0.0)), jnp.asarray(group_ids), groups,
-                std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof,
+                std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof, mean_mode=rl.mean_mode,
             )
             trained = jnp.asarray(mb.trained)
         traj, cond, adv, trained = mesh_lib.put_batch((mb.traj, mb.cond, adv, trained), mesh)
-        units = build_units(traj, cond, adv, trained)
+        units = build_units(traj, cond, adv, trained, old_means=self.run.trainer.cfg.policy_loss == "grpo_guard")
         trainer, acc_grads = self.run.trainer, acc["sum"]
         for chunk in self._chunks(units, mb.trained.shape[1]):
             if self._pace_chunks and acc_grads.metrics is not None:
