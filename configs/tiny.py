@@ -73,10 +73,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.sde_window_range = (0, 5)
     c.rl.window_shift_every = 25
     c.rl.std_mode = "global"  # 'group' | 'global' (Flow-GRPO global_std)
+    c.rl.mean_mode = "group"  # 'group' | 'global' (batch mean; needs std_mode='global')
     c.rl.std_ddof = 0
     c.rl.std_eps = 1e-4
     c.rl.adv_clip = 5.0
     c.rl.clip_range = 1e-4
+    c.rl.policy_loss = "ppo"  # 'ppo' (PPO-clip) | 'grpo_guard' (ratio-normalised PPO-clip)
     c.rl.kl_beta = 0.0
     c.rl.num_updates_per_batch = 1
     c.rl.micro_batch_size = 112  # training units per gradient micro-batch

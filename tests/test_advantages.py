@@ -3,7 +3,10 @@
 References (ALGORITHMS.md A5, A8, A9):
   * yifan123/flow_grpo flow_grpo/stat_tracking.py (PerPromptStatTracker.update: group mean,
     numpy std ddof 0 + 1e-4, per prompt or global_std),
-  * XueZeyue/DanceGRPO fastvideo/train_grpo_flux.py (per-group torch.std, ddof 1, + 1e-8),
+  * XueZeyue/DanceGRPO fastvideo/train_grpo_flux.py (per-group torch.std, ddof 1, + 1e-8;
+    use_group=False: the gathered batch's mean and torch.std),
+  * yifan123/flow_grpo scripts/train_sd3.py without per_prompt_stat_tracking (the batch's mean
+    and numpy std, + 1e-4),
   * Tencent-Hunyuan/MixGRPO fastvideo/train_grpo_flux.py (multi_reward_mix "advantage_aggr"
     and "reward_aggr").
 """
@@ -16,6 +19,7 @@ from digen_jax.rl import (
     group_advantages,
     group_statistics,
     multi_reward_advantages,
+    validate_advantage_modes,
     validate_group_size,
 )
 
@@ -50,6 +54,47 @@ def test_matches_reference(std_mode, eps, ddof):
     got = fn(rewards, ids, num_groups=5, std_mode=std_mode, eps=eps, ddof=ddof)
     want = ref_advantages(rewards, ids, global_std=std_mode == "global", eps=eps, ddof=ddof)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "eps,ddof", [(1e-4, 0), (1e-8, 1)], ids=["flow_grpo_no_tracker", "dance_grpo_use_group_false"]
+)
+def test_global_mean_matches_reference(eps, ddof):
+    """A = (r - mean(r)) / (std(r) + eps) over the whole batch, groups ignored."""
+    rewards, ids = _grouped(4)
+    fn = jax.jit(group_advantages, static_argnames=("num_groups", "std_mode", "eps", "ddof", "mean_mode"))
+    got = fn(rewards, ids, num_groups=5, std_mode="global", eps=eps, ddof=ddof, mean_mode="global")
+    r = rewards.astype(np.float64)
+    want = (r - r.mean()) / (np.std(r, ddof=ddof) + eps)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    # The per-group offsets survive a global mean (a group mean would have removed them).
+    group_mean = ref_advantages(rewards, ids, global_std=True, eps=eps, ddof=ddof)
+    assert np.max(np.abs(want - group_mean)) > 0.5
+    # Through the multi-reward path too (one reward, weight 1).
+    mixed = multi_reward_advantages(rewards[None], np.ones(1), ids, 5, mix="reward", std_mode="global",
+                                    eps=eps, ddof=ddof, mean_mode="global")
+    np.testing.assert_allclose(np.asarray(mixed), want, rtol=2e-5, atol=2e-5)
+
+
+def test_global_mean_of_equal_rewards_is_exactly_zero():
+    rewards = np.full(6, 0.9, np.float32)
+    adv = np.asarray(group_advantages(rewards, np.arange(6, dtype=np.int32) % 2, 2, std_mode="global",
+                                      mean_mode="global", eps=0.0))
+    np.testing.assert_array_equal(adv, 0.0)
+
+
+def test_advantage_modes_are_validated_naming_the_keys():
+    validate_advantage_modes("group", "group")
+    validate_advantage_modes("group", "global")
+    validate_advantage_modes("global", "global")
+    with pytest.raises(ValueError, match=r"rl\.mean_mode='global' needs rl\.std_mode='global'"):
+        validate_advantage_modes("global", "group")
+    with pytest.raises(ValueError, match=r"rl\.mean_mode must be"):
+        validate_advantage_modes("batch", "global")
+    with pytest.raises(ValueError, match=r"rl\.std_mode must be"):
+        validate_advantage_modes("group", "prompt")
+    with pytest.raises(ValueError, match=r"rl\.mean_mode"):
+        group_advantages(np.ones(4), np.zeros(4, np.int32), 1, std_mode="group", mean_mode="global")
 
 
 def test_flow_grpo_tracker_example():

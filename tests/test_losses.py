@@ -202,6 +202,37 @@ def test_grpo_guard_matches_reference(per_sample):
     assert np.any(np.asarray(gm) != 0)
 
 
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_grpo_guard_normalises_per_step_in_a_mixed_batch(per_sample):
+    """A batch holding units of three steps (in the reference every batch is one step): with
+    step_index, s_bar, k and the shared bias come from each unit's own step, so the loss is the
+    unit-weighted mean of the reference's per-step losses and the ratios are the reference's."""
+    rng = np.random.default_rng(13)
+    steps = np.array([2, 0, 1, 2, 0, 2, 1, 0, 2], np.int32)
+    new, old, adv = _batch(14, b=len(steps), spread=0.01)
+    old_mean = rng.normal(size=(len(steps), 6, 5)).astype(np.float32)
+    mean = (old_mean + 0.02 * rng.normal(size=old_mean.shape)).astype(np.float32)
+    g_of, delta_of = np.array([1.4, 0.9, 0.6]), np.array([-0.05, -0.1, -0.2])
+    g, delta = g_of[steps].astype(np.float32), delta_of[steps].astype(np.float32)
+    clip = 2e-3
+    loss, m = jax.jit(grpo_guard_surrogate, static_argnames=("clip_range", "per_sample_bias"))(
+        new, old, adv, mean, old_mean, g, delta, clip_range=clip, per_sample_bias=per_sample, step_index=steps
+    )
+    want, ratio, bias = 0.0, np.zeros(len(steps)), np.zeros(len(steps))
+    for j in range(3):
+        at = steps == j
+        step_loss, ratio[at], bias[at] = ref_guard(
+            new[at], old[at], adv[at], mean[at], old_mean[at], g[at], delta[at], clip, per_sample
+        )
+        want += step_loss * at.sum() / len(steps)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4)
+    np.testing.assert_allclose(float(m["ratio_mean"]), ratio.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["ratio_mean_bias"]), bias.mean(), rtol=1e-4)
+    # Without step_index the batch is taken as one step: another normalisation, another loss.
+    whole, _ = grpo_guard_surrogate(new, old, adv, mean, old_mean, g, delta, clip_range=clip, per_sample_bias=per_sample)
+    assert abs(float(whole) - want) > 1e-2 * abs(want)
+
+
 def test_grpo_guard_on_policy_ratio_is_one():
     rng = np.random.default_rng(11)
     _, old, adv = _batch(12, b=4)

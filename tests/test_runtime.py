@@ -197,6 +197,38 @@ def test_pipelined_modes_make_the_same_update_as_disagg_sync(runs):
         assert _max_diff(runs[mode]["after_first"], reference) < 1e-5 * max(moved, 1.0), mode
 
 
+def test_grpo_guard_trains_in_colocated_and_disaggregated_modes(runs, cache_dir, tmp_path):
+    """`rl.policy_loss='grpo_guard'` through both ways of cutting gradient micro-batches: colocated
+    (units of several steps in one micro-batch) and gap (one trained step per micro-batch). Its
+    normalisation is per trained step, so on-policy both make the same first update; that update,
+    and its gradient norm, are not PPO's from the same weights and samples."""
+    def guard_config(mode):
+        c = runtime_config(cache_dir, mode)
+        c.rl.policy_loss = "grpo_guard"
+        return c
+
+    run = loop.Run(guard_config("colocated"), str(tmp_path), log=lambda _: None)
+    assert _max_diff(jax.device_get(run.state.trainable), runs["initial"]) == 0
+    after, metrics = {}, {}
+    for mode in ("colocated", "gap"):
+        executor = Executor(run, config=guard_config(mode), trace_path=str(tmp_path / f"{mode}.json"), log=lambda _: None)
+        _, m = executor.iteration(0)
+        after[mode], metrics[mode] = jax.device_get((executor.state.trainable, m))
+        executor.close()
+    ppo = runs["colocated"]
+    ppo_grad_norm = float(ppo["metrics"][0]["grad_norm"])
+    for mode, m in metrics.items():
+        assert np.isfinite(float(m["loss"])) and "ratio_mean_bias" in m, mode
+        assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-6) and float(m["clip_frac"]) == 0.0, mode
+        assert abs(float(m["grad_norm"]) - ppo_grad_norm) > 0.1 * ppo_grad_norm, (mode, float(m["grad_norm"]), ppo_grad_norm)
+    # Adam's first step is about lr * sign(gradient), so the updates differ by about 2 lr wherever
+    # the gradients' signs do: between the two losses, not between the two ways of cutting.
+    moved = _max_diff(after["colocated"], runs["initial"])
+    from_ppo = _max_diff(after["colocated"], ppo["after_first"])
+    assert from_ppo > 0.5 * moved
+    assert _max_diff(after["gap"], after["colocated"]) < 0.05 * from_ppo
+
+
 @pytest.mark.parametrize("mode", plan_lib.MODES)
 def test_trace_shows_every_sample_trained_once_at_bounded_staleness(runs, mode):
     result = runs[mode]

@@ -96,6 +96,11 @@ CASES = [
     ("sde_sd3", flow_grpo_sde_step, ref_sde, sd3_ladder(10).sigmas, (0.7,)),
     ("sde_flux", flow_grpo_sde_step, ref_sde, flux_ladder(6, 1024).sigmas, (0.9,)),
     ("cps_sd3", flow_grpo_cps_step, ref_cps, sd3_ladder(10).sigmas, (0.8,)),
+    # Noise levels at and past 1, where sqrt(sigma'^2 - s^2) = sigma' |cos(a pi / 2)| and the
+    # signed sigma' cos(a pi / 2) differ (the sign of the x1_hat coefficient flips past a = 1).
+    ("cps_a1", flow_grpo_cps_step, ref_cps, sd3_ladder(10).sigmas, (1.0,)),
+    ("cps_a1.2", flow_grpo_cps_step, ref_cps, flux_ladder(6, 1024).sigmas, (1.2,)),
+    ("cps_a2", flow_grpo_cps_step, ref_cps, sd3_ladder(10).sigmas, (2.0,)),
     ("wan", flow_grpo_wan_step, ref_wan, wan_unipc_ladder(8).sigmas, ()),
     ("dance", dance_grpo_step, ref_dance, dancegrpo_ladder(8).sigmas, (0.3,)),
 ]

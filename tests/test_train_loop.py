@@ -71,6 +71,9 @@ def test_outputs_and_resume_match_an_uninterrupted_run(cache_dir, tmp_path):
         ("rl.timestep_fraction", 1.0, "trains the last step"),
         ("sampling.sde_type", "langevin", "sampling.sde_type"),
         ("rl.micro_batch_size", 5, "rl.micro_batch_size"),
+        ("rl.policy_loss", "trpo", "rl.policy_loss"),
+        ("rl.mean_mode", "batch", "rl.mean_mode"),
+        ("rl.std_mode", "prompt", "rl.std_mode"),
     ],
 )
 def test_bad_config_fails_before_any_compute(cache_dir, tmp_path, monkeypatch, key, value, match):
@@ -86,6 +89,25 @@ def test_bad_config_fails_before_any_compute(cache_dir, tmp_path, monkeypatch, k
         c[section][name] = value
     with pytest.raises(ValueError, match=match):
         loop.train(c, str(tmp_path), log=lambda _: None)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"sampling.sde_type": "cps"}, "sampling.sde_type"),
+        ({"rl.decoupled": True}, "rl.decoupled"),
+        ({"sampling.noise_level": 0.0}, "sampling.noise_level"),
+        ({"rl.std_mode": "group", "rl.mean_mode": "global"}, "rl.mean_mode='global' needs rl.std_mode='global'"),
+    ],
+)
+def test_unsupported_combinations_name_their_keys(cache_dir, overrides, match):
+    c = small_config(cache_dir)
+    c.rl.policy_loss = "grpo_guard"
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        c[section][name] = value
+    with pytest.raises(ValueError, match=match):
+        loop.validate_config(c)
 
 
 def test_nonfinite_rewards_skip_updates_then_stop(cache_dir, tmp_path):

@@ -252,8 +252,11 @@ def flow_grpo_cps_step(
         mu = (1 - sigma') * x0_hat + sqrt(sigma'^2 - s^2) * x1_hat,  x' = mu + s * eps
         log_prob = -mean_d (x'_d - mu_d)^2
     The log-prob is deliberately UNNORMALIZED (no 1/(2 s^2), no log s, no constants), as in
-    Flow-GRPO; it is finite at s = 0. ``sqrt(sigma'^2 - s^2)`` is evaluated as
-    ``sigma' * cos(a pi / 2)``, equal and never a square root of a rounding-negative number.
+    Flow-GRPO; it is finite at s = 0. The noise coefficient ``sqrt(sigma'^2 - s^2)`` equals
+    ``sigma' * |cos(a pi / 2)|`` for every a and is evaluated that way: no cancellation near
+    a = 1 and never a square root of a rounding-negative number. It agrees with the signed
+    ``sigma' * cos(a pi / 2)`` only for 0 <= a <= 1; for 1 < a <= 2 the cosine is negative
+    and the square root (the original's value) keeps the coefficient non-negative.
     ``noise_scale`` is s: Flow-GRPO returns s where its SDE step returns g, so a KL on this
     step divides by s.
     """
@@ -268,7 +271,7 @@ def flow_grpo_cps_step(
     sigma_next_b = _per_sample(sigma_next, ndim)
     x0_hat = x - sigma_b * v
     x1_hat = x + (1.0 - sigma_b) * v
-    x1_coef = _per_sample(sigma_next * jnp.cos(half_angle), ndim)
+    x1_coef = _per_sample(sigma_next * jnp.abs(jnp.cos(half_angle)), ndim)
     mean = (1.0 - sigma_next_b) * x0_hat + x1_coef * x1_hat
     x_next = _draw(mean, std, key, noise, prev_sample)
     log_prob = -_mean_over_sample(jnp.square(jax.lax.stop_gradient(x_next) - mean))

@@ -4,6 +4,7 @@ from digen_jax.rl.advantages import (
     group_advantages,
     group_statistics,
     multi_reward_advantages,
+    validate_advantage_modes,
     validate_group_size,
 )
 from digen_jax.rl.lora import (
@@ -40,5 +41,6 @@ __all__ = [
     "policy_kl_loss",
     "policy_loss",
     "truncated_importance_weights",
+    "validate_advantage_modes",
     "validate_group_size",
 ]

@@ -8,11 +8,13 @@ per-group sums are ``jax.ops.segment_sum`` reductions. All math is float32.
 
 Reference settings (ALGORITHMS.md A5, A8, A9):
 
-| recipe    | ``std_mode``                               | ddof | eps  |
-|-----------|--------------------------------------------|------|------|
-| Flow-GRPO | ``"global"`` (most configs) or ``"group"`` | 0    | 1e-4 |
-| DanceGRPO | ``"group"``                                | 1    | 1e-8 |
-| MixGRPO   | ``"group"``, per reward, then summed       | 1    | 1e-8 |
+| recipe                         | ``mean_mode`` | ``std_mode``                               | ddof | eps  |
+|--------------------------------|---------------|--------------------------------------------|------|------|
+| Flow-GRPO (per-prompt tracker) | ``"group"``   | ``"global"`` (most configs) or ``"group"`` | 0    | 1e-4 |
+| Flow-GRPO (no tracker)         | ``"global"``  | ``"global"``                               | 0    | 1e-4 |
+| DanceGRPO                      | ``"group"``   | ``"group"``                                | 1    | 1e-8 |
+| DanceGRPO ``use_group=False``  | ``"global"``  | ``"global"``                               | 1    | 1e-8 |
+| MixGRPO                        | ``"group"``   | ``"group"``, per reward, then summed       | 1    | 1e-8 |
 
 Flow-GRPO's tracker computes in float64 numpy; float32 here agrees to float32 rounding.
 """
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 StdMode = Literal["group", "global"]
+MeanMode = Literal["group", "global"]
 RewardMix = Literal["advantage", "reward"]
 
 
@@ -67,24 +70,31 @@ def group_advantages(
     std_mode: StdMode = "group",
     eps: float = 1e-4,
     ddof: int = 0,
+    mean_mode: MeanMode = "group",
 ) -> jax.Array:
-    """GRPO advantages ``A_i = (r_i - mean_{g(i)}) / (std + eps)``, shape (N,) float32.
+    """GRPO advantages ``A_i = (r_i - mean) / (std + eps)``, shape (N,) float32.
 
-    ``std`` is the std of sample i's own group (``std_mode="group"``) or of all N rewards
-    (``std_mode="global"``, Flow-GRPO's ``global_std``), both with ``ddof``. The mean is always
-    the group's.
+    ``mean`` is the mean of sample i's own group (``mean_mode="group"``) or of all N rewards
+    (``mean_mode="global"``: Flow-GRPO without its per-prompt tracker, DanceGRPO's
+    ``use_group=False``). ``std`` is the std of sample i's own group (``std_mode="group"``) or
+    of all N rewards (``std_mode="global"``, Flow-GRPO's ``global_std``), both with ``ddof``.
+    A global mean needs the global std (:func:`validate_advantage_modes`): a group's std
+    measures spread about its own mean, not about the batch's.
 
     Degenerate groups never give NaN, even with ``eps=0``: where the std is exactly 0 (a group
     of one, a group with ``n_g <= ddof``, all N rewards equal) the advantage is 0, and a group
-    whose rewards are all equal yields exact zeros in either mode (a trainer can count or drop
-    them). NaN rewards propagate to their group; the NaN policy belongs to the trainer.
+    whose rewards are all equal yields exact zeros with a group mean (a trainer can count or
+    drop them). NaN rewards propagate to their group (to every sample with a global mean);
+    the NaN policy belongs to the trainer.
     """
-    if std_mode not in ("group", "global"):
-        raise ValueError(f"std_mode must be 'group' or 'global', got {std_mode!r}")
+    validate_advantage_modes(mean_mode, std_mode)
     if eps < 0 or ddof < 0:
         raise ValueError(f"eps and ddof must be >= 0, got eps={eps}, ddof={ddof}")
     rewards, group_ids = _check_flat(rewards, group_ids)
     _, deviation, group_std, _ = _moments(rewards, group_ids, num_groups, ddof)
+    if mean_mode == "global":
+        # The whole batch as one group: the same two-pass moments and exact-zero centring.
+        deviation = _moments(rewards, jnp.zeros_like(group_ids), 1, ddof)[1]
     if std_mode == "group":
         std = group_std[group_ids]
     else:
@@ -99,6 +109,22 @@ def group_advantages(
     is_zero = std == 0
     denom = jnp.where(is_zero, 1.0, std + eps)
     return jnp.where(is_zero, 0.0, deviation / denom)
+
+
+def validate_advantage_modes(mean_mode: str, std_mode: str) -> None:
+    """Raise ValueError unless (``rl.mean_mode``, ``rl.std_mode``) is a supported pair.
+
+    Each is 'group' or 'global'; a global mean goes with the global std only (the recipes that
+    centre on the batch mean also scale by the batch std).
+    """
+    for key, value in (("mean_mode", mean_mode), ("std_mode", std_mode)):
+        if value not in ("group", "global"):
+            raise ValueError(f"rl.{key} must be 'group' or 'global', got {value!r}")
+    if mean_mode == "global" and std_mode != "global":
+        raise ValueError(
+            "rl.mean_mode='global' needs rl.std_mode='global': a group's std measures the spread "
+            "about the group's mean, not about the batch mean the advantages are centred on"
+        )
 
 
 def clip_advantages(advantages: jax.Array, limit: float) -> jax.Array:
@@ -118,6 +144,7 @@ def multi_reward_advantages(
     std_mode: StdMode = "group",
     eps: float = 1e-4,
     ddof: int = 0,
+    mean_mode: MeanMode = "group",
 ) -> jax.Array:
     """Advantages from K reward signals ``rewards`` (K, N) with ``weights`` (K,); returns (N,).
 
@@ -125,8 +152,9 @@ def multi_reward_advantages(
       normalised within its groups on its own scale before the weighted sum.
     * ``mix="reward"`` (Flow-GRPO, MixGRPO ``reward_aggr``): ``A = adv(sum_k w_k * r_k)``.
 
-    ``adv`` is :func:`group_advantages` with the given ``std_mode``, ``eps`` and ``ddof``. MixGRPO
-    itself uses ``ddof=1, eps=1e-8`` and weights divided by their sum; pass them so for parity.
+    ``adv`` is :func:`group_advantages` with the given ``mean_mode``, ``std_mode``, ``eps`` and
+    ``ddof``. MixGRPO itself uses ``ddof=1, eps=1e-8`` and weights divided by their sum; pass
+    them so for parity.
     """
     rewards = jnp.asarray(rewards, jnp.float32)
     weights = jnp.asarray(weights, jnp.float32)
@@ -134,7 +162,7 @@ def multi_reward_advantages(
         raise ValueError(
             f"rewards must be (K, N) and weights (K,), got {rewards.shape} and {weights.shape}"
         )
-    kwargs = dict(std_mode=std_mode, eps=eps, ddof=ddof)
+    kwargs = dict(std_mode=std_mode, eps=eps, ddof=ddof, mean_mode=mean_mode)
     # Elementwise weighted sums rather than a matmul: exact float32 on every backend (a GPU
     # float32 dot may run in TF32 at default precision).
     if mix == "reward":

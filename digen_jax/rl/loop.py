@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 
 from digen_jax.rewards import registry
 from digen_jax.rl import advantages as adv_lib
-from digen_jax.rl import lora, optim
+from digen_jax.rl import losses, lora, optim
 from digen_jax.rl import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, SamplerSpec
 from digen_jax.rl.timesteps import plan_steps, validate_step_selection
@@ -44,6 +44,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     rl = config.rl
     try:
         adv_lib.validate_group_size(rl.group_size)
+        adv_lib.validate_advantage_modes(rl.mean_mode, rl.std_mode)
+        losses.validate_policy_loss(rl.policy_loss, config.sampling.sde_type, rl.decoupled, config.sampling.noise_level)
         validate_step_selection(rl, config.sampling.num_steps)
         SamplerSpec(config.sampling.sde_type, config.sampling.cfg_scale, config.sampling.cfg_rescale)
     except ValueError as e:
@@ -102,6 +104,7 @@ class Run:
         loss_cfg = LossConfig(
             clip_range=rl.clip_range,
             adv_clip=rl.adv_clip,
+            policy_loss=rl.policy_loss,
             kl_beta=rl.kl_beta,
             decoupled=rl.decoupled,
             is_cap=rl.is_cap,

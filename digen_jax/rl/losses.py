@@ -19,6 +19,34 @@ import jax.numpy as jnp
 from digen_jax.diffusion import gaussian_mean_kl
 
 Metrics = dict[str, jax.Array]
+# Values of config key rl.policy_loss: the plain PPO-clip surrogate or GRPO-Guard's.
+POLICY_LOSSES = ("ppo", "grpo_guard")
+# Step types whose transition is Gaussian with s = g * sqrt(-Delta), which GRPO-Guard's
+# normalisation assumes (the 'cps' step's log-prob is unnormalised and its s is not g sqrt(-Delta)).
+GRPO_GUARD_SDE_TYPES = ("sde", "wan", "dance")
+
+
+def validate_policy_loss(policy_loss: str, sde_type: str, decoupled: bool, noise_level: float) -> None:
+    """Raise ValueError naming the config key unless ``rl.policy_loss`` fits the run."""
+    if policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"rl.policy_loss must be one of {POLICY_LOSSES}, got {policy_loss!r}")
+    if policy_loss != "grpo_guard":
+        return
+    if sde_type not in GRPO_GUARD_SDE_TYPES:
+        raise ValueError(
+            f"rl.policy_loss='grpo_guard' needs sampling.sde_type in {GRPO_GUARD_SDE_TYPES}, got {sde_type!r}: "
+            "its ratio normalisation assumes a Gaussian step with std g * sqrt(-Delta)"
+        )
+    if decoupled:
+        raise ValueError(
+            "rl.policy_loss='grpo_guard' takes its ratio against the behaviour policy (log-prob and mean "
+            "recorded at rollout); set rl.decoupled=False"
+        )
+    if not noise_level > 0:
+        raise ValueError(
+            f"rl.policy_loss='grpo_guard' divides by the transition std: sampling.noise_level must be > 0, "
+            f"got {noise_level}"
+        )
 
 
 def clipped_surrogate(
@@ -131,6 +159,7 @@ def grpo_guard_surrogate(
     clip_range: float,
     adv_clip: float = 5.0,
     per_sample_bias: bool = False,
+    step_index: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """GRPO-Guard's ratio-normalised PPO-clip loss (Flow-GRPO ``rationorm``, ALGORITHMS.md A4).
 
@@ -150,6 +179,12 @@ def grpo_guard_surrogate(
     tuple, which torch treats as "all dims". ``per_sample_bias=True`` takes the per-sample mean
     over elements only. ``mean`` carries gradient (through ``b``); ``old_mean``,
     ``old_log_prob`` and ``advantages`` are constants. Extra metric: ``ratio_mean_bias`` (mean b).
+
+    The reference trains one denoising step per batch, so its batch means are means over one
+    step's samples. ``step_index`` ((B,) ints) lets a batch hold units of several steps: every
+    ``mean_B`` above (``k``, ``s_bar`` and the shared bias) then runs over the units of the same
+    step, and ``L = mean_B l(r, A_hat) / k^2`` with each unit's own ``k``: the unit-weighted
+    average of the per-step losses. ``None`` treats the whole batch as one step.
     """
     _check_batch(log_prob, old_log_prob, advantages)
     if mean.shape != old_mean.shape or mean.shape[:1] != log_prob.shape:
@@ -157,13 +192,21 @@ def grpo_guard_surrogate(
             f"mean {mean.shape} and old_mean {old_mean.shape} must be one (B, ...) shape with "
             f"B = {log_prob.shape[0]}"
         )
+    batch = log_prob.shape[0]
+    if step_index is None:
+        step_mean = jnp.mean
+    else:
+        _check_batch(log_prob, step_index)
+        same = (step_index[:, None] == step_index[None, :]).astype(jnp.float32)
+        # Elementwise sums (not a matmul, which a GPU may run in TF32): means over each unit's step.
+        step_mean = lambda x: jnp.sum(same * jnp.broadcast_to(x, (batch,)), axis=1) / jnp.sum(same, axis=1)  # noqa: E731
     old_log_prob = jax.lax.stop_gradient(_f32(old_log_prob))
     sq = jnp.square(_f32(mean) - jax.lax.stop_gradient(_f32(old_mean)))
     sq = jnp.mean(sq, axis=tuple(range(1, sq.ndim)))
     if not per_sample_bias:
-        sq = jnp.broadcast_to(jnp.mean(sq), sq.shape)
-    k = jnp.mean(jnp.sqrt(-_f32(sigma_delta)))
-    s_bar = jnp.mean(_f32(noise_scale)) * k
+        sq = jnp.broadcast_to(step_mean(sq), sq.shape)
+    k = step_mean(jnp.sqrt(-_f32(sigma_delta)))
+    s_bar = step_mean(_f32(noise_scale)) * k
     bias = sq / (2.0 * jnp.square(s_bar))
     # Scaled log-ratio: the surrogate's exp() then yields exp((logp - logp_old + b) * s_bar).
     scaled = (_f32(log_prob) - old_log_prob + bias) * s_bar
@@ -175,7 +218,7 @@ def grpo_guard_surrogate(
         0.5 * jnp.mean(jnp.square(_f32(log_prob) - old_log_prob))
     )
     metrics["ratio_mean_bias"] = jax.lax.stop_gradient(jnp.mean(bias))
-    return jnp.mean(per_sample) / jnp.square(k), metrics
+    return jnp.mean(per_sample / jnp.square(k)), metrics
 
 
 def policy_kl_loss(

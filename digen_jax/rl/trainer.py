@@ -25,6 +25,7 @@ log-prob - the behaviour log-prob the ratio is anchored on|) and `rollout_logp_g
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax
@@ -49,6 +50,8 @@ class TrainUnits:
     cond: Conditioning
     # Log-prob under the policy at the start of this update (decoupled PPO); None: on-policy form.
     proximal_log_prob: jax.Array | None = None
+    # Behaviour transition mean of x_j -> x_{j+1}, carried only for GRPO-Guard (LossConfig.policy_loss).
+    old_mean: jax.Array | None = None
 
     @property
     def size(self) -> int:
@@ -58,9 +61,12 @@ class TrainUnits:
         return jax.tree.map(lambda a: a[start:stop], self)
 
 
-@jax.jit
-def build_units(traj: Trajectory, cond: Conditioning, advantages: jax.Array, trained: jax.Array) -> TrainUnits:
-    """Units for every (sample b, trained step trained[b, t]), flattened sample-major."""
+@functools.partial(jax.jit, static_argnames="old_means")
+def build_units(
+    traj: Trajectory, cond: Conditioning, advantages: jax.Array, trained: jax.Array, old_means: bool = False
+) -> TrainUnits:
+    """Units for every (sample b, trained step trained[b, t]), flattened sample-major; with
+    `old_means` they carry the behaviour transition means too (GRPO-Guard needs them)."""
     batch, per_sample = trained.shape
     rows = jnp.repeat(jnp.arange(batch), per_sample)
     steps = trained.reshape(-1)
@@ -72,6 +78,7 @@ def build_units(traj: Trajectory, cond: Conditioning, advantages: jax.Array, tra
         old_log_prob=traj.log_probs[rows, steps],
         advantages=advantages[rows],
         cond=cond.take(rows),
+        old_mean=traj.means[rows, steps] if old_means else None,
     )
 
 
@@ -88,6 +95,7 @@ class TrainState:
 class LossConfig:
     clip_range: float = 1e-4
     adv_clip: float = 5.0
+    policy_loss: str = "ppo"  # losses.POLICY_LOSSES; 'grpo_guard' needs units with old_mean
     kl_beta: float = 0.0
     # Decoupled PPO for stale samples: the ratio is taken against the policy at the start of
     # each update and the behaviour policy enters through importance weights capped here.
@@ -134,6 +142,10 @@ def _update_figures(metrics: dict, count: jax.Array) -> dict:
         else:
             out[k] = v / count
     return out
+
+    def __post_init__(self):
+        if self.policy_loss not in losses.POLICY_LOSSES:
+            raise ValueError(f"policy_loss must be one of {losses.POLICY_LOSSES}, got {self.policy_loss!r}")
 
 
 class Trainer:
@@ -220,15 +232,23 @@ class Trainer:
         else:
             proximal = None
             anchor = behaviour = jnp.where(from_pass, own, recorded)
-        loss, metrics = losses.policy_loss(
-            out.log_prob,
-            behaviour,
-            units.advantages,
-            clip_range=cfg.clip_range,
-            adv_clip=cfg.adv_clip,
-            proximal_log_prob=proximal,
-            is_cap=cfg.is_cap if proximal is not None else None,
-        )
+        if cfg.policy_loss == "grpo_guard":  # validated against decoupled: anchored on the behaviour
+            if units.old_mean is None:
+                raise ValueError("policy_loss='grpo_guard' needs units built with build_units(..., old_means=True)")
+            # At lag 0 the old mean comes from the same pass as the anchored log-prob.
+            mask = from_pass.reshape(from_pass.shape + (1,) * (out.mean.ndim - 1))
+            old_mean = jnp.where(mask, jax.lax.stop_gradient(out.mean), units.old_mean)
+            loss, metrics = self._grpo_guard_loss(out, units, behaviour, old_mean)
+        else:
+            loss, metrics = losses.policy_loss(
+                out.log_prob,
+                behaviour,
+                units.advantages,
+                clip_range=cfg.clip_range,
+                adv_clip=cfg.adv_clip,
+                proximal_log_prob=proximal,
+                is_cap=cfg.is_cap if proximal is not None else None,
+            )
         if cfg.kl_beta > 0:
             ref = sampler.transition(
                 frozen, units.latents, units.cond, units.step_index, units.noise_level,
@@ -246,6 +266,15 @@ class Trainer:
             metrics[f"{name}_sum"] = jnp.sum(diff)
             metrics[f"{name}_max"] = jnp.max(diff)
         return loss, metrics
+
+    def _grpo_guard_loss(self, out, units: TrainUnits, old_log_prob, old_mean):
+        """GRPO-Guard's surrogate against the old log-prob and mean, normalised per trained step."""
+        sigmas = self.sampler.sigmas
+        return losses.grpo_guard_surrogate(
+            out.log_prob, old_log_prob, units.advantages, out.mean, old_mean, out.noise_scale,
+            sigmas[units.step_index + 1] - sigmas[units.step_index],
+            clip_range=self.cfg.clip_range, adv_clip=self.cfg.adv_clip, step_index=units.step_index,
+        )
 
     def _apply_update(self, state: TrainState, grad_sum, count, rewards_finite):
         grads = jax.tree.map(lambda g: g / count, grad_sum)
