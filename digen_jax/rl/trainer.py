@@ -10,8 +10,9 @@ weights; the forward always sees `params_for(trainable)`. The reference policy o
 KL term is the frozen base (LoRA) or a frozen copy of the initial weights (full
 fine-tuning), kept only when the KL coefficient is non-zero.
 
-Non-finite rewards, losses or gradients skip the update on device (parameters, optimizer
-state and EMA stay as they were) and count a streak the host reads one step late.
+Non-finite rewards, losses, gradients or updates, and an update larger than
+`max_update_ratio` times the parameters' norm, skip the update on device (parameters,
+optimizer state and EMA stay as they were) and count a streak the host reads one step late.
 """
 from __future__ import annotations
 
@@ -89,6 +90,10 @@ class LossConfig:
     ema_decay: float | None = None  # None: Flow-GRPO warm-up schedule
     ema_every: int = 8
     use_ema: bool = True
+    # Updates with ||update|| > max_update_ratio * ||trainable|| are skipped as diverged (inf: no
+    # bound). A healthy AdamW step moves each weight by about the learning rate, a small fraction
+    # of the weights' typical magnitude; a step as large as the weights themselves replaces the model.
+    max_update_ratio: float = 1.0
 
 
 class Trainer:
@@ -187,9 +192,15 @@ class Trainer:
     def _apply_update(self, state: TrainState, grad_sum, count, rewards_finite):
         grads = jax.tree.map(lambda g: g / count, grad_sum)
         grad_norm = optax.tree.norm(grads)
-        ok = rewards_finite & jnp.isfinite(grad_norm)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.trainable)
         trainable = optax.apply_updates(state.trainable, updates)
+        # The parameters themselves are checked, not only what produced them: a learning rate of
+        # nan or 1e6 gives finite rewards, losses and gradients but non-finite or exploded weights.
+        update_norm, param_norm = optax.tree.norm(updates), optax.tree.norm(state.trainable)
+        ok = rewards_finite & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+        ok &= jnp.isfinite(optax.tree.norm(trainable))
+        if self.cfg.max_update_ratio != float("inf"):
+            ok &= update_norm <= self.cfg.max_update_ratio * param_norm
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
         ema = state.ema
         if ema is not None:
@@ -205,6 +216,7 @@ class Trainer:
         # Fresh outputs (not views of the state, which the next update donates).
         metrics = {
             "grad_norm": grad_norm,
+            "update_ratio": update_norm / param_norm,
             "skipped": 1 - ok.astype(jnp.int32),
             "version": new_state.version + 0,
             "nonfinite_streak": new_state.nonfinite_streak + 0,
@@ -221,7 +233,8 @@ class Trainer:
         acc.count += 1
 
     def finish_update(self, state: TrainState, acc: "GradSum", rewards_finite) -> tuple[TrainState, dict]:
-        """Apply the averaged gradients of `acc` (skipped on device if anything is non-finite)."""
+        """Apply the averaged gradients of `acc` (skipped on device if anything is non-finite
+        or the update exceeds `cfg.max_update_ratio`)."""
         finite = jnp.asarray(rewards_finite) & jnp.isfinite(acc.metrics["loss"])
         state, update_metrics = self.apply_update(state, acc.grads, jnp.float32(acc.count), finite)
         metrics = {k: v / acc.count for k, v in acc.metrics.items()}
