@@ -136,8 +136,8 @@ def _iteration_metrics(update_metrics: list[dict]) -> dict:
 def _finite_parts(state: TrainState) -> dict:
     """Whether the weights, optimizer state and EMA of `state` are each free of NaN and inf."""
     def finite(tree):
-        flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-        return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+        leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
     return {"trainable weights": finite(state.trainable), "optimizer state": finite(state.opt_state),
             "EMA weights": finite(state.ema)}
