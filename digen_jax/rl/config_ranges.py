@@ -26,7 +26,7 @@ class Range(NamedTuple):
     closed_high: bool = False
     integer: bool = False
     optional: bool = False  # None allowed (a placeholder meaning "off" or "the default schedule")
-    why: str = ""
+    why: str = ""  # what the bounds or special values mean; optional keys say what None does
 
     def text(self) -> str:
         return f"{'[' if self.closed_low else '('}{self.low:g}, {self.high:g}{']' if self.closed_high else ')'}"
@@ -104,5 +104,4 @@ def check_ranges(config: ml_collections.ConfigDict) -> None:
         kind = "an integer" if r.integer else "a number"
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or (r.integer and not isinstance(value, int)) or not r.holds(value):
-            notes = "; ".join(n for n in (r.why, "None allowed" if r.optional else "") if n)
-            raise ConfigError(f"{r.key} must be {kind} in {r.text()}, got {value!r}" + (f" ({notes})" if notes else ""))
+            raise ConfigError(f"{r.key} must be {kind} in {r.text()}, got {value!r}" + (f" ({r.why})" if r.why else ""))
