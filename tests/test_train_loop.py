@@ -1,5 +1,6 @@
 """The colocated training loop end to end on the tiny task: outputs, resume, bad input, NaN guard."""
 import json
+import math
 import os
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 
 from configs import tiny
 from digen_jax.rewards import registry
-from digen_jax.rl import loop, workload
+from digen_jax.rl import loop, optim, workload
 from digen_jax.runtime.executor import Executor
 
 
@@ -114,19 +115,26 @@ def test_nonfinite_rewards_skip_updates_then_stop(cache_dir, tmp_path):
     assert sum("skipped (" in line and "a non-finite reward" in line for line in logs) == 2
 
 
-def test_exploding_updates_are_skipped_and_never_checkpointed(cache_dir, tmp_path):
-    """A learning rate of 1e6 gives finite rewards, losses and gradients but weights of about 1e6:
-    every update is skipped on device, checkpoints hold the unchanged weights, and the run stops
-    after rl.max_nonfinite_in_row skips naming the keys."""
+@pytest.mark.parametrize("learning_rate", [1e6, float("nan")])
+def test_diverging_updates_are_skipped_and_never_checkpointed(cache_dir, tmp_path, monkeypatch, learning_rate):
+    """A learning rate of 1e6 (or one that became NaN) gives finite rewards, losses and gradients
+    but weights of about 1e6 (or NaN): every update is skipped on device, checkpoints hold the
+    unchanged weights, and the run stops after rl.max_nonfinite_in_row skips naming the keys.
+    A NaN learning rate in the config fails validation, so that case enters past it."""
     c = small_config(cache_dir, iterations=4, checkpoint_every=1, eval_every=0, image_every=0)
-    c.rl.learning_rate = 1e6
     c.rl.max_nonfinite_in_row = 2
-    with pytest.raises(FloatingPointError, match=r"2 updates in a row.*rl\.max_nonfinite_in_row=2.*"
-                       r"over rl\.max_update_ratio=1\.0.*rl\.learning_rate"):
+    if math.isnan(learning_rate):
+        make_optimizer = optim.make_optimizer
+        monkeypatch.setattr(optim, "make_optimizer", lambda lr, **kw: make_optimizer(learning_rate, **kw))
+        reason = r"a non-finite reward, loss, gradient or update"
+    else:
+        c.rl.learning_rate = learning_rate
+        reason = r"over rl\.max_update_ratio=1\.0"
+    with pytest.raises(FloatingPointError, match=rf"2 updates in a row.*rl\.max_nonfinite_in_row=2.*{reason}.*rl\.learning_rate"):
         loop.train(c, str(tmp_path / "run"), log=lambda _: None)
     rows = read_metrics(tmp_path / "run")
     assert [(r["skipped"], r["version"]) for r in rows] == [(1, 0), (1, 0)]
-    assert all(r["update_ratio"] > 1e3 for r in rows)
+    assert all(r["update_ratio"] > 1e3 or math.isnan(learning_rate) for r in rows)
     initial = loop.Run(c, str(tmp_path / "initial"), log=lambda _: None).state.trainable
     manager = ocp.CheckpointManager(str(tmp_path / "run" / "checkpoints"))
     assert manager.all_steps() == [1]
