@@ -50,7 +50,7 @@ def test_healthy_update_is_applied_and_the_bound_can_be_lifted():
     assert int(trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True))[1]["skipped"]) == 1
     trainer, state = _trainer(0.2, max_update_ratio=math.inf)
     new, metrics = trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True))
-    assert int(metrics["skipped"]) == 0 and float(metrics["update_ratio"]) > 1
+    assert int(metrics["skipped"]) == 0 and int(new.version) == 1 and float(metrics["update_ratio"]) > 1
 
 
 @pytest.mark.parametrize("name", ["tiny", "flux", "qwenimage", "wan21", "hunyuanvideo"])
