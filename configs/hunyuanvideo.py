@@ -94,6 +94,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.ema_decay = ml_collections.config_dict.placeholder(float)
     c.rl.ema_every = 8
     c.rl.max_nonfinite_in_row = 3
+    c.rl.max_update_ratio = 1.0
 
     c.reward = ml_collections.ConfigDict()
     c.reward.weights = {"jpeg_compressibility": 1.0}  # a cheap host reward; any registered reward works

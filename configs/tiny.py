@@ -98,7 +98,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.ema = True
     c.rl.ema_decay = ml_collections.config_dict.placeholder(float)  # None: Flow-GRPO warm-up schedule
     c.rl.ema_every = 8
-    c.rl.max_nonfinite_in_row = 3  # stop after this many skipped (NaN/inf) updates in a row
+    c.rl.max_nonfinite_in_row = 3  # stop after this many skipped updates in a row (>= 1)
+    # Skip an update larger than this times the parameters' norm (a diverged step; inf: no bound).
+    c.rl.max_update_ratio = 1.0
 
     c.reward = ml_collections.ConfigDict()
     c.reward.weights = {"shapes": 1.0}

@@ -27,11 +27,12 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from digen_jax import xla_flags
+from digen_jax import cli, xla_flags
 from digen_jax.rl.loop import ConfigError, train, validate_config
 from digen_jax.runtime.distributed import initialize
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
+with cli.config_override_errors():
+    _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (metrics, TensorBoard, checkpoints).", required=True)
 _AUTOSIZE = flags.DEFINE_string(
     "autosize", None,
@@ -71,4 +72,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

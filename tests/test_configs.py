@@ -299,6 +299,36 @@ def test_train_script_reports_missing_inputs(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_train_script_reports_an_unknown_config_key(tmp_path):
+    """A mistyped `--config.KEY` override: one line with ml_collections' hint and exit status 2,
+    not a chained traceback."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "train.py"), f"--config={ROOT}/configs/tiny.py",
+         f"--workdir={tmp_path}", "--config.rl.lora_rnk=4"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error: --config.rl.lora_rnk=4: the config has no key 'lora_rnk'. "
+                      'Did you mean "lora_rank" instead of "lora_rnk"?'], result.stderr
+    assert "Traceback" not in result.stderr and not os.listdir(tmp_path)
+
+
+def test_unknown_config_key_without_config_flag(capsys):
+    """Without --config the config flag reads the overrides while it is defined: same message."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from digen_jax import cli
+
+    argv = ["train.py", "--config.foo.bar=1"]
+    with pytest.raises(SystemExit) as exited, cli.config_override_errors(argv):
+        config_flags.DEFINE_config_file("config", f"{ROOT}/configs/tiny.py", flag_values=flags.FlagValues(), sys_argv=argv)
+    assert exited.value.code == cli.USAGE_ERROR
+    assert capsys.readouterr().err == "error: --config.foo.bar=1: the config has no key 'foo'.\n"
+    with pytest.raises(AttributeError, match="not a config key"), cli.config_override_errors(argv):
+        raise AttributeError("not a config key")  # other errors pass through unchanged
+
+
 def test_auto_attention_avoids_cudnn_only_in_fsdp_programs_on_several_gpus(monkeypatch):
     """`auto` resolves to XLA attention where the train rules shard weights on a multi-GPU run
     (cuDNN attention deadlocked there, README "Training shards"); elsewhere it is left to the layer."""

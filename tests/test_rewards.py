@@ -71,14 +71,15 @@ def test_image_convention_errors():
 
 def test_registry_errors():
     assert {"jpeg_compressibility", "jpeg_incompressibility"} <= set(registered_rewards())
-    unknown = r"unknown reward 'pickscor' in config key reward\.names; registered: \["
+    # The config key is reward.weights (name -> weight); there is no reward.names.
+    unknown = r"unknown reward 'pickscor' in config key reward\.weights; registered: \["
     with pytest.raises(ValueError, match=unknown):
         get_reward("pickscor")
-    with pytest.raises(ValueError, match=r"reward\.names.*jpeg_compressibility"):
+    with pytest.raises(ValueError, match=r"'nope' in config key reward\.weights.*jpeg_compressibility"):
         validate_reward_config({"jpeg_compressibility": 1.0, "nope": 1.0})
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match=r"reward\.weights is empty"):
         validate_reward_config({})
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(ValueError, match=r"reward\.weights\['jpeg_compressibility'\] must be a finite"):
         validate_reward_config({"jpeg_compressibility": float("nan")})
     with pytest.raises(ValueError, match="already registered"):
         register_reward("jpeg_compressibility")(lambda: None)
@@ -106,7 +107,7 @@ def test_weighted_reward_validates_before_compute(monkeypatch):
     with pytest.raises(ValueError, match="unknown reward"):
         weighted_reward({"test_spy": 1.0, "missing": 1.0})
     assert not built  # nothing was constructed before the bad name was caught
-    with pytest.raises(ValueError, match="not in reward.names"):
+    with pytest.raises(ValueError, match=r"not in reward\.weights"):
         weighted_reward({"test_spy": 1.0}, options={"jpeg_compressibility": {}})
 
 

@@ -313,13 +313,42 @@ def test_tag_share_follows_measured_costs(runs, cache_dir, tmp_path):
         (dict(staleness=-1), "runtime.staleness"),
         (dict(rollout_devices=6, train_devices=4), "runtime.rollout_devices"),
         (dict(tag_microbatches=9), "runtime.tag_microbatches"),
+        (dict(mode="gap+tsp+tag+tcss", tag_microbatches=3, prefetch_microbatches=2),
+         "runtime.tag_microbatches=3 + runtime.prefetch_microbatches=2 exceed runtime.micro_batches=4"),
     ],
 )
 def test_bad_runtime_config_names_the_key(cache_dir, override, key):
     config = runtime_config(cache_dir, "gap")
     config.runtime.update(override)
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.").replace("+", r"\+")):
         validate_runtime_config(config, 8)
+
+
+@pytest.mark.parametrize("mode", ["gap+tsp+tag", "gap+tsp+tag+tcss"])
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_fixed_splits_pass_validation_iff_every_iteration_plans(cache_dir, mode, staleness):
+    """A fixed (tag, prefetch) split is accepted up front exactly when the planner can plan every
+    iteration with it: the first (nothing carried) and every later one (prefetch carried in)."""
+    for tag in range(5):
+        for prefetch in range(5):
+            config = runtime_config(cache_dir, mode, tag_microbatches=tag, prefetch_microbatches=prefetch,
+                                    staleness=staleness)
+            executor = Executor.__new__(Executor)  # split_for's rule without devices or a run
+            executor.config, executor.mode, executor.flags = config, mode, plan_lib.mode_flags(mode)
+            executor.microbatches, executor.carried = 4, []
+            tag_k, prefetch_k = executor.split_for(1)
+            try:
+                for carried in (0, prefetch_k):
+                    plan_lib.plan_iteration(mode, 1, 4, carried=carried, tag=tag_k, prefetch=prefetch_k)
+                plans = True
+            except ValueError:
+                plans = False
+            try:
+                validate_runtime_config(config, 8)
+                valid = True
+            except ValueError:
+                valid = False
+            assert valid == plans, (tag, prefetch)
 
 
 # ---------------------------------------------------------------- kill and resume

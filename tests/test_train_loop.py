@@ -1,14 +1,16 @@
 """The colocated training loop end to end on the tiny task: outputs, resume, bad input, NaN guard."""
 import json
+import math
 import os
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from configs import tiny
 from digen_jax.rewards import registry
-from digen_jax.rl import loop, workload
+from digen_jax.rl import loop, optim, workload
 from digen_jax.runtime.executor import Executor
 
 
@@ -66,7 +68,7 @@ def test_outputs_and_resume_match_an_uninterrupted_run(cache_dir, tmp_path):
 @pytest.mark.parametrize(
     "key,value,match",
     [
-        ("reward.weights", {"no_such_reward": 1.0}, "reward.names"),
+        ("reward.weights", {"no_such_reward": 1.0}, r"'no_such_reward' in config key reward\.weights"),
         ("rl.group_size", 1, "rl.group_size"),
         ("rl.timestep_fraction", 1.0, "trains the last step"),
         ("sampling.sde_type", "langevin", "sampling.sde_type"),
@@ -74,6 +76,12 @@ def test_outputs_and_resume_match_an_uninterrupted_run(cache_dir, tmp_path):
         ("rl.policy_loss", "trpo", "rl.policy_loss"),
         ("rl.mean_mode", "batch", "rl.mean_mode"),
         ("rl.std_mode", "prompt", "rl.std_mode"),
+        ("rl.learning_rate", float("nan"), r"rl\.learning_rate must be a number in \(0, inf\), got nan"),
+        ("rl.learning_rate", -3e-4, r"rl\.learning_rate"),
+        ("rl.clip_range", -1.0, r"rl\.clip_range"),
+        ("rl.max_nonfinite_in_row", 0, r"rl\.max_nonfinite_in_row must be an integer in \[1, inf\)"),
+        ("train.iterations", -3, r"train\.iterations"),
+        ("train.checkpoint_every", -1, r"train\.checkpoint_every"),
     ],
 )
 def test_bad_config_fails_before_any_compute(cache_dir, tmp_path, monkeypatch, key, value, match):
@@ -126,7 +134,48 @@ def test_nonfinite_rewards_skip_updates_then_stop(cache_dir, tmp_path):
         loop.train(c, str(tmp_path), log=logs.append)
     rows = read_metrics(tmp_path)
     assert [r["skipped"] for r in rows] == [1, 1] and rows[-1]["version"] == 0
-    assert sum("skipped: non-finite" in line for line in logs) == 2
+    assert sum("skipped (" in line and "a non-finite reward" in line for line in logs) == 2
+
+
+@pytest.mark.parametrize("learning_rate", [1e6, float("nan")])
+def test_diverging_updates_are_skipped_and_never_checkpointed(cache_dir, tmp_path, monkeypatch, learning_rate):
+    """A learning rate of 1e6 (or one that became NaN) gives finite rewards, losses and gradients
+    but weights of about 1e6 (or NaN): every update is skipped on device, checkpoints hold the
+    unchanged weights, and the run stops after rl.max_nonfinite_in_row skips naming the keys.
+    A NaN learning rate in the config fails validation, so that case enters past it."""
+    c = small_config(cache_dir, iterations=4, checkpoint_every=1, eval_every=0, image_every=0)
+    c.rl.max_nonfinite_in_row = 2
+    if math.isnan(learning_rate):
+        make_optimizer = optim.make_optimizer
+        monkeypatch.setattr(optim, "make_optimizer", lambda lr, **kw: make_optimizer(learning_rate, **kw))
+        reason = r"a non-finite reward, loss, gradient or update"
+    else:
+        c.rl.learning_rate = learning_rate
+        reason = r"over rl\.max_update_ratio=1\.0"
+    with pytest.raises(FloatingPointError, match=rf"2 updates in a row.*rl\.max_nonfinite_in_row=2.*{reason}.*rl\.learning_rate"):
+        loop.train(c, str(tmp_path / "run"), log=lambda _: None)
+    rows = read_metrics(tmp_path / "run")
+    assert [(r["skipped"], r["version"]) for r in rows] == [(1, 0), (1, 0)]
+    assert all(r["update_ratio"] > 1e3 or math.isnan(learning_rate) for r in rows)
+    initial = loop.Run(c, str(tmp_path / "initial"), log=lambda _: None).state.trainable
+    manager = ocp.CheckpointManager(str(tmp_path / "run" / "checkpoints"))
+    assert manager.all_steps() == [1]
+    saved = manager.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    jax.tree.map(np.testing.assert_array_equal, saved["trainable"], jax.device_get(initial))
+
+
+def test_a_state_with_nan_is_never_saved(cache_dir, tmp_path):
+    run = loop.Run(small_config(cache_dir), str(tmp_path), log=lambda _: None)
+    executor = Executor(run, log=lambda _: None)
+    executor.save(run.checkpoints, 1)
+    leaves, treedef = jax.tree.flatten(executor.state.trainable)
+    leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(np.nan)
+    executor.state = executor.state.replace(trainable=jax.tree.unflatten(treedef, leaves))
+    with pytest.raises(FloatingPointError, match="checkpoint 2 not saved: the trainable weights hold NaN or inf"):
+        executor.save(run.checkpoints, 2)
+    run.checkpoints.wait_until_finished()
+    executor.close()
+    assert run.checkpoints.all_steps() == [1]
 
 
 def test_tiny_demo_raises_reward(tiny_pretrained_cache, tmp_path):

@@ -57,31 +57,31 @@ def get_reward(name: str, **options: Any) -> RewardFn:
     """Build the reward registered as ``name`` (``options`` go to its factory)."""
     if name not in _REGISTRY:
         raise ValueError(
-            f"unknown reward {name!r} in config key reward.names; "
+            f"unknown reward {name!r} in config key reward.weights; "
             f"registered: {registered_rewards()}"
         )
     return _REGISTRY[name](**options)
 
 
 def validate_reward_config(weights: Mapping[str, float]) -> None:
-    """Check a ``reward.names`` mapping {name: weight} before any reward is built or run.
+    """Check a ``reward.weights`` mapping {name: weight} before any reward is built or run.
 
     Raises ValueError for an empty mapping, an unknown name (listing the registered ones) or a
     weight that is not a finite number.
     """
     if not weights:
-        raise ValueError("config key reward.names is empty: name at least one reward")
+        raise ValueError("config key reward.weights is empty: give at least one reward a weight")
     unknown = sorted(set(weights) - set(_REGISTRY))
     if unknown:
         raise ValueError(
-            f"unknown reward {unknown[0]!r} in config key reward.names; "
+            f"unknown reward {unknown[0]!r} in config key reward.weights; "
             f"registered: {registered_rewards()}"
         )
     for name, weight in weights.items():
         number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
         if not number or not math.isfinite(weight):
             raise ValueError(
-                f"reward.names[{name!r}] weight must be a finite number, got {weight!r}"
+                f"reward.weights[{name!r}] must be a finite number, got {weight!r}"
             )
 
 
@@ -100,7 +100,7 @@ def weighted_reward(
     options = options or {}
     extra = sorted(set(options) - set(weights))
     if extra:
-        raise ValueError(f"reward options given for {extra}, which are not in reward.names")
+        raise ValueError(f"reward options given for {extra}, which are not in reward.weights")
     fns = {name: get_reward(name, **options.get(name, {})) for name in weights}
 
     def combined(

@@ -27,6 +27,7 @@ from digen_jax.rewards import registry
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import losses, lora, optim
 from digen_jax.rl import workload as workload_lib
+from digen_jax.rl.config_ranges import check_ranges
 from digen_jax.rl.rollout import Conditioning, SamplerSpec
 from digen_jax.rl.timesteps import plan_steps, validate_step_selection
 from digen_jax.rl.trainer import LAG0_FIGURES, ONPOLICY_ANCHORS, LossConfig, Trainer, TrainState
@@ -36,6 +37,7 @@ from digen_jax.runtime.executor import Executor, validate_runtime_config
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Reject a bad config before any compute, naming the offending key (raises ConfigError)."""
+    check_ranges(config)
     workload_lib.validate_config(config)
     try:
         registry.validate_reward_config(dict(config.reward.weights))
@@ -113,6 +115,7 @@ class Run:
             ema_decay=rl.ema_decay,
             ema_every=rl.ema_every,
             use_ema=rl.ema,
+            max_update_ratio=rl.max_update_ratio,
         )
         self.trainer = Trainer(self.sampler, frozen, optimizer, loss_cfg)
         self.state = self.trainer.init_state(trainable)  # the initial state; the executor holds the live one
@@ -197,6 +200,14 @@ def _keep_rows_through(path: str, step: int) -> None:
         f.writelines(rows)
 
 
+def _skip_reason(m: dict, rl) -> str:
+    """Why an iteration's update was skipped, from its metrics (`Trainer._apply_update`'s checks)."""
+    ratio = m["update_ratio"]
+    if math.isfinite(ratio) and ratio > rl.max_update_ratio:
+        return f"an update {ratio:.3g} times the parameters' norm (over rl.max_update_ratio={rl.max_update_ratio})"
+    return "a non-finite reward, loss, gradient or update"
+
+
 def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print) -> TrainState:
     """Run (or resume) the training loop of `config` in `workdir`; returns the final state.
 
@@ -238,11 +249,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
             f"{m['samples_per_s']:.1f} samples/s"
         )
         if m["skipped"]:
-            log(f"  update {m['step']} skipped: non-finite reward, loss or gradient ({m['nonfinite_streak']} in a row)")
+            log(f"  update {m['step']} skipped ({m['nonfinite_streak']} in a row): {_skip_reason(m, config.rl)}")
         if m["nonfinite_streak"] >= config.rl.max_nonfinite_in_row:
             raise FloatingPointError(
-                f"{m['nonfinite_streak']} updates in a row had non-finite rewards, losses or gradients "
-                f"(rl.max_nonfinite_in_row={config.rl.max_nonfinite_in_row}); stopping"
+                f"{m['nonfinite_streak']} updates in a row were skipped (rl.max_nonfinite_in_row="
+                f"{config.rl.max_nonfinite_in_row}), the last for {_skip_reason(m, config.rl)}; stopping. "
+                "The run diverges: lower rl.learning_rate or check the rewards"
             )
 
     pending = None

@@ -77,6 +77,16 @@ def validate_runtime_config(config, num_devices: int) -> None:
         value = rt[key]
         if value > rt.micro_batches:
             raise ValueError(f"runtime.{key}={value} exceeds runtime.micro_batches={rt.micro_batches}")
+    # The micro-batches prefetched in one iteration are carried into the next, whose trainer
+    # rollouts come from the rest (`plan.plan_iteration`); -1 (elastic) is chosen to fit.
+    tag = rt.tag_microbatches if flags.tag else 0
+    prefetch = rt.prefetch_microbatches if flags.tcss and rt.staleness > 0 else 0
+    if tag >= 0 and prefetch >= 0 and tag + prefetch > rt.micro_batches:
+        raise ValueError(
+            f"runtime.tag_microbatches={tag} + runtime.prefetch_microbatches={prefetch} exceed runtime.micro_batches="
+            f"{rt.micro_batches}: the next iteration's prefetched micro-batches leave only "
+            f"{rt.micro_batches - prefetch} for its trainer rollouts (lower one, or use -1 to choose from measured costs)"
+        )
     batch = rl.prompts_per_iteration * rl.group_size
     trained = plan_steps(rl, config.sampling.num_steps, 1.0, 1, 0, np.random.default_rng(0)).trained.shape[1]
     units = batch // rt.micro_batches * trained
@@ -126,6 +136,17 @@ def _iteration_metrics(update_metrics: list[dict]) -> dict:
         skipped=jnp.sum(jnp.stack([m["skipped"] for m in update_metrics])),
     )
     return metrics
+
+
+@jax.jit
+def _finite_parts(state: TrainState) -> dict:
+    """Whether the weights, optimizer state and EMA of `state` are each free of NaN and inf."""
+    def finite(tree):
+        leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+    return {"trainable weights": finite(state.trainable), "optimizer state": finite(state.opt_state),
+            "EMA weights": finite(state.ema)}
 
 
 @functools.lru_cache(maxsize=16)
@@ -563,6 +584,15 @@ class Executor:
         lives on its devices, written asynchronously without a host copy.
         """
         self.drain()  # the prefetched micro-batches are saved: their rollouts must have run
+        # No checkpoint holds NaN or inf: one device reduction per save, read here (saves are rare).
+        finite = jax.device_get(to_every_process(_finite_parts(self.state)))
+        bad = [part for part, ok in finite.items() if not ok]
+        if bad:
+            raise FloatingPointError(
+                f"checkpoint {iterations_done} not saved: the {' and '.join(bad)} hold NaN or inf values (the "
+                "checkpoints saved before are kept). Updates are checked before they are applied (non-finite values, "
+                "rl.max_update_ratio), so these came from a restored checkpoint or a bug; stopping"
+            )
         state = self.state
         if jax.process_count() > 1:
             state = jax.device_get(to_every_process(state))

@@ -1,0 +1,105 @@
+"""The divergence guard of an optimizer update, and the numeric ranges of config keys."""
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from digen_jax.rl import make_optimizer
+from digen_jax.rl.config_ranges import RANGES, check_ranges
+from digen_jax.rl.trainer import LossConfig, Trainer
+from digen_jax.rl.workload import ConfigError
+
+
+def _trainer(learning_rate: float, **cfg) -> tuple[Trainer, object]:
+    """A trainer whose update runs on a small tree (the update needs no sampler), its state."""
+    trainer = Trainer(None, None, make_optimizer(learning_rate), LossConfig(**cfg))
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(0, 0.05, (16, 8)), jnp.float32), "b": jnp.zeros((8,), jnp.float32)}
+    return trainer, trainer.init_state(params)
+
+
+def _grads(state):
+    return jax.tree.map(lambda p: jnp.full_like(p, 0.3), state.trainable)
+
+
+@pytest.mark.parametrize("learning_rate", [math.nan, 1e6])
+def test_nonfinite_or_exploding_updates_are_skipped(learning_rate):
+    """Finite rewards, loss and gradients, but an update of NaN (lr nan) or of 1e6 per weight:
+    the old guard (rewards, loss and gradient norm only) applied both."""
+    trainer, state = _trainer(learning_rate)
+    before = jax.tree.map(np.asarray, (state.trainable, state.opt_state, state.ema))
+    for streak in (1, 2):
+        state, metrics = trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True))
+        assert int(metrics["skipped"]) == 1 and int(metrics["nonfinite_streak"]) == streak
+    assert int(state.version) == 0
+    for got, want in zip(jax.tree.leaves((state.trainable, state.opt_state, state.ema)), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(np.asarray(got), want)  # weights, optimizer state, EMA: all kept
+
+
+def test_healthy_update_is_applied_and_the_bound_can_be_lifted():
+    trainer, state = _trainer(1e-3)
+    new, metrics = trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True))
+    assert int(metrics["skipped"]) == 0 and int(new.version) == 1
+    assert 0 < float(metrics["update_ratio"]) < 0.1  # about lr / rms(weights) = 1e-3 / 0.05
+    # A step as large as the weights: over the default bound, applied without one.
+    trainer, state = _trainer(0.2)
+    assert int(trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True))[1]["skipped"]) == 1
+    trainer, state = _trainer(0.2, max_update_ratio=math.inf)
+    new, metrics = trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True))
+    assert int(metrics["skipped"]) == 0 and int(new.version) == 1 and float(metrics["update_ratio"]) > 1
+
+
+@pytest.mark.parametrize("name", ["tiny", "flux", "qwenimage", "wan21", "hunyuanvideo"])
+def test_shipped_configs_are_in_range(name):
+    check_ranges(importlib.import_module(f"configs.{name}").get_config())
+
+
+def test_every_range_names_a_key_of_some_config():
+    keys = set()
+    for name in ("tiny", "flux"):
+        config = importlib.import_module(f"configs.{name}").get_config()
+        keys |= {f"{section}.{key}" for section, values in config.items() if hasattr(values, "keys") for key in values}
+    assert [r.key for r in RANGES if r.key not in keys] == []
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("rl.learning_rate", math.nan, r"rl\.learning_rate must be a number in \(0, inf\), got nan"),
+        ("rl.learning_rate", -3e-4, r"rl\.learning_rate must be a number in \(0, inf\)"),
+        ("rl.learning_rate", math.inf, r"rl\.learning_rate"),
+        ("rl.clip_range", -1.0, r"rl\.clip_range must be a number in \(0, inf\)"),
+        ("rl.adv_clip", 0.0, r"rl\.adv_clip"),
+        ("rl.kl_beta", -0.1, r"rl\.kl_beta"),
+        ("rl.is_cap", 0.0, r"rl\.is_cap"),
+        ("rl.ema_decay", 1.0, r"rl\.ema_decay must be a number in \[0, 1\)"),
+        ("rl.max_nonfinite_in_row", 0, r"rl\.max_nonfinite_in_row must be an integer in \[1, inf\)"),
+        ("rl.max_update_ratio", 0.0, r"rl\.max_update_ratio"),
+        ("sampling.num_steps", 1, r"sampling\.num_steps"),
+        ("sampling.noise_level", -0.7, r"sampling\.noise_level"),
+        ("train.iterations", -5, r"train\.iterations must be an integer in \[1, inf\)"),
+        ("train.iterations", 0, r"train\.iterations"),
+        ("train.checkpoint_every", -1, r"train\.checkpoint_every must be an integer in \[0, inf\), got -1 \(0: one checkpoint"),
+        ("runtime.tag_microbatches", -2, r"runtime\.tag_microbatches"),
+    ],
+)
+def test_out_of_range_values_name_the_key(key, value, message):
+    config = tiny.get_config()
+    section, name = key.split(".")
+    config[section][name] = value
+    with pytest.raises(ConfigError, match=message):
+        check_ranges(config)
+
+
+def test_optional_keys_accept_none_and_boundaries():
+    config = tiny.get_config()
+    config.rl.is_cap, config.rl.max_grad_norm = None, None
+    config.rl.ema_decay = 0.0
+    config.rl.adv_clip = math.inf
+    config.rl.max_update_ratio = math.inf
+    config.train.checkpoint_every = 0
+    check_ranges(config)
