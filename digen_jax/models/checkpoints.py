@@ -72,8 +72,7 @@ def load_checkpoint(path: str, *, shardings=None, **policy) -> tuple[ModelFamily
         # come back as numpy, and one saved on devices onto a device that may belong to another
         # process: restore onto this process's first device either way.
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), abstract)
-    if shardings is not None:
-        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
     try:
         params = ocp.StandardCheckpointer().restore(os.path.join(path, PARAMS_DIR), abstract)
     except (ValueError, FileNotFoundError, KeyError) as e:
