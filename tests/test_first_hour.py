@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY_POINTS = ("launch/train.py", "launch/sample.py", "launch/bench.py", "launch/reproduce.py", "launch/simulate.py",

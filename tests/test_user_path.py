@@ -90,20 +90,18 @@ def random_cache(path: str, family: str, text_dim: int, pooled_dim: int | None, 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """{family: (transformer dir, VAE dir, cache dir, the transformer's diffusers module)}."""
+    """{family: (converted transformer dir, converted VAE dir, embedding cache dir)}."""
     root = tmp_path_factory.mktemp("user_path")
     pairs, out = [], {}
     for i, family in enumerate(sorted(CONFIGS)):
-        models = {}
         for kind, name in (("transformer", family), ("vae", workload._VAE_FAMILY[family])):
-            models[kind] = diffusers_model(name, seed=10 + i)
-            models[kind].save_pretrained(root / family / kind)
+            diffusers_model(name, seed=10 + i).save_pretrained(root / family / kind)
             pairs += [str(root / family / kind), str(root / family / f"{kind}-jax")]
         cfg = FAMILIES[family].variants["tiny"]
         zoo = workload.ZOO[family]
         cache = random_cache(str(root / family / "cache"), family, getattr(cfg, zoo.text_dim),
                              getattr(cfg, zoo.pooled_dim) if zoo.pooled_dim else None)
-        out[family] = (str(root / family / "transformer-jax"), str(root / family / "vae-jax"), cache, models["transformer"])
+        out[family] = (str(root / family / "transformer-jax"), str(root / family / "vae-jax"), cache)
     result = subprocess.run([sys.executable, "-c", _CONVERT_ALL, *pairs], cwd=ROOT, capture_output=True, text=True,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -113,7 +111,9 @@ def converted(tmp_path_factory):
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_converted_weights_and_cache_train_through_the_executor(converted, family, tmp_path):
-    transformer, vae, cache, module = converted[family]
+    """README's real-user settings on the `:tiny` config, through what launch/train.py calls:
+    validation, then `loop.train` (executor, one rollout / reward / LoRA update, a checkpoint)."""
+    transformer, vae, cache = converted[family]
     c = get_config(family)
     c.model.random_init, c.data.random_embeddings = False, False
     c.model.checkpoint, c.model.vae_checkpoint, c.data.embedding_cache = transformer, vae, cache
@@ -122,7 +122,7 @@ def test_converted_weights_and_cache_train_through_the_executor(converted, famil
     state = loop.train(c, str(tmp_path), log=lambda _: None)
     with open(tmp_path / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    assert len(rows) == 1 and rows[0]["step"] == 1 and rows[0]["skipped"] == 0
+    assert len(rows) == 1 and rows[0]["step"] == 1 and rows[0]["version"] == 1 and rows[0]["skipped"] == 0
     for key in ("reward_mean", "loss", "grad_norm", "samples_per_s"):
         assert np.isfinite(rows[0][key]), key
     assert rows[0]["grad_norm"] > 0
