@@ -84,9 +84,9 @@ def main(argv):
     del argv
     xla_flags.set_defaults()  # before the first device is touched
     logging.set_verbosity(logging.WARNING)
-    if not _PRINT_CONFIG.value and not _WORKDIR.value:
-        sys.exit("error: --workdir is required (the run's output directory); --print_config needs none")
     if not _PRINT_CONFIG.value:
+        if not _WORKDIR.value:
+            sys.exit("error: --workdir is required (the run's output directory); --print_config needs none")
         initialize(_CONFIG.value)  # multi-process runs (runtime.distributed, SLURM) join before any JAX work
     try:
         if _AUTOSIZE.value:

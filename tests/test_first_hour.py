@@ -88,6 +88,9 @@ def test_print_config_prints_the_resolved_config_without_training():
     lines = set(result.stdout.splitlines())
     assert {"rl.lora_rank = 1", "sampling.noise_level = 0.5", "model.variant = 'tiny'", "sampling.num_frames = 5",
             "model.family = 'wan'", "train.iterations = 1", "reward.weights.jpeg_compressibility = 1.0"} <= lines
+    untold = subprocess.run([sys.executable, "launch/train.py", "--config=configs/wan21.py:tiny"], cwd=ROOT, env=_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert untold.returncode == 1 and "--workdir is required" in untold.stderr and "Traceback" not in untold.stderr
 
 
 def test_sample_grid_has_each_prompt_under_its_image(tmp_path):
