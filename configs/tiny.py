@@ -40,7 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.attention_impl = "auto"
     c.model.remat_policy = "none"
     c.model.scan_layers = True  # False unrolls blocks: no per-layer weight copies, longer compiles
-    c.model.checkpoint = ""  # a converted checkpoint dir; empty: pretrain on the task (cached)
+    # A converted FLUX checkpoint dir with model.arch's in_channels and text widths (any depth);
+    # empty: pretrain on the task (cached).
+    c.model.checkpoint = ""
 
     # The synthetic task (digen_jax.data.shapes.ShapesTask).
     c.task = ml_collections.ConfigDict()

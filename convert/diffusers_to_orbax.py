@@ -1,7 +1,11 @@
-r"""Convert a diffusers transformer folder (config.json + safetensors) into an orbax checkpoint.
+r"""Convert a diffusers transformer or VAE folder (config.json + safetensors) into an orbax checkpoint.
 
     python convert/diffusers_to_orbax.py \
         --model_dir=/ckpt/FLUX.1-dev/transformer --out=/ckpt/flux-dev-jax [--dtype=bfloat16]
+    python convert/diffusers_to_orbax.py --model_dir=/ckpt/FLUX.1-dev/vae --out=/ckpt/flux-vae-jax
+
+Families: the FLUX, Qwen-Image, Wan2.1 and HunyuanVideo transformers and their VAEs (the
+decoder; the encoder's weights are skipped), recognised by config.json's `_class_name`.
 
 The shards are read one at a time, memory-mapped, and each weight is written into
 its place in the output tree as it is read, so peak memory is about the size of
@@ -13,8 +17,9 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import flags
 
+from digen_jax import cli
 from digen_jax.models import convert_diffusers_folder
 
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Diffusers model folder holding config.json and *.safetensors.")
@@ -32,4 +37,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

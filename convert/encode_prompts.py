@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from digen_jax import cli
 from digen_jax.data import embeddings, encode
 
 _FAMILY = flags.DEFINE_enum("family", None, sorted(embeddings.FAMILIES), "Model family of the encoders.")
@@ -59,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -1,4 +1,4 @@
-"""Command-line helpers of the launch scripts."""
+"""What the absl command-line scripts of launch/ and convert/ share."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +9,8 @@ from typing import Iterator, Sequence
 from absl import app
 
 USAGE_ERROR = 2  # exit status of a command line that cannot run
+_SHORT_HELP = ("--help", "-help", "--helpshort", "-helpshort", "-h", "-?")
+_FULL_HELP = ("--helpfull", "-helpfull")
 
 
 def _missing_key(error: BaseException) -> str | None:
@@ -44,3 +46,17 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     """absl's flag parsing for `app.run(main, flags_parser=parse_flags)`, config keys checked."""
     with config_override_errors(argv):
         return app.parse_flags_with_usage(argv)
+
+
+def run(main) -> None:
+    """`absl.app.run(main)` with config keys checked (`parse_flags`), except that a help flag
+    prints the usage and exits with status 0 (absl exits with 1 after printing it, which reads
+    as a failure to scripts and shells)."""
+    args = sys.argv[1:]
+    if "--" in args:
+        args = args[: args.index("--")]
+    asked = [a for a in args if a in _SHORT_HELP + _FULL_HELP]
+    if asked:
+        app.usage(shorthelp=asked[0] in _SHORT_HELP, writeto_stdout=True)
+        sys.exit(0)
+    app.run(main, flags_parser=parse_flags)

@@ -28,6 +28,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from digen_jax import cli  # noqa: E402
 from digen_jax.runtime import simulator  # noqa: E402
 
 MODELS = (("FLUX.1-12B", "flux"), ("Qwen-Image-20B", "qwenimage"), ("Wan2.1-14B", "wan21"), ("HunyuanVideo-13B", "hunyuanvideo"))
@@ -208,4 +209,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -27,6 +27,7 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from digen_jax import cli  # noqa: E402
 from digen_jax.runtime import plan as plan_lib  # noqa: E402
 from digen_jax.runtime import simulator  # noqa: E402
 
@@ -129,4 +130,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -1,8 +1,11 @@
-r"""Train a model with Flow-GRPO (colocated: rollout and training on the same devices).
+r"""Train a model with Flow-GRPO in any schedule mode of the runtime (config key runtime.mode:
+colocated, the default, rolls out and trains on the same devices; disagg_sync, gap, gap+tsp,
+gap+tsp+tag and gap+tsp+tag+tcss split the devices into rollout and train roles).
 
     python launch/train.py --config=configs/tiny.py --workdir=/tmp/digen
     python launch/train.py --config=configs/tiny.py --workdir=/tmp/digen --config.train.iterations=10 \
         --config.rl.lora_rank=4
+    python launch/train.py --config=configs/tiny.py --print_config   # every key as training resolves it
 
 The model-zoo configs (configs/flux.py, qwenimage.py, wan21.py, hunyuanvideo.py) need a
 converted checkpoint, a converted VAE and a prompt-embedding cache (--config.model.checkpoint,
@@ -17,14 +20,17 @@ to make each), or run on random weights and embeddings for throughput:
 run's devices) lets the simulator choose runtime.rollout_devices, train_devices and
 micro_batches for the configured disaggregated runtime.mode before training starts.
 
-Any config key can be overridden as `--config.a.b=value`. Writes `WORKDIR/metrics.jsonl`
-(one JSON object per iteration: step, reward_mean, reward_std, loss, kl, clip_frac,
-samples_per_s, ...), TensorBoard logs in `WORKDIR/tb` and checkpoints in
-`WORKDIR/checkpoints`; rerunning with the same workdir resumes from the latest checkpoint.
+Any config key can be overridden as `--config.a.b=value`; `--print_config` lists every key
+(`a.b = value`, after the overrides and --autosize) and exits without training. Writes
+`WORKDIR/metrics.jsonl` (one JSON object per iteration: step, reward_mean, reward_std, loss, kl,
+clip_frac, samples_per_s, ...), `WORKDIR/trace.json`, TensorBoard logs in `WORKDIR/tb` and
+checkpoints in `WORKDIR/checkpoints`; rerunning with the same workdir resumes from the latest
+checkpoint.
 """
 import sys
 
-from absl import app, flags, logging
+import ml_collections
+from absl import flags, logging
 from ml_collections import config_flags
 
 from digen_jax import cli, xla_flags
@@ -33,7 +39,12 @@ from digen_jax.runtime.distributed import initialize
 
 with cli.config_override_errors():
     _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (metrics, TensorBoard, checkpoints).", required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (metrics, TensorBoard, checkpoints); required to train.")
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False,
+    "Print the resolved config (after --config.* overrides and --autosize), one `a.b = value` line per key "
+    "(each settable as --config.a.b=value), and exit without training.",
+)
 _AUTOSIZE = flags.DEFINE_string(
     "autosize", None,
     "Let the simulator choose runtime.rollout_devices, train_devices and micro_batches for the configured "
@@ -57,14 +68,33 @@ def autosize_line(config, spec: str) -> str:
             f"micro_batches={rt.micro_batches} (predicted {sizing.prediction.samples_per_s:.3f} samples/s)")
 
 
+def config_lines(config, prefix: str = "") -> list[str]:
+    """Every leaf of `config` as `a.b = value` (sorted by key; the value's repr)."""
+    lines = []
+    for key in sorted(config.keys()):
+        value = config[key]
+        if isinstance(value, ml_collections.ConfigDict) and value.keys():
+            lines += config_lines(value, f"{prefix}{key}.")
+        else:
+            shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+            lines.append(f"{prefix}{key} = {shown!r}")
+    return lines
+
+
 def main(argv):
     del argv
     xla_flags.set_defaults()  # before the first device is touched
     logging.set_verbosity(logging.WARNING)
-    initialize(_CONFIG.value)  # multi-process runs (runtime.distributed, SLURM) join before any JAX work
+    if not _PRINT_CONFIG.value:
+        if not _WORKDIR.value:
+            sys.exit("error: --workdir is required (the run's output directory); --print_config needs none")
+        initialize(_CONFIG.value)  # multi-process runs (runtime.distributed, SLURM) join before any JAX work
     try:
         if _AUTOSIZE.value:
             print(autosize_line(_CONFIG.value, _AUTOSIZE.value), flush=True)
+        if _PRINT_CONFIG.value:
+            print("\n".join(config_lines(_CONFIG.value)))
+            return
         validate_config(_CONFIG.value)  # bad input or missing files: a message, not a traceback
     except ConfigError as e:
         sys.exit(f"error in --config={flags.FLAGS['config'].config_filename}: {e}")
@@ -72,4 +102,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main)

@@ -26,12 +26,15 @@ def parse(*args):
     bench.flags.FLAGS(["bench.py", *TINY, *args])
 
 
-def test_model_mode_writes_every_figure(tmp_path):
+def test_model_mode_writes_every_figure(tmp_path, monkeypatch):
     out = tmp_path / "qwen.json"
     parse("--family=qwenimage", "--what=forward,lora_fwd_bwd,full_fwd_bwd", f"--out={out}")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")  # restored (unset) after the test
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     result, path = bench.run_from_flags()
     assert path == str(out)
     written = json.loads(out.read_text())
+    assert written["mem_fraction"] == bench.MODEL_MEM_FRACTION == "0.95"  # set, as nobody had
     assert written["config"]["family"] == "qwenimage" and written["config"]["image_tokens"] == 8
     assert written["device"]["count"] >= 1 and written["device"]["kind"]
     assert written["versions"]["jax"] and written["versions"]["flax"] and "torch" in written["versions"]
@@ -233,6 +236,14 @@ def test_profile_sums_device_time_by_kernel(tmp_path):
     assert summary["class_ms"] == pytest.approx({"matmul": 4.0, "attention": 0.7, "copy": 0.5, "fusion/other": 0.25})
     assert summary["kernels"][0]["calls"] == 2 and summary["kernels"][0]["class"] == "matmul"
     assert "error" in bench.device_time_by_kernel(str(tmp_path / "none"))
+
+
+def test_memory_fraction_is_set_for_model_mode_only_and_never_overrides_the_user():
+    parse("--family=flux")
+    assert bench.set_memory_fraction(env := {}) == "0.95" and env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
+    assert bench.set_memory_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}) == "0.5"
+    parse("--mode=system")
+    assert bench.set_memory_fraction(env := {}) is None and env == {}
 
 
 def test_xla_flag_defaults_keep_what_the_user_set():

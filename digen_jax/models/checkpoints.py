@@ -67,10 +67,12 @@ def load_checkpoint(path: str, *, shardings=None, **policy) -> tuple[ModelFamily
     if shardings is not None and stored is not cfg:  # restore stacked, each block's sharding behind a layers axis
         shardings = layers.relayout_blocks(shardings, abstract, stack=lambda xs: _with_layers_axis(xs[0]))
     on_host = shardings is None and jax.process_count() > 1
-    if on_host:  # the saved device may belong to another process: restore onto this one's first
+    if shardings is None:
+        # Restored as saved, a checkpoint written from host arrays (every converted one) would
+        # come back as numpy, and one saved on devices onto a device that may belong to another
+        # process: restore onto this process's first device either way.
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), abstract)
-    if shardings is not None:
-        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
     try:
         params = ocp.StandardCheckpointer().restore(os.path.join(path, PARAMS_DIR), abstract)
     except (ValueError, FileNotFoundError, KeyError) as e:

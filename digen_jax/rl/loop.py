@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Callable
 
 import jax
@@ -23,6 +24,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from digen_jax.grid import image_grid
 from digen_jax.rewards import registry
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import losses, lora, optim
@@ -135,9 +137,7 @@ class Run:
     @property
     def writer(self):
         if self._writer is None:
-            from tensorboardX import SummaryWriter
-
-            self._writer = SummaryWriter(os.path.join(self.workdir, "tb"))
+            self._writer = summary_writer(os.path.join(self.workdir, "tb"))
         return self._writer
 
     # ---------------------------------------------------------------- prompts, decode + reward
@@ -177,6 +177,21 @@ class Run:
 
 
 _LAG0_KEYS = {f"{name}_{stat}" for name in LAG0_FIGURES for stat in ("mean", "max")}
+
+
+def summary_writer(logdir: str):
+    """A tensorboardX SummaryWriter. tensorboardX imports torch wherever it is installed (seconds
+    of start-up, and torch is no runtime dependency) only to accept torch tensors, which this loop
+    never logs: unless torch is loaded already, it is imported with `import torch` failing."""
+    hide_torch = "torch" not in sys.modules
+    if hide_torch:
+        sys.modules["torch"] = None  # the import system's "not importable" marker
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide_torch:
+            del sys.modules["torch"]
+    return SummaryWriter(logdir)
 
 
 def _host(metrics: dict) -> dict:
@@ -267,7 +282,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
             if config.train.image_every and (k + 1) % config.train.image_every == 0:
                 finals = executor.last_finals()[:: config.rl.group_size][:16]
                 if writes_files:
-                    run.writer.add_images("samples", run.images(finals), k + 1, dataformats="NHWC")
+                    prompts = run.task.prompt_text(executor.last_prompt_ids()[:: config.rl.group_size][:16])
+                    grid = np.asarray(image_grid(run.images(finals), prompts))
+                    run.writer.add_image("samples", grid, k + 1, dataformats="HWC")
             if pending is not None:
                 emit(*pending)  # the previous iteration's metrics: reading them does not stall this one
             pending = (k, plan, metrics)

@@ -152,6 +152,37 @@ def _validate_shapes(config) -> None:
         shapes_task(config)
     except ValueError as e:
         raise ConfigError(f"task: {e}") from None
+    if config.model.checkpoint:
+        _validate_shapes_checkpoint(config)
+
+
+# What ties a transformer to the shapes task: packed pixel tokens in and out, the text encoder's widths.
+_SHAPES_INTERFACE = ("in_channels", "out_dim", "joint_attention_dim", "pooled_projection_dim")
+
+
+def _validate_shapes_checkpoint(config) -> None:
+    """`model.checkpoint` of the shapes task: a converted model of `model.family` whose inputs and
+    outputs are the task's (the architecture of `model.arch` there; its depth and width are free)."""
+    c = config.model
+    key = f"model.checkpoint={c.checkpoint!r}"
+    if not os.path.exists(os.path.join(c.checkpoint, MODEL_JSON)):
+        raise ConfigError(f"{key} holds no converted model ({MODEL_JSON} missing): give a directory written by "
+                          "convert/diffusers_to_orbax.py, or leave it empty to pretrain on the task")
+    meta = _read_model_json(c.checkpoint)
+    if meta.get("family") != c.family:
+        raise ConfigError(f"{key} holds a {meta.get('family')!r} model; the shapes task trains "
+                          f"model.family={c.family!r}")
+    family = FAMILIES[c.family]
+    try:
+        found = family.config_from_diffusers(meta["config"])
+        wanted = family.config_cls(**c.arch.to_dict())
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+    differ = [f"{name}={getattr(found, name)} (the task needs {getattr(wanted, name)})"
+              for name in _SHAPES_INTERFACE if getattr(found, name) != getattr(wanted, name)]
+    if differ:
+        raise ConfigError(f"{key} does not fit the shapes task: {', '.join(differ)}; the task packs "
+                          "pixels 2x2 into 12 channels and encodes prompts at model.arch's widths")
 
 
 class _Workload:

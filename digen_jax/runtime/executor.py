@@ -525,6 +525,10 @@ class Executor:
         """Final latents of the last iteration's samples, in sample order (readable on every process)."""
         return to_every_process(jnp.concatenate([mesh_lib.put_batch(mb.traj.final, self.meshes.train) for mb in self._last]))
 
+    def last_prompt_ids(self) -> np.ndarray:
+        """The prompt id of each of the last iteration's samples, in `last_finals`' order."""
+        return np.concatenate([mb.prompt_ids for mb in self._last])
+
     @staticmethod
     def _fresh_acc() -> dict:
         return {"sum": GradSum(), "finite": True}
