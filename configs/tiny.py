@@ -82,7 +82,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.clip_range = 1e-4
     c.rl.policy_loss = "ppo"  # 'ppo' (PPO-clip) | 'grpo_guard' (ratio-normalised PPO-clip)
     c.rl.kl_beta = 0.0
-    c.rl.num_updates_per_batch = 1
+    # Two optimizer updates per batch, each on half of its micro-batches (Flow-GRPO's recipe): the
+    # second half is trained one update off-policy, which is where clip_frac and approx_kl move.
+    # Disaggregated runtime.modes make one update per iteration: set it to 1 there.
+    c.rl.num_updates_per_batch = 2
     c.rl.micro_batch_size = 112  # training units per gradient micro-batch
     c.rl.decoupled = False  # decoupled PPO (proximal policy) for off-policy updates
     c.rl.is_cap = ml_collections.config_dict.placeholder(float)
@@ -115,7 +118,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 10
     c.train.keep_checkpoints = 2
 
-    c.runtime = runtime_section()  # colocated, one micro-batch: the plain Flow-GRPO loop
+    c.runtime = runtime_section()  # colocated: the plain Flow-GRPO loop
+    c.runtime.micro_batches = 2  # one per update
     c.runtime.train_devices = 1  # the tiny model gains nothing from splitting over (fake) devices
     c.sharding = sharding_section()
     return c

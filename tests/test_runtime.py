@@ -140,6 +140,7 @@ def runtime_config(cache_dir, mode, **runtime):
     c.rl.micro_batch_size = 4  # 4 samples x 3 trained steps = 12 units per micro-batch
     c.rl.learning_rate = 1e-3
     c.rl.std_mode = "group"
+    c.rl.num_updates_per_batch = 1  # every mode makes the same single update
     c.train.iterations = 3
     c.train.eval_every = 0
     c.train.image_every = 0
