@@ -196,11 +196,18 @@ def test_tiny_demo_raises_reward(tiny_pretrained_cache, tmp_path):
     run = loop.Run(c, str(tmp_path / "run"), log=lambda _: None)
     executor = Executor(run, log=lambda _: None)
     before = run.evaluate(executor.state)
-    rewards = [executor.iteration(k)[1]["reward_mean"] for k in range(10)]
+    metrics = jax.device_get([executor.iteration(k)[1] for k in range(10)])
     after = run.evaluate(executor.state)
     executor.close()
+    rewards = [m["reward_mean"] for m in metrics]
     assert after - before > 0.1, (before, after)
     assert np.mean(rewards[-3:]) - np.mean(rewards[:3]) > 0.1, rewards
+    # The second update of each batch is off-policy: the ratio figures the console prints move.
+    clip = [f"{m['clip_frac']:.4f}" for m in metrics]
+    approx_kl = [f"{m['approx_kl']:.2e}" for m in metrics]
+    assert "0.0000" not in clip and len(set(clip)) > 1, clip
+    assert "0.00e+00" not in approx_kl and len(set(approx_kl)) > 1, approx_kl
+    assert all(m["logp_diff_max"] == 0 for m in metrics)  # the first update's units: exactly on-policy
 
 
 def test_lora_kl_and_off_policy_updates_run_in_the_loop(cache_dir, tmp_path):
