@@ -26,6 +26,7 @@ def small_config(cache_dir, **train):
     c.rl.group_size = 2
     c.rl.micro_batch_size = 8
     c.rl.num_updates_per_batch = 1
+    c.runtime.micro_batches = 1
     c.rl.learning_rate = 1e-3
     c.train.iterations = 4
     c.train.eval_every = 2
