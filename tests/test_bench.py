@@ -137,6 +137,21 @@ def test_help_documents_the_flags():
         assert flag in proc.stdout, flag
 
 
+def _tiny_qwenimage_config(path, overrides: str = ""):
+    """A config file: configs/qwenimage.py:tiny with one block, then the `overrides` lines."""
+    path.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.join(ROOT, 'configs')!r})\n"
+        "import qwenimage\n\n"
+        "def get_config():\n"
+        "    c = qwenimage.get_config('tiny')\n"
+        "    c.model.num_layers = 1\n"
+        f"{overrides}"
+        "    return c\n"
+    )
+    return path
+
+
 def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path, capsys):
     """Every requested schedule mode from one run: rates, measured task costs the simulator reads
     (colocated included), the splits of the timed iterations, and the traces next to the JSON,
@@ -146,17 +161,10 @@ def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path, capsys):
 
     out = tmp_path / "system.json"
     modes = ["colocated", "gap+tsp+tag+tcss"]
-    config_file = tmp_path / "system_config.py"
-    config_file.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {os.path.join(ROOT, 'configs')!r})\n"
-        "import qwenimage\n\n"
-        "def get_config():\n"
-        "    c = qwenimage.get_config('tiny')\n"
-        "    c.model.num_layers = 1\n"
+    config_file = _tiny_qwenimage_config(
+        tmp_path / "system_config.py",
         "    c.runtime.rollout_devices, c.runtime.micro_batches = 4, 2  # the other 4 train\n"
-        "    c.rl.prompts_per_iteration, c.rl.micro_batch_size = 4, 4\n"
-        "    return c\n"
+        "    c.rl.prompts_per_iteration, c.rl.micro_batch_size = 4, 4\n",
     )
     parse(
         "--mode=system", f"--config={config_file}", f"--modes={','.join(modes)}", "--iterations=2",
@@ -184,16 +192,7 @@ def test_system_mode_compares_onpolicy_anchors_in_one_run(tmp_path):
     """`--onpolicy_anchors=rollout,trainer`: each mode once per anchor from the same weights, with the
     ratio figures of the timed iterations; anchored on the trainer's pass the lag-0 log-ratio is 0."""
     out = tmp_path / "anchors.json"
-    config_file = tmp_path / "anchors_config.py"
-    config_file.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {os.path.join(ROOT, 'configs')!r})\n"
-        "import qwenimage\n\n"
-        "def get_config():\n"
-        "    c = qwenimage.get_config('tiny')\n"
-        "    c.model.num_layers = 1\n"
-        "    return c\n"
-    )
+    config_file = _tiny_qwenimage_config(tmp_path / "anchors_config.py")
     parse(
         "--mode=system", f"--config={config_file}", "--modes=colocated", "--onpolicy_anchors=rollout,trainer",
         "--iterations=1", "--warmup_iterations=0", f"--workdir={tmp_path / 'work'}", f"--out={out}",
