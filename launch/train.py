@@ -29,6 +29,7 @@ from ml_collections import config_flags
 
 from digen_jax import xla_flags
 from digen_jax.rl.loop import ConfigError, train, validate_config
+from digen_jax.runtime.checkpoints import RunStopped
 from digen_jax.runtime.distributed import initialize
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
@@ -38,6 +39,11 @@ _AUTOSIZE = flags.DEFINE_string(
     "Let the simulator choose runtime.rollout_devices, train_devices and micro_batches for the configured "
     "disaggregated runtime.mode: a pool spec such as 'h100:8' (launch/simulate.py --pool), or 'local' for "
     "this run's devices (their kind and count).",
+)
+_TRACEBACK = flags.DEFINE_bool(
+    "traceback", False,
+    "Show the Python traceback of expected errors (a bad config, a workdir in use, an unreadable checkpoint, a "
+    "full disk) as well as their message.",
 )
 
 
@@ -66,8 +72,15 @@ def main(argv):
             print(autosize_line(_CONFIG.value, _AUTOSIZE.value), flush=True)
         validate_config(_CONFIG.value)  # bad input or missing files: a message, not a traceback
     except ConfigError as e:
+        if _TRACEBACK.value:
+            raise
         sys.exit(f"error in --config={flags.FLAGS['config'].config_filename}: {e}")
-    train(_CONFIG.value, _WORKDIR.value, log=lambda msg: print(msg, flush=True))
+    try:
+        train(_CONFIG.value, _WORKDIR.value, log=lambda msg: print(msg, flush=True))
+    except RunStopped as e:  # an expected fault: its message says what to do (--traceback shows where)
+        if _TRACEBACK.value:
+            raise
+        sys.exit(f"stopped: {e}")
 
 
 if __name__ == "__main__":
