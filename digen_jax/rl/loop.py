@@ -285,12 +285,17 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
                 f"(rl.max_nonfinite_in_row={config.rl.max_nonfinite_in_row}); stopping"
             )
 
-    pending, saving = None, None
+    pending, saving = None, None  # saving: the checkpoint being written in the background
+
+    def settle(report: Callable[[str], None] | None = None) -> None:
+        nonlocal saving
+        step, saving = saving, None
+        _finish_save(run, step, report)
+
     try:
         for k in range(start, total):
             if saving is not None and not run.checkpoints.is_saving_in_progress():
-                _finish_save(run, saving)  # a failed save stops the run here, not at the next save
-                saving = None
+                settle()  # a failed save stops the run here, not at the next save
             plan, metrics = executor.iteration(k)
             if config.train.eval_every and (k + 1) % config.train.eval_every == 0:
                 executor.drain()  # evaluation's programs must not interleave with a group's prefetch
@@ -305,22 +310,21 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
             if config.train.checkpoint_every and (k + 1) % config.train.checkpoint_every == 0:
                 emit(*pending)  # a checkpoint never runs ahead of metrics.jsonl
                 pending = None
-                _finish_save(run, saving)
+                settle()
                 executor.save(run.checkpoints, k + 1)
                 saving = k + 1
         if pending is not None:
             executor.drain()  # the last iteration's prefetched rollouts belong to its timing
             emit(*pending)
         if total > start and (not config.train.checkpoint_every or total % config.train.checkpoint_every):
-            _finish_save(run, saving)
+            settle()
             executor.save(run.checkpoints, total)
             saving = total
-        _finish_save(run, saving)
-        saving = None
+        settle()
     finally:
         # Commit the saves already started even when an iteration fails (a reward server that
         # died, say): an exception leaving the process would discard the last good checkpoint.
-        _finish_save(run, saving, log)
+        settle(report=log)
         executor.close()
     if writes_files:
         run.writer.flush()

@@ -323,7 +323,8 @@ def load_init_from(manager: ocp.CheckpointManager, step: int, meta: dict, traina
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), trainable)
     try:
         restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item={"trainable": target}, partial_restore=True)))["state"]
+            state=ocp.args.PyTreeRestore(item={"trainable": target}, partial_restore=True,
+                                         restore_args=ocp.checkpoint_utils.construct_restore_args({"trainable": target}))))["state"]
     except Exception as e:  # noqa: BLE001 (a source written before fingerprints: its shapes are the check)
         raise RunStopped(f"train.init_from={config.train.init_from!r}: the trainable weights of checkpoint {step} "
                          f"do not load into this run's: {short_reason(e)}") from e
