@@ -22,16 +22,15 @@ from digen_jax.runtime import checkpoints
 from digen_jax.runtime.checkpoints import RunStopped, WorkdirLock
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
-from tests.test_train_loop import read_metrics, small_config
+from tests import test_train_loop as train_loop
+from tests.test_train_loop import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def lora_config(cache_dir, **train):
-    c = small_config(cache_dir, iterations=2, checkpoint_every=1, eval_every=0, image_every=0)
-    c.rl.lora_rank = 2  # lora_alpha 0: twice the rank
-    c.train.update(train)
-    return c
+    """test_train_loop's LoRA run (its compiled programs), checkpointed after each iteration."""
+    return train_loop.lora_config(cache_dir, **{"checkpoint_every": 1, **train})
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +93,12 @@ def test_init_from_loads_the_trainable_weights_with_a_fresh_optimizer(pretrain_c
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded), final)
     assert "loaded the trainable weights (LoRA adapters)" in logs[0] and "rl.lora_alpha: 4.0 in the checkpoint, 8.0 now" in logs[0]
 
+    c.rl.lora_alpha = 0.0  # the template's programs
     logs = []
     loop.train(c, str(tmp_path / "warm"), log=logs.append)
     assert any("train.init_from: loaded" in line for line in logs), logs
     rows = read_metrics(tmp_path / "warm")
-    assert [(r["step"], r["version"]) for r in rows] == [(1, 1)]  # iteration 0, optimizer step 0
+    assert [(r["step"], r["version"]) for r in rows] == [(1, 2)]  # iteration 0 from version 0: its two updates
 
     c.rl.lora_rank = 4
     with pytest.raises(RunStopped, match=r"do not fit this run's:\n  rl\.lora_rank: 2 in the checkpoint, 4 now"):
@@ -107,11 +107,13 @@ def test_init_from_loads_the_trainable_weights_with_a_fresh_optimizer(pretrain_c
 
 # ---------------------------------------------------------------- unreadable checkpoints
 def _damage(step_dir, variant):
-    data = max(glob.glob(f"{step_dir}/state/ocdbt.process_0/d/*"), key=os.path.getsize)
+    data = glob.glob(f"{step_dir}/state/ocdbt.process_0/d/*")
     if variant == "truncated data file":
-        with open(data, "r+b") as f:
-            f.truncate(os.path.getsize(data) // 2)
+        for path in data:
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
         return "state"
+    data = max(data, key=os.path.getsize)
     if variant == "garbage data file":
         with open(data, "r+b") as f:
             f.write(os.urandom(os.path.getsize(data)))
@@ -261,7 +263,7 @@ def test_launcher_prints_a_message_not_a_traceback(tmp_path):
 def test_measured_costs_travel_with_the_checkpoint(pretrain_cache_dir, tmp_path):
     """An elastic TAG split is chosen from measured task costs: the resumed run chooses from the
     costs its checkpoint recorded, as the uninterrupted run would, not from none."""
-    c = lora_config(pretrain_cache_dir)
+    c = train_loop.small_config(pretrain_cache_dir)
     c.runtime.update(mode="gap+tsp+tag", micro_batches=2, rollout_devices=4, train_devices=4, tag_microbatches=-1)
     c.rl.micro_batch_size = 4
     run = loop.Run(c, str(tmp_path), log=lambda _: None)
