@@ -27,7 +27,9 @@ evaluation samples roll out on the rollout role the same way (`sample`).
 Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
 split of each iteration is chosen by `plan.choose_split` from the task times measured in
 the previous iteration (with several processes, process 0's choice, broadcast: the plan must
-be the same everywhere); the first iteration uses no trainer rollouts and no prefetch.
+be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
+measured times travel with each checkpoint, so a resumed run's first split is the one the
+uninterrupted run chose.
 """
 from __future__ import annotations
 

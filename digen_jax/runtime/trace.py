@@ -11,7 +11,10 @@ would be wrong. The dispatching thread never waits on a device here.
 
 `trace.json` is a Chrome trace (JSON array format, opens in Perfetto or chrome://tracing).
 Events are appended as they complete, one per line, and the closing bracket is left out
-(the format allows it), so the trace of a killed run is still readable (`read_trace`).
+(the format allows it), so the trace of a killed run is still readable (`read_trace`). A
+resumed run goes on in the same file (`Tracer.resume`): an instant event marks the resume,
+the earlier run's events past the checkpoint are marked superseded, and timestamps go on
+from the last one.
 """
 from __future__ import annotations
 
