@@ -26,6 +26,7 @@ from typing import Callable
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from digen_jax.rl import lora
 from digen_jax.rl import workload as workload_lib
@@ -174,12 +175,14 @@ def disk_message(exc: BaseException, workdir: str, what: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- choosing a checkpoint
-def open_manager(workdir: str, config: ml_collections.ConfigDict) -> ocp.CheckpointManager:
-    """The run's orbax checkpoints, WORKDIR/checkpoints (asynchronous saves)."""
-    return ocp.CheckpointManager(
-        os.path.join(os.path.abspath(workdir), "checkpoints"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=config.train.keep_checkpoints, enable_async_checkpointing=True),
-    )
+def open_manager(workdir: str, config: ml_collections.ConfigDict, read_only: bool = False) -> ocp.CheckpointManager:
+    """The run's orbax checkpoints, WORKDIR/checkpoints (asynchronous saves); `read_only` for
+    another run's, which may be writing (nothing there is created or cleaned up)."""
+    if read_only:  # orbax warns of every option that would write
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    else:
+        options = ocp.CheckpointManagerOptions(max_to_keep=config.train.keep_checkpoints, enable_async_checkpointing=True)
+    return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"), options=options)
 
 
 def _structural_fault(step_dir: str) -> str | None:
@@ -218,6 +221,8 @@ def set_aside(manager: ocp.CheckpointManager, step: int, reason: str, policy: st
     if jax.process_index() == 0:
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         shutil.move(step_dir, dest)
+    if jax.process_count() > 1:  # every process reached the same decision; they go on once it is done
+        multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
     manager.reload()
     log(f"{paragraph} Moved it to {dest} and falling back to the previous checkpoint "
         "(train.on_corrupt_checkpoint='fallback').")
@@ -297,7 +302,10 @@ def check_init_from(config: ml_collections.ConfigDict, log: Callable[[str], None
     """`train.init_from`'s checkpoint, checked before any compute: (its manager, step, meta).
     RunStopped when there is none or its weights cannot fit this run's (naming the keys)."""
     source = os.path.abspath(os.path.expanduser(config.train.init_from))
-    manager = open_manager(source, config)
+    if not os.path.isdir(os.path.join(source, "checkpoints")):
+        raise RunStopped(f"train.init_from={config.train.init_from!r}: {source}/checkpoints does not exist "
+                         "(it names the workdir of the run to start from)")
+    manager = open_manager(source, config, read_only=True)
     step = manager.latest_step()
     if step is None:
         raise RunStopped(f"train.init_from={config.train.init_from!r}: {source}/checkpoints holds no checkpoint "
