@@ -242,7 +242,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
     if config.train.init_from and candidates:
         log(f"train.init_from={config.train.init_from!r} ignored: resuming this workdir's own checkpoints")
     elif config.train.init_from:
-        init_from = checkpoints.check_init_from(config, log)
+        init_from = checkpoints.check_init_from(config)
     run = Run(config, workdir, log)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     trace_path = os.path.join(workdir, "trace.json")

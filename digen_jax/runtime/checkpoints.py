@@ -37,6 +37,9 @@ CORRUPT_DIR = "corrupt_checkpoints"
 # Keys that shape the micro-batches a checkpoint carries (compared only when it carries some).
 _CARRIED_KEYS = ("task.resolution", "sampling.height", "sampling.width", "sampling.num_frames", "sampling.num_steps",
                  "rl.prompts_per_iteration", "rl.group_size", "runtime.micro_batches", "runtime.mode")
+# Keys that must match for another run's trainable weights to fit this run's.
+_WEIGHT_KEYS = ("model.family", "model.variant", "model.num_layers", "model.num_single_layers", "model.scan_layers",
+                "trainable", "rl.lora_rank", "rl.lora_targets")
 _DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
                 errno.EROFS: "the file system is read-only"}
@@ -258,11 +261,13 @@ def resume_candidates(manager: ocp.CheckpointManager, config: ml_collections.Con
         else:
             diff = differences(saved, current, carried=bool(meta["carried"]))
             if diff:
+                fits = not differences(saved, current, carried=False, keys=_WEIGHT_KEYS)
+                warm = (f" (with --config.train.init_from={os.path.dirname(str(manager.directory))} to start from "
+                        "these weights)") if fits else ""
                 raise RunStopped(
                     f"checkpoint {step} in {manager.directory} was written by a run whose config differs from this one "
                     "in what shapes the trained state:\n  " + "\n  ".join(diff) + "\nResume with the checkpoint's "
-                    "values, or start a new run in another --workdir (with --config.train.init_from="
-                    f"{os.path.dirname(str(manager.directory))} to start from these weights)."
+                    f"values, or start a new run in another --workdir{warm}."
                 )
         candidates.append(step)
     if steps and not candidates:
@@ -293,12 +298,7 @@ def restore_first_readable(executor, manager: ocp.CheckpointManager, candidates:
 
 
 # ---------------------------------------------------------------------------------- warm start
-# Keys that must match for another run's trainable weights to fit this run's.
-_WEIGHT_KEYS = ("model.family", "model.variant", "model.num_layers", "model.num_single_layers", "model.scan_layers",
-                "trainable", "rl.lora_rank", "rl.lora_targets")
-
-
-def check_init_from(config: ml_collections.ConfigDict, log: Callable[[str], None]) -> tuple[ocp.CheckpointManager, int, dict]:
+def check_init_from(config: ml_collections.ConfigDict) -> tuple[ocp.CheckpointManager, int, dict]:
     """`train.init_from`'s checkpoint, checked before any compute: (its manager, step, meta).
     RunStopped when there is none or its weights cannot fit this run's (naming the keys)."""
     source = os.path.abspath(os.path.expanduser(config.train.init_from))
