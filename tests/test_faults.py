@@ -277,3 +277,20 @@ def test_measured_costs_travel_with_the_checkpoint(pretrain_cache_dir, tmp_path)
     assert resumed.restore(run.checkpoints) == 1
     assert resumed.measured == first.measured and resumed.split_for(1) == split
     resumed.close()
+
+
+def test_base_model_id_tells_converted_checkpoints_apart(tmp_path):
+    """Two conversions of one architecture (other weights) differ; a copied checkpoint is the same base."""
+    import ml_collections
+
+    from digen_jax.models import FAMILIES, save_checkpoint
+
+    family = FAMILIES["flux"]
+    for name, seed in (("a", 1), ("b", 2)):
+        save_checkpoint(str(tmp_path / name), family, family.variants["tiny"],
+                        workload._random_params(family, family.variants["tiny"], seed=seed))
+    shutil.copytree(tmp_path / "a", tmp_path / "a_copy")
+    ids = {name: workload.base_model_id(ml_collections.ConfigDict({"model": {"checkpoint": str(tmp_path / name)}}))
+           for name in ("a", "b", "a_copy")}
+    assert ids["a"]["id"] != ids["b"]["id"] and ids["a"]["id"] == ids["a_copy"]["id"]
+    assert ids["a_copy"]["where"] == str(tmp_path / "a_copy")
