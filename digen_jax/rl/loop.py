@@ -190,8 +190,9 @@ def _keep_rows_through(path: str, step: int, log: Callable[[str], None]) -> None
                 rows.append(json.dumps(row) + "\n")
     if cut:
         log(f"{path}: dropped {cut} incomplete row(s) (an interrupted write)")
-    with open(path, "w") as f:
+    with open(f"{path}.tmp", "w") as f:  # replaced whole: a failed rewrite leaves the rows as they were
         f.writelines(rows)
+    os.replace(f"{path}.tmp", path)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print) -> TrainState:

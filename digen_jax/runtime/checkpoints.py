@@ -227,7 +227,7 @@ def set_aside(manager: ocp.CheckpointManager, step: int, reason: str, policy: st
     if jax.process_count() > 1:  # every process reached the same decision; they go on once it is done
         multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
     manager.reload()
-    log(f"{paragraph} Moved it to {dest} and falling back to the previous checkpoint "
+    log(f"{paragraph} Moved it to {dest}; the run resumes from the newest checkpoint that reads back "
         "(train.on_corrupt_checkpoint='fallback').")
 
 
