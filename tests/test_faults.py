@@ -294,3 +294,42 @@ def test_base_model_id_tells_converted_checkpoints_apart(tmp_path):
            for name in ("a", "b", "a_copy")}
     assert ids["a"]["id"] != ids["b"]["id"] and ids["a"]["id"] == ids["a_copy"]["id"]
     assert ids["a_copy"]["where"] == str(tmp_path / "a_copy")
+
+
+def test_a_trace_write_that_fails_reaches_the_loop_instead_of_hanging_it(tmp_path):
+    """The watcher thread that stamps a task writes its event; a full disk there must surface
+    to the dispatching thread (and let `wait` return), not end the watcher with the task pending."""
+    import threading
+
+    import jax.numpy as jnp
+
+    from digen_jax.runtime.plan import Task
+    from digen_jax.runtime.trace import Tracer
+
+    tracer = Tracer(str(tmp_path / "trace.json"))
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "trace.json"))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    tracer._file = FullDisk()
+    tracer.record(Task("update", "train", 0, 0, 1), jnp.ones(2), tracer.now())
+    raised = []
+
+    def wait():
+        try:
+            tracer.wait()
+        except OSError as e:
+            raised.append(e)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(30)
+    assert not waiter.is_alive() and raised and raised[0].errno == errno.ENOSPC
+    assert checkpoints.disk_error(raised[0]) == (errno.ENOSPC, str(tmp_path / "trace.json"))
