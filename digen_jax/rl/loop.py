@@ -207,6 +207,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
     # Several processes share the workdir; process 0 writes the metrics, trace and TensorBoard files.
     writes_files = jax.process_index() == 0
     lock = checkpoints.WorkdirLock(workdir) if writes_files else None
+    if lock is not None and lock.unsupported:
+        log(lock.unsupported)
     try:
         return _train(config, workdir, log, writes_files)
     except Exception as e:

@@ -109,11 +109,13 @@ def differences(saved: dict, current: dict, *, carried: bool, keys: tuple[str, .
 class WorkdirLock:
     """An exclusive `flock` on WORKDIR/run.lock for the run's lifetime. The kernel drops it when
     its process dies, so the lock of a killed run never blocks the next; the file records the
-    holder (pid, host, start time) for the message a second run gets."""
+    holder (pid, host, start time) for the message a second run gets. On a file system without
+    `flock` the run goes on unlocked and `unsupported` says why."""
 
     def __init__(self, workdir: str):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(os.path.abspath(workdir), LOCK_FILE)
+        self._fd, self.unsupported = None, None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -128,6 +130,12 @@ class WorkdirLock:
                 f"{holder.get('host', '?')}, started {holder.get('started', '?')}): two runs in one workdir would "
                 "interleave its metrics and checkpoints. Wait for that run to end, stop it, or use another --workdir."
             ) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            os.close(fd)
+            self.unsupported = f"{self.path} cannot be locked here ({e.strerror}): nothing keeps a second run out"
+            return
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
