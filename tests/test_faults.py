@@ -106,16 +106,18 @@ def test_init_from_loads_the_trainable_weights_with_a_fresh_optimizer(pretrain_c
 
 # ---------------------------------------------------------------- unreadable checkpoints
 def _damage(step_dir, variant):
-    data = glob.glob(f"{step_dir}/state/ocdbt.process_0/d/*")
-    if variant == "truncated data file":
+    # OCDBT keeps small arrays inline in its tree nodes and large ones in per-process data files:
+    # damage every data file, so that whatever layout orbax chose, the state cannot be read.
+    data = glob.glob(f"{step_dir}/state/**/d/*", recursive=True)
+    if variant == "truncated data files":
         for path in data:
             with open(path, "r+b") as f:
                 f.truncate(os.path.getsize(path) // 2)
         return "state"
-    data = max(data, key=os.path.getsize)
-    if variant == "garbage data file":
-        with open(data, "r+b") as f:
-            f.write(os.urandom(os.path.getsize(data)))
+    if variant == "garbage data files":
+        for path in data:
+            with open(path, "r+b") as f:
+                f.write(os.urandom(os.path.getsize(path)))
         return "state"
     if variant == "missing manifest":
         os.remove(f"{step_dir}/state/manifest.ocdbt")
@@ -130,7 +132,7 @@ def _damage(step_dir, variant):
     raise ValueError(variant)
 
 
-VARIANTS = ("truncated data file", "garbage data file", "missing manifest", "missing meta", "empty step dir")
+VARIANTS = ("truncated data files", "garbage data files", "missing manifest", "missing meta", "empty step dir")
 
 
 @pytest.mark.parametrize("variant", VARIANTS[1:])
@@ -147,9 +149,9 @@ def test_unreadable_latest_checkpoint_is_set_aside_for_the_previous_one(pretrain
 
 
 def test_fallback_retrains_to_the_uninterrupted_weights_and_the_trace_marks_the_resume(pretrain_cache_dir, template, copy):
-    """A truncated latest checkpoint: the run resumes from checkpoint 1 and trains iteration 1
+    """A latest checkpoint with truncated data files: the run resumes from checkpoint 1 and trains iteration 1
     again; its weights are the uninterrupted run's, and the trace says which events count."""
-    _damage(copy / "checkpoints" / "2", "truncated data file")
+    _damage(copy / "checkpoints" / "2", "truncated data files")
     before = read_trace(copy / "trace.json")
     logs = []
     state = loop.train(lora_config(pretrain_cache_dir), str(copy), log=logs.append)

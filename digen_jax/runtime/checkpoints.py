@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 from typing import Callable
 
@@ -285,6 +286,21 @@ def resume_candidates(manager: ocp.CheckpointManager, config: ml_collections.Con
     return candidates
 
 
+def _quiet_abandoned_reads() -> None:
+    """Keep quiet about the reads orbax abandons when a restore fails: their callbacks find its
+    event loop closed and Python would print each as an 'Exception ignored' traceback."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiet_abandoned_reads", False):
+        return
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.quiet_abandoned_reads = True
+    sys.unraisablehook = hook
+
+
 def restore_first_readable(executor, manager: ocp.CheckpointManager, candidates: list[int],
                            config: ml_collections.ConfigDict, log: Callable[[str], None]) -> int:
     """Restore the newest of `candidates` whose data reads back (`set_aside` for the others);
@@ -295,6 +311,7 @@ def restore_first_readable(executor, manager: ocp.CheckpointManager, candidates:
         except RunStopped:
             raise
         except Exception as e:  # noqa: BLE001 (a checkpoint that does not read back is the fault handled here)
+            _quiet_abandoned_reads()
             if disk_error(e):
                 raise RunStopped(disk_message(e, os.path.dirname(str(manager.directory)), f"reading checkpoint {step}")) from e
             set_aside(manager, step, short_reason(e), config.train.on_corrupt_checkpoint, log)
