@@ -100,6 +100,8 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.train.image_every = 10
     c.train.checkpoint_every = 20
     c.train.keep_checkpoints = 2
+    c.train.on_corrupt_checkpoint = "fallback"  # an unreadable latest checkpoint: "fallback" to the one before, or "stop"
+    c.train.init_from = ""  # a workdir: start from its latest checkpoint's trainable weights (fresh optimizer, iteration 0)
 
     # Colocated by default (any device count); on a multi-GPU host try e.g.
     # --config.runtime.mode=gap+tsp+tag+tcss --config.runtime.rollout_devices=2 --config.runtime.train_devices=2

@@ -117,6 +117,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.image_every = 10
     c.train.checkpoint_every = 10
     c.train.keep_checkpoints = 2
+    c.train.on_corrupt_checkpoint = "fallback"  # an unreadable latest checkpoint: "fallback" to the one before, or "stop"
+    c.train.init_from = ""  # a workdir: start from its latest checkpoint's trainable weights (fresh optimizer, iteration 0)
 
     c.runtime = runtime_section()  # colocated: the plain Flow-GRPO loop
     c.runtime.micro_batches = 2  # one per update

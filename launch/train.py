@@ -35,6 +35,7 @@ from ml_collections import config_flags
 
 from digen_jax import cli, xla_flags
 from digen_jax.rl.loop import ConfigError, train, validate_config
+from digen_jax.runtime.checkpoints import RunStopped
 from digen_jax.runtime.distributed import initialize
 
 with cli.config_override_errors():
@@ -50,6 +51,11 @@ _AUTOSIZE = flags.DEFINE_string(
     "Let the simulator choose runtime.rollout_devices, train_devices and micro_batches for the configured "
     "disaggregated runtime.mode: a pool spec such as 'h100:8' (launch/simulate.py --pool), or 'local' for "
     "this run's devices (their kind and count).",
+)
+_TRACEBACK = flags.DEFINE_bool(
+    "traceback", False,
+    "Show the Python traceback of expected errors (a bad config, a workdir in use, an unreadable checkpoint, a "
+    "full disk) as well as their message.",
 )
 
 
@@ -97,8 +103,15 @@ def main(argv):
             return
         validate_config(_CONFIG.value)  # bad input or missing files: a message, not a traceback
     except ConfigError as e:
+        if _TRACEBACK.value:
+            raise
         sys.exit(f"error in --config={flags.FLAGS['config'].config_filename}: {e}")
-    train(_CONFIG.value, _WORKDIR.value, log=lambda msg: print(msg, flush=True))
+    try:
+        train(_CONFIG.value, _WORKDIR.value, log=lambda msg: print(msg, flush=True))
+    except RunStopped as e:  # an expected fault: its message says what to do (--traceback shows where)
+        if _TRACEBACK.value:
+            raise
+        sys.exit(f"stopped: {e}")
 
 
 if __name__ == "__main__":

@@ -461,7 +461,7 @@ def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(runs, ki
     assert not (workdir / "checkpoints" / str(ITERATIONS)).exists(), "the run finished before it was killed"
     killed_rows = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
     assert killed_rows == list(range(1, KILLED_IN + 1))
-    killed_events = len(read_trace(workdir / "trace.json"))
+    killed_end = max(e["ts"] + e["dur"] for e in read_trace(workdir / "trace.json"))
 
     logs = []
     resumed = loop.train(kill_config(cache_dir, mode), str(workdir), log=logs.append)
@@ -474,17 +474,34 @@ def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(runs, ki
     final = jax.device_get(uninterrupted["executor"].state.trainable)
     for a, b in zip(jax.tree.leaves(jax.device_get(resumed.trainable)), jax.tree.leaves(final)):
         np.testing.assert_array_equal(a, b)
+    # The trace marks the resume; the resumed process's clock goes on after the killed one's.
+    (marker,) = read_trace(workdir / "trace.json", phases=("i",))
+    assert marker["args"]["resumed_from"] == KILLED_IN and marker["ts"] >= killed_end
+    events = read_trace(workdir / "trace.json")  # without the killed run's events the resume superseded
+    resumed_events = [e for e in events if e["ts"] >= marker["ts"]]
+    prefetch = runtime_config(cache_dir, mode).runtime.prefetch_microbatches
+    # Of the killed run's tasks past the checkpoint only what the checkpoint holds still counts:
+    # the prefetched micro-batches' rollouts and rewards, and the sync of the checkpointed update.
+    for e in events:
+        if e["ts"] < marker["ts"] and e["args"]["iteration"] >= KILLED_IN:
+            kind, args = e["args"]["kind"], e["args"]
+            assert (kind == "sync" and args["iteration"] == KILLED_IN
+                    or kind in ("rollout", "reward") and args["iteration"] == KILLED_IN and args["microbatch"] < prefetch), e
+    # The whole trace says which version generated and which update trained every sample, once.
+    generated = collections.Counter(sid for e in events if e["args"]["kind"] == "rollout" for sid in e["args"]["sample_ids"])
+    trained_all = collections.Counter(sid for e in events if e["args"]["kind"] == "train" for sid in e["args"]["sample_ids"])
+    batch, per_microbatch = 16, 4
+    assert set(generated.values()) == {1} and set(trained_all.values()) == {1}
+    assert sorted(trained_all) == list(range(ITERATIONS * batch))
     # The resumed process trained the killed iteration's samples once each, and took the ones
     # prefetched before the checkpoint from it instead of rolling them out again.
-    batch, per_microbatch = 16, 4
-    resumed_events = read_trace(workdir / "trace.json")[killed_events:]
 
     def sample_ids(kind):
         return collections.Counter(sid for e in resumed_events if e["args"]["kind"] == kind for sid in e["args"]["sample_ids"])
 
     trained, rolled = sample_ids("train"), sample_ids("rollout")
     assert sorted(trained) == list(range(KILLED_IN * batch, ITERATIONS * batch)) and set(trained.values()) == {1}
-    prefetched = runtime_config(cache_dir, mode).runtime.prefetch_microbatches * per_microbatch
+    prefetched = prefetch * per_microbatch
     assert set(trained) - set(rolled) == set(range(KILLED_IN * batch, KILLED_IN * batch + prefetched))
     assert set(rolled.values()) == {1}
 

@@ -211,9 +211,9 @@ def test_tiny_demo_raises_reward(tiny_pretrained_cache, tmp_path):
     assert all(m["logp_diff_max"] == 0 for m in metrics)  # the first update's units: exactly on-policy
 
 
-def test_lora_kl_and_off_policy_updates_run_in_the_loop(cache_dir, tmp_path):
+def lora_config(cache_dir, **train):
     """LoRA on the configured targets, a KL to the base, two updates per batch (the second off-policy)
-    with decoupled PPO and truncated importance weights."""
+    with decoupled PPO and truncated importance weights; two iterations."""
     c = small_config(cache_dir, iterations=2, eval_every=0, image_every=0, checkpoint_every=0)
     c.rl.lora_rank, c.rl.kl_beta = 2, 0.05
     c.rl.lora_merge_for_sampling = False
@@ -221,6 +221,12 @@ def test_lora_kl_and_off_policy_updates_run_in_the_loop(cache_dir, tmp_path):
     c.runtime.micro_batches = 2  # each update trains one micro-batch
     c.rl.micro_batch_size = 6  # 4 prompts x 2 samples x 3 trained steps, halved per update
     c.rl.clip_range = 1e-3
+    c.train.update(train)
+    return c
+
+
+def test_lora_kl_and_off_policy_updates_run_in_the_loop(cache_dir, tmp_path):
+    c = lora_config(cache_dir)
     state = loop.train(c, str(tmp_path), log=lambda _: None)
     rows = read_metrics(tmp_path)
     assert [r["version"] for r in rows] == [2, 4]

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 
 from digen_jax.grid import image_grid
 from digen_jax.rewards import registry
@@ -34,6 +33,7 @@ from digen_jax.rl.rollout import Conditioning, SamplerSpec
 from digen_jax.rl.timesteps import plan_steps, validate_step_selection
 from digen_jax.rl.trainer import LAG0_FIGURES, ONPOLICY_ANCHORS, LossConfig, Trainer, TrainState
 from digen_jax.rl.workload import ConfigError
+from digen_jax.runtime import checkpoints
 from digen_jax.runtime.executor import Executor, validate_runtime_config
 
 
@@ -70,6 +70,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"rl.onpolicy_anchor must be one of {ONPOLICY_ANCHORS}, got {rl.onpolicy_anchor!r}")
     if rl.lora_rank < 0:
         raise ConfigError(f"rl.lora_rank must be >= 0 (0 = full fine-tuning), got {rl.lora_rank}")
+    if config.train.on_corrupt_checkpoint not in checkpoints.ON_CORRUPT:
+        raise ConfigError(f"train.on_corrupt_checkpoint={config.train.on_corrupt_checkpoint!r} must be one of "
+                          f"{checkpoints.ON_CORRUPT}")
     try:
         validate_runtime_config(config, len(jax.devices()))
     except ValueError as e:
@@ -98,9 +101,8 @@ class Run:
             rl.learning_rate, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm
         )
         if rl.lora_rank:
-            alpha = rl.lora_alpha or 2.0 * rl.lora_rank
             trainable = lora.init_lora(base, rank=rl.lora_rank, target_patterns=list(rl.lora_targets), key=jax.random.key(config.seed + 1))
-            frozen, scale = base, lora.lora_scale(rl.lora_rank, alpha)
+            frozen, scale = base, lora.lora_scale(rl.lora_rank, lora.config_alpha(rl))
         else:
             trainable, frozen, scale = base, (base if rl.kl_beta > 0 else None), None
             if frozen is not None:
@@ -123,12 +125,7 @@ class Run:
         self.state = self.trainer.init_state(trainable)  # the initial state; the executor holds the live one
         # Every process saves and restores at the same points; with several, process 0 writes
         # (Executor.save says why) into a directory every process reads.
-        self.checkpoints = ocp.CheckpointManager(
-            os.path.join(os.path.abspath(workdir), "checkpoints"),
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=config.train.keep_checkpoints, enable_async_checkpointing=True
-            ),
-        )
+        self.checkpoints = checkpoints.open_manager(workdir, config)
         self.root_key = jax.random.key(config.seed)
         self.eval_ids, self.eval_cond = self.workload.eval_batch(config.train.eval_prompts)
         self.eval_keys = jax.random.split(jax.random.key(config.seed + 8), config.train.eval_prompts)
@@ -207,12 +204,24 @@ def _host(metrics: dict) -> dict:
     return out
 
 
-def _keep_rows_through(path: str, step: int) -> None:
-    """Drop metrics rows past `step` (written by a run killed after its last checkpoint)."""
+def _keep_rows_through(path: str, step: int, log: Callable[[str], None]) -> None:
+    """Drop metrics rows past `step` (written by a run killed after its last checkpoint) and any
+    row cut short (a write interrupted by a kill or a full disk)."""
+    rows, cut = [], 0
     with open(path) as f:
-        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(path, "w") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                cut += line.strip() != ""
+                continue
+            if row["step"] <= step:
+                rows.append(json.dumps(row) + "\n")
+    if cut:
+        log(f"{path}: dropped {cut} incomplete row(s) (an interrupted write)")
+    with open(f"{path}.tmp", "w") as f:  # replaced whole: a failed rewrite leaves the rows as they were
         f.writelines(rows)
+    os.replace(f"{path}.tmp", path)
 
 
 def _skip_reason(m: dict, rl) -> str:
@@ -228,20 +237,65 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
 
     Every iteration goes through the runtime executor in `config.runtime.mode` (colocated by
     default); its figures (samples/s, bubbles, staleness, sync time) are read one iteration late.
+    Expected faults (a workdir in use, a checkpoint of another config or unreadable, a full disk,
+    a failed save) raise `checkpoints.RunStopped` with a message.
     """
+    validate_config(config)
+    # Several processes share the workdir; process 0 writes the metrics, trace and TensorBoard files.
+    writes_files = jax.process_index() == 0
+    lock = checkpoints.WorkdirLock(workdir) if writes_files else None
+    if lock is not None and lock.unsupported:
+        log(lock.unsupported)
+    try:
+        return _train(config, workdir, log, writes_files)
+    except Exception as e:
+        if not isinstance(e, checkpoints.RunStopped) and checkpoints.disk_error(e):
+            raise checkpoints.RunStopped(checkpoints.disk_message(e, workdir, "writing the run's outputs")) from e
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _finish_save(run: Run, step: int | None, log: Callable[[str], None] | None = None) -> None:
+    """Wait for the save of checkpoint `step` (None: nothing pending) and turn its failure into
+    RunStopped (logged instead when `log` is given: another error is on its way out)."""
+    if step is None:
+        return
+    try:
+        run.checkpoints.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 (every failure of an asynchronous save ends up here)
+        what = f"saving checkpoint {step}"
+        message = (checkpoints.disk_message(e, run.workdir, what) if checkpoints.disk_error(e) else
+                   f"{what} failed: {checkpoints.short_reason(e)}; the run stopped (rerun to resume from the last "
+                   "good checkpoint)")
+        if log is None:
+            raise checkpoints.RunStopped(message) from e
+        log(message)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None], writes_files: bool) -> TrainState:
+    inspection = checkpoints.open_manager(workdir, config)
+    candidates = checkpoints.resume_candidates(inspection, config, log)  # before any compute
+    inspection.close()
+    init_from = None
+    if config.train.init_from and candidates:
+        log(f"train.init_from={config.train.init_from!r} ignored: resuming this workdir's own checkpoints")
+    elif config.train.init_from:
+        init_from = checkpoints.check_init_from(config)
     run = Run(config, workdir, log)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     trace_path = os.path.join(workdir, "trace.json")
-    # Several processes share the workdir; process 0 writes the metrics, trace and TensorBoard files.
-    writes_files = jax.process_index() == 0
-    if writes_files and run.checkpoints.latest_step() is None:
+    if writes_files and not candidates:
         for path in (metrics_path, trace_path):
             if os.path.exists(path):
                 os.remove(path)
+    if init_from is not None:
+        run.state = run.trainer.init_state(checkpoints.load_init_from(*init_from, run.state.trainable, config, log))
     executor = Executor(run, log=log)
-    start = executor.restore(run.checkpoints)
+    start = checkpoints.restore_first_readable(executor, run.checkpoints, candidates, config, log)
     if writes_files and start and os.path.exists(metrics_path):
-        _keep_rows_through(metrics_path, start)
+        _keep_rows_through(metrics_path, start, log)
     total = config.train.iterations
     log(f"training {total - start} iterations of {config.rl.prompts_per_iteration * config.rl.group_size} samples "
         f"(from iteration {start}) in {workdir}, runtime.mode={config.runtime.mode}")
@@ -272,9 +326,17 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
                 "The run diverges: lower rl.learning_rate or check the rewards"
             )
 
-    pending = None
+    pending, saving = None, None  # saving: the checkpoint being written in the background
+
+    def settle(report: Callable[[str], None] | None = None) -> None:
+        nonlocal saving
+        step, saving = saving, None
+        _finish_save(run, step, report)
+
     try:
         for k in range(start, total):
+            if saving is not None and not run.checkpoints.is_saving_in_progress():
+                settle()  # a failed save stops the run here, not at the next save
             plan, metrics = executor.iteration(k)
             if config.train.eval_every and (k + 1) % config.train.eval_every == 0:
                 executor.drain()  # evaluation's programs must not interleave with a group's prefetch
@@ -291,16 +353,21 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
             if config.train.checkpoint_every and (k + 1) % config.train.checkpoint_every == 0:
                 emit(*pending)  # a checkpoint never runs ahead of metrics.jsonl
                 pending = None
+                settle()
                 executor.save(run.checkpoints, k + 1)
+                saving = k + 1
         if pending is not None:
             executor.drain()  # the last iteration's prefetched rollouts belong to its timing
             emit(*pending)
         if total > start and (not config.train.checkpoint_every or total % config.train.checkpoint_every):
+            settle()
             executor.save(run.checkpoints, total)
+            saving = total
+        settle()
     finally:
         # Commit the saves already started even when an iteration fails (a reward server that
         # died, say): an exception leaving the process would discard the last good checkpoint.
-        run.checkpoints.wait_until_finished()
+        settle(report=log)
         executor.close()
     if writes_files:
         run.writer.flush()

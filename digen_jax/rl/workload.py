@@ -19,6 +19,7 @@ names the key.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Any
@@ -36,9 +37,9 @@ from digen_jax.data.encode import PIPELINES
 from digen_jax.data.prompts import CachedPrompts, RandomPrompts
 from digen_jax.data.shapes import ShapesTask
 from digen_jax.models import FAMILIES, load_checkpoint, vae_flux, vae_hunyuan_video, vae_wan
-from digen_jax.models.checkpoints import MODEL_JSON
+from digen_jax.models.checkpoints import MODEL_JSON, PARAMS_DIR
 from digen_jax.rewards import registry
-from digen_jax.rl.pretrain import pretrained_params
+from digen_jax.rl.pretrain import cache_key, pretrained_params
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, make_denoiser
 from digen_jax.rl.timesteps import plan_steps
 
@@ -129,6 +130,36 @@ def make_reward_fn(config: ml_collections.ConfigDict) -> registry.CombinedReward
 
 
 # ---------------------------------------------------------------------------------------- shapes
+
+
+def _pretrain_recipe(config: ml_collections.ConfigDict) -> tuple[Any, ShapesTask, dict]:
+    """The shapes task's base model as pretrained: (model config, task, pretraining arguments)."""
+    c, p = config.model, config.pretrain
+    model_cfg = FAMILIES[c.family].config_cls(**c.arch.to_dict(), **_policy(config))
+    args = dict(steps=p.steps, batch_size=p.batch_size, learning_rate=p.learning_rate, seed=config.seed,
+                guidance=config.sampling.guidance)
+    return model_cfg, shapes_task(config), args
+
+
+def base_model_id(config: ml_collections.ConfigDict) -> dict[str, str]:
+    """The run's base transformer, named without reading its weights: `id` changes whenever the
+    weights do (a converted checkpoint's model.json and orbax metadata, which orbax stamps at
+    each write; the pretraining recipe's cache key; random weights' variant and seed), `where`
+    says in words where they come from."""
+    c = config.model
+    if c.get("checkpoint"):
+        path = os.path.abspath(c.checkpoint)
+        digest = hashlib.sha256()
+        for name in (MODEL_JSON, os.path.join(PARAMS_DIR, "_CHECKPOINT_METADATA"), os.path.join(PARAMS_DIR, "_METADATA")):
+            if os.path.exists(os.path.join(path, name)):
+                with open(os.path.join(path, name), "rb") as f:
+                    digest.update(f.read())
+        return {"id": f"checkpoint {digest.hexdigest()[:16]}", "where": path}
+    if c.get("random_init"):
+        return {"id": f"random {c.variant} seed {config.seed}", "where": f"random {c.variant} weights (seed {config.seed})"}
+    model_cfg, task, args = _pretrain_recipe(config)
+    key = cache_key(model_cfg, task, **args)
+    return {"id": f"pretrained {key}", "where": os.path.join(os.path.abspath(os.path.expanduser(config.pretrain.cache_dir)), key)}
 
 
 def shapes_task(config: ml_collections.ConfigDict) -> ShapesTask:
@@ -225,23 +256,11 @@ class ShapesWorkload(_Workload):
 
     def _base_model(self):
         c = self.config.model
-        policy = _policy(self.config)
         if c.checkpoint:
-            return load_checkpoint(c.checkpoint, **policy)
-        family = FAMILIES[c.family]
-        model_cfg = family.config_cls(**c.arch.to_dict(), **policy)
-        p = self.config.pretrain
-        params = pretrained_params(
-            model_cfg,
-            self.task,
-            steps=p.steps,
-            batch_size=p.batch_size,
-            learning_rate=p.learning_rate,
-            seed=self.config.seed,
-            guidance=self.config.sampling.guidance,
-            cache_dir=os.path.expanduser(p.cache_dir),
-        )
-        return family, model_cfg, params
+            return load_checkpoint(c.checkpoint, **_policy(self.config))
+        model_cfg, task, args = _pretrain_recipe(self.config)
+        params = pretrained_params(model_cfg, task, **args, cache_dir=os.path.expanduser(self.config.pretrain.cache_dir))
+        return FAMILIES[c.family], model_cfg, params
 
     decoder_params = None  # pixel space: nothing to decode with
 

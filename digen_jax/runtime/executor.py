@@ -27,7 +27,9 @@ evaluation samples roll out on the rollout role the same way (`sample`).
 Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
 split of each iteration is chosen by `plan.choose_split` from the task times measured in
 the previous iteration (with several processes, process 0's choice, broadcast: the plan must
-be the same everywhere); the first iteration uses no trainer rollouts and no prefetch.
+be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
+measured times travel with each checkpoint, so a resumed run's first split is the one the
+uninterrupted run chose.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ from digen_jax.rl import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, Trajectory
 from digen_jax.rl.timesteps import plan_steps
 from digen_jax.rl.trainer import LAG0_FIGURES, GradSum, TrainState, build_units
+from digen_jax.runtime import checkpoints
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import to_every_process, transfer
@@ -603,20 +606,25 @@ class Executor:
         state = self.state
         if jax.process_count() > 1:
             state = jax.device_get(to_every_process(state))
-        items = {
-            "state": ocp.args.StandardSave(state),
-            "meta": ocp.args.JsonSave({"carried": [m.index for m in self.carried], "mode": self.mode}),
+        meta = {
+            "carried": [m.index for m in self.carried],
+            "mode": self.mode,
+            "fingerprint": checkpoints.fingerprint(self.config),
+            # The task costs measured so far: a resumed run chooses its elastic splits as this one would.
+            "measured": [[kind, group, values] for (kind, group), values in self.measured.items()],
         }
+        items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if self.carried:
             items["carried"] = ocp.args.StandardSave(self._carried_tree())
         manager.save(iterations_done, args=ocp.args.Composite(**items))
 
-    def restore(self, manager: ocp.CheckpointManager) -> int:
-        """Restore the latest checkpoint (state and prefetched micro-batches); the iteration to start from."""
-        latest = manager.latest_step()
+    def restore(self, manager: ocp.CheckpointManager, step: int | None = None) -> int:
+        """Restore checkpoint `step` (default: the latest) with its prefetched micro-batches and
+        measured task costs; the iteration to start from."""
+        latest = manager.latest_step() if step is None else step
         if latest is None:
             return 0
-        meta = manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        meta = checkpoints.read_meta(manager, latest)
         multi_process = jax.process_count() > 1
         # One process: straight onto the train shardings. Several: host arrays on every process
         # (as `save` wrote them), then each process places the slices of its own train devices.
@@ -645,6 +653,8 @@ class Executor:
             mb.rewards.set_result(np.asarray(saved["rewards"], np.float32))
             self.carried.append(mb)
         self.rollout_version = -1
+        self.measured = {(kind, group): list(values) for kind, group, values in meta.get("measured", [])}
+        self.tracer.resume(latest, kept={(latest, m.index) for m in self.carried})
         self.log(f"resumed from checkpoint {latest} (policy version {version}, {len(self.carried)} prefetched micro-batches)")
         return latest
 

@@ -11,7 +11,10 @@ would be wrong. The dispatching thread never waits on a device here.
 
 `trace.json` is a Chrome trace (JSON array format, opens in Perfetto or chrome://tracing).
 Events are appended as they complete, one per line, and the closing bracket is left out
-(the format allows it), so the trace of a killed run is still readable (`read_trace`).
+(the format allows it), so the trace of a killed run is still readable (`read_trace`). A
+resumed run goes on in the same file (`Tracer.resume`): an instant event marks the resume,
+the earlier run's events past the checkpoint are marked superseded, and timestamps go on
+from the last one.
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ class Tracer:
         self._idle = threading.Condition(self._lock)
         self._error: BaseException | None = None
         self._file = None
+        self._path = path
         if path:
             fresh = not os.path.exists(path) or os.path.getsize(path) == 0
             self._file = open(path, "a")
@@ -61,6 +65,47 @@ class Tracer:
 
     def now(self) -> float:
         return self.clock() - self.origin
+
+    def resume(self, iteration: int, kept: set[tuple[int, int]]) -> None:
+        """Mark the trace as resumed from the checkpoint taken before `iteration` (call it before
+        recording anything). The earlier run's events past that checkpoint (of iterations >=
+        `iteration`; a sync counts with the update it carries), which this run does again, get
+        `args.superseded = true`, except the rollouts and rewards of the `kept` (iteration,
+        micro-batch) pairs, which the checkpoint holds; a line cut by a kill is dropped. This run's
+        clock goes on from the trace's last timestamp, and an instant event marks the resume."""
+        if self._file is None:
+            return
+        self._file.close()
+        lines, end = [], 0.0
+        with open(self._path) as f:
+            for line in f:
+                line = line.strip().rstrip(",")
+                if line in ("", "[", "]"):
+                    continue
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if event.get("ph") == "X":
+                    args = event["args"]
+                    owner = args["iteration"] - 1 if args["kind"] == "sync" else args["iteration"]
+                    held = args["kind"] in ("rollout", "reward") and (args["iteration"], args["microbatch"]) in kept
+                    if owner >= iteration and not held:
+                        args["superseded"] = True
+                    end = max(end, (event["ts"] + event["dur"]) / 1e6)
+                elif "ts" in event:
+                    end = max(end, event["ts"] / 1e6)
+                lines.append(json.dumps(event))
+        tmp = f"{self._path}.tmp"
+        with open(tmp, "w") as f:
+            f.write("[\n" + "".join(line + ",\n" for line in lines))
+        os.replace(tmp, self._path)
+        self._file = open(self._path, "a")
+        self.origin = self.clock() - end
+        marker = {"name": f"resume from checkpoint {iteration}", "ph": "i", "s": "g", "pid": 0, "tid": 0,
+                  "ts": round(end * 1e6, 3), "args": {"resumed_from": iteration}}
+        self._file.write(json.dumps(marker) + ",\n")
+        self._file.flush()
 
     # ------------------------------------------------------------------ recording
     def record(self, task: Task, outputs: Any, dispatched: float, **args: Any) -> None:
@@ -131,9 +176,13 @@ class Tracer:
         with self._lock:
             self._ends[_key(task)] = end
             self.events.append(event)
-            if self._file is not None:
-                self._file.write(json.dumps(event) + ",\n")
-                self._file.flush()
+            try:
+                if self._file is not None:
+                    self._file.write(json.dumps(event) + ",\n")
+                    self._file.flush()
+            except OSError as e:  # a full disk, say: surfaced to the dispatching thread, the watcher goes on
+                self._error = e
+                self._file = None
             self._count(task, -1)
             self._idle.notify_all()
 
@@ -165,8 +214,10 @@ class Tracer:
             self._file = None
 
 
-def read_trace(path: str) -> list[dict]:
-    """Events of a trace written by `Tracer` (tolerates a missing bracket and a cut last line)."""
+def read_trace(path: str, *, superseded: bool = False, phases: tuple[str, ...] = ("X",)) -> list[dict]:
+    """Events of a trace written by `Tracer` (tolerates a missing bracket and a cut last line):
+    task events, without those a resumed run superseded (`Tracer.resume`) unless `superseded`;
+    `phases` picks other event types (`("i",)`: the resume markers)."""
     events = []
     with open(path) as f:
         for line in f:
@@ -177,7 +228,7 @@ def read_trace(path: str) -> list[dict]:
                 events.append(json.loads(line))
             except json.JSONDecodeError:
                 continue  # a line cut by a kill
-    return [e for e in events if e.get("ph") == "X"]
+    return [e for e in events if e.get("ph") in phases and (superseded or not e.get("args", {}).get("superseded"))]
 
 
 def group_busy(events: Iterable[dict], window: tuple[float, float]) -> dict[str, float]:

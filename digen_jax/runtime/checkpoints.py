@@ -1,0 +1,370 @@
+"""What makes resuming safe: the run fingerprint, the choice of checkpoint, the workdir lock, faults as messages.
+
+Fingerprint: the config keys that shape the train state (model family, variant and depth, the
+base model's identity, parameter dtype and block layout, LoRA rank/alpha/targets or full
+fine-tuning, EMA, the optimizer's structure) and those that shape the prefetched micro-batches a
+checkpoint may carry. Every checkpoint stores it in its `meta` item; a resume whose config
+differs stops before any compute, naming each key and both values. `train.init_from` is the
+deliberate way to start a new run from another run's weights.
+
+Faults: a checkpoint that cannot be read (an empty step directory, a missing or empty file, data
+that does not decode) is reported in one paragraph and, as `train.on_corrupt_checkpoint` says,
+moved to `WORKDIR/corrupt_checkpoints/` for the previous one ('fallback') or stops the run
+('stop'). A full disk or a permission error stops the run with one message naming the path.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from typing import Callable
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from digen_jax.rl import lora
+from digen_jax.rl import workload as workload_lib
+
+ON_CORRUPT = ("fallback", "stop")
+LOCK_FILE = "run.lock"
+CORRUPT_DIR = "corrupt_checkpoints"
+# Keys that shape the micro-batches a checkpoint carries (compared only when it carries some).
+_CARRIED_KEYS = ("task.resolution", "sampling.height", "sampling.width", "sampling.num_frames", "sampling.num_steps",
+                 "rl.prompts_per_iteration", "rl.group_size", "runtime.micro_batches", "runtime.mode")
+# Keys that must match for another run's trainable weights to fit this run's.
+_WEIGHT_KEYS = ("model.family", "model.variant", "model.num_layers", "model.num_single_layers", "model.scan_layers",
+                "trainable", "rl.lora_rank", "rl.lora_targets")
+_DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                errno.EROFS: "the file system is read-only"}
+_DISK_TEXTS = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+               "Permission denied": errno.EACCES, "Read-only file system": errno.EROFS}
+
+
+class RunStopped(Exception):
+    """An expected fault or user error: the message says what happened and what to do
+    (launch/train.py prints it without a traceback)."""
+
+
+# ---------------------------------------------------------------------------------- fingerprint
+def fingerprint(config: ml_collections.ConfigDict) -> dict:
+    """The keys that shape a run's checkpointed state (module docstring), as JSON values."""
+    m, rl = config.model, config.rl
+    fp = {"model.family": m.family}
+    for key in ("variant", "num_layers", "num_single_layers"):
+        if key in m:
+            fp[f"model.{key}"] = m[key]
+    fp["base model"] = workload_lib.base_model_id(config)
+    fp["model.param_dtype"] = m.param_dtype
+    fp["model.scan_layers"] = bool(m.scan_layers)
+    fp["trainable"] = "LoRA adapters" if rl.lora_rank else "all weights (full fine-tuning)"
+    fp["rl.lora_rank"] = rl.lora_rank
+    if rl.lora_rank:
+        fp["rl.lora_alpha"] = lora.config_alpha(rl)
+        fp["rl.lora_targets"] = list(rl.lora_targets)
+    fp["rl.ema"] = bool(rl.ema)
+    fp["optimizer"] = "adamw" if rl.max_grad_norm is None else "clip_by_global_norm, adamw"
+    carried = {}
+    for key in _CARRIED_KEYS:
+        section, name = key.split(".")
+        if section in config and name in config[section]:
+            carried[key] = config[section][name]
+    fp["carried"] = carried
+    return json.loads(json.dumps(fp))  # tuples as lists: compares equal to what a checkpoint read back holds
+
+
+def _show(value) -> str:
+    if isinstance(value, dict) and "id" in value:
+        return f"{value['where']} [{value['id']}]"
+    return "(none)" if value is None else json.dumps(value)
+
+
+def differences(saved: dict, current: dict, *, carried: bool, keys: tuple[str, ...] | None = None) -> list[str]:
+    """'key: saved value in the checkpoint, current value now' for each key that differs (the
+    carried micro-batches' keys only when `carried`; only `keys` when given)."""
+    lines = []
+    for key in dict.fromkeys([*saved, *current]):
+        if key == "carried" or (keys is not None and key not in keys):
+            continue
+        a, b = saved.get(key), current.get(key)
+        same = (a or {}).get("id") == (b or {}).get("id") if key == "base model" else a == b
+        if not same:
+            lines.append(f"{key}: {_show(a)} in the checkpoint, {_show(b)} now")
+    if carried:
+        a, b = saved.get("carried", {}), current.get("carried", {})
+        for key in dict.fromkeys([*a, *b]):
+            if a.get(key) != b.get(key):
+                lines.append(f"{key}: {_show(a.get(key))} in the checkpoint, {_show(b.get(key))} now "
+                             "(it holds micro-batches already generated for the next iteration)")
+    return lines
+
+
+# ---------------------------------------------------------------------------------- workdir lock
+class WorkdirLock:
+    """An exclusive `flock` on WORKDIR/run.lock for the run's lifetime. The kernel drops it when
+    its process dies, so the lock of a killed run never blocks the next; the file records the
+    holder (pid, host, start time) for the message a second run gets. On a file system without
+    `flock` the run goes on unlocked and `unsupported` says why."""
+
+    def __init__(self, workdir: str):
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(os.path.abspath(workdir), LOCK_FILE)
+        self._fd, self.unsupported = None, None
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.read(fd, 4096) or b"{}")
+            except ValueError:
+                holder = {}
+            os.close(fd)
+            raise RunStopped(
+                f"workdir {os.path.dirname(self.path)} is in use by another run (pid {holder.get('pid', '?')} on "
+                f"{holder.get('host', '?')}, started {holder.get('started', '?')}): two runs in one workdir would "
+                "interleave its metrics and checkpoints. Wait for that run to end, stop it, or use another --workdir."
+            ) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            os.close(fd)
+            self.unsupported = f"{self.path} cannot be locked here ({e.strerror}): nothing keeps a second run out"
+            return
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+# ---------------------------------------------------------------------------------- faults
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def short_reason(exc: BaseException) -> str:
+    """The innermost cause of `exc` in one line, without tensorstore's spec dumps."""
+    root = list(_chain(exc))[-1]
+    text = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
+    for cut in (" [tensorstore_spec", " [source locations", ". See full TensorStore details"):
+        text = text.split(cut)[0]
+    return text[:400]
+
+
+def disk_error(exc: BaseException) -> tuple[int, str] | None:
+    """(errno, path or '') when `exc` comes from a full disk or a permission error, else None."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+            return e.errno, e.filename or ""
+        for text, code in _DISK_TEXTS.items():
+            if text in str(e):
+                return code, ""
+    return None
+
+
+def disk_message(exc: BaseException, workdir: str, what: str) -> str:
+    code, path = disk_error(exc)
+    where = f" ({path})" if path else ""
+    fix = "free space there" if code in (errno.ENOSPC, errno.EDQUOT) else "make it writable by this user"
+    return (f"{what} failed: {_DISK_ERRNOS[code]}{where}; {fix} in or under {workdir}, then rerun the same "
+            f"command to resume from the last checkpoint.")
+
+
+# ---------------------------------------------------------------------------------- choosing a checkpoint
+def open_manager(workdir: str, config: ml_collections.ConfigDict, read_only: bool = False) -> ocp.CheckpointManager:
+    """The run's orbax checkpoints, WORKDIR/checkpoints (asynchronous saves); `read_only` for
+    another run's, which may be writing (nothing there is created or cleaned up)."""
+    if read_only:  # orbax warns of every option that would write
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    else:
+        options = ocp.CheckpointManagerOptions(max_to_keep=config.train.keep_checkpoints, enable_async_checkpointing=True)
+    return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"), options=options)
+
+
+def _structural_fault(step_dir: str) -> str | None:
+    """A fault visible without reading the data: an empty step directory, an empty data or
+    manifest file, a missing OCDBT manifest."""
+    if not os.listdir(step_dir):
+        return "the step directory is empty"
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            if (os.path.basename(root) == "d" or name in ("manifest.ocdbt", "metadata")) and os.path.getsize(path) == 0:
+                return f"{path} is empty (0 bytes)"
+    for item in os.listdir(step_dir):
+        item_dir = os.path.join(step_dir, item)
+        if os.path.isdir(os.path.join(item_dir, "ocdbt.process_0")) and not os.path.exists(os.path.join(item_dir, "manifest.ocdbt")):
+            return f"{os.path.join(item_dir, 'manifest.ocdbt')} is missing"
+    return None
+
+
+def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def set_aside(manager: ocp.CheckpointManager, step: int, reason: str, policy: str, log: Callable[[str], None]) -> None:
+    """Report checkpoint `step` as unreadable and apply `train.on_corrupt_checkpoint` (`policy`)."""
+    step_dir = os.path.join(str(manager.directory), str(step))
+    paragraph = f"checkpoint {step} ({step_dir}) cannot be read: {reason}."
+    if policy == "stop":
+        raise RunStopped(f"{paragraph} Stopping, as train.on_corrupt_checkpoint='stop' says: repair or remove it, "
+                         "or rerun with --config.train.on_corrupt_checkpoint=fallback to resume from the one before.")
+    workdir = os.path.dirname(str(manager.directory))
+    dest = os.path.join(workdir, CORRUPT_DIR, str(step))
+    n = 1
+    while os.path.exists(dest):
+        dest, n = os.path.join(workdir, CORRUPT_DIR, f"{step}.{n}"), n + 1
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.move(step_dir, dest)
+    if jax.process_count() > 1:  # every process reached the same decision; they go on once it is done
+        multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+    manager.reload()
+    log(f"{paragraph} Moved it to {dest}; the run resumes from the newest checkpoint that reads back "
+        "(train.on_corrupt_checkpoint='fallback').")
+
+
+def resume_candidates(manager: ocp.CheckpointManager, config: ml_collections.ConfigDict,
+                      log: Callable[[str], None]) -> list[int]:
+    """The checkpoints a resume may restore, newest first, checked before any compute: those that
+    are visibly unreadable are set aside (`set_aside`), and each one's fingerprint must match
+    `config`'s (RunStopped naming the keys otherwise). RunStopped too when checkpoints exist and
+    none is left: starting over would discard the run's outputs."""
+    policy = config.train.on_corrupt_checkpoint
+    current = fingerprint(config)
+    steps = sorted(manager.all_steps(), reverse=True)
+    candidates = []
+    for step in steps:
+        step_dir = os.path.join(str(manager.directory), str(step))
+        reason = _structural_fault(step_dir)
+        meta = None
+        if reason is None:
+            try:
+                meta = read_meta(manager, step)
+            except Exception as e:  # noqa: BLE001 (any failure to read it is the fault to report)
+                if disk_error(e):
+                    raise RunStopped(disk_message(e, os.path.dirname(step_dir), f"reading checkpoint {step}")) from e
+                reason = f"its meta item cannot be read ({short_reason(e)})"
+        if reason is not None:
+            set_aside(manager, step, reason, policy, log)
+            continue
+        saved = meta.get("fingerprint")
+        if saved is None:
+            log(f"checkpoint {step} records no run fingerprint (written by an older version): its config is not checked")
+        else:
+            diff = differences(saved, current, carried=bool(meta["carried"]))
+            if diff:
+                fits = not differences(saved, current, carried=False, keys=_WEIGHT_KEYS)
+                warm = (f" (with --config.train.init_from={os.path.dirname(str(manager.directory))} to start from "
+                        "these weights)") if fits else ""
+                raise RunStopped(
+                    f"checkpoint {step} in {manager.directory} was written by a run whose config differs from this one "
+                    "in what shapes the trained state:\n  " + "\n  ".join(diff) + "\nResume with the checkpoint's "
+                    f"values, or start a new run in another --workdir{warm}."
+                )
+        candidates.append(step)
+    if steps and not candidates:
+        raise RunStopped(f"no checkpoint in {manager.directory} can be read (they were moved to "
+                         f"{os.path.join(os.path.dirname(str(manager.directory)), CORRUPT_DIR)}); to start the run over, "
+                         "remove the workdir or use another --workdir.")
+    return candidates
+
+
+def _quiet_abandoned_reads() -> None:
+    """Keep quiet about the reads orbax abandons when a restore fails: their callbacks find its
+    event loop closed and Python would print each as an 'Exception ignored' traceback."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiet_abandoned_reads", False):
+        return
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.quiet_abandoned_reads = True
+    sys.unraisablehook = hook
+
+
+def restore_first_readable(executor, manager: ocp.CheckpointManager, candidates: list[int],
+                           config: ml_collections.ConfigDict, log: Callable[[str], None]) -> int:
+    """Restore the newest of `candidates` whose data reads back (`set_aside` for the others);
+    the iteration to start from (0 without candidates)."""
+    for step in candidates:
+        try:
+            return executor.restore(manager, step)
+        except RunStopped:
+            raise
+        except Exception as e:  # noqa: BLE001 (a checkpoint that does not read back is the fault handled here)
+            _quiet_abandoned_reads()
+            if disk_error(e):
+                raise RunStopped(disk_message(e, os.path.dirname(str(manager.directory)), f"reading checkpoint {step}")) from e
+            set_aside(manager, step, short_reason(e), config.train.on_corrupt_checkpoint, log)
+    if candidates:
+        raise RunStopped(f"no checkpoint in {manager.directory} can be read (they were moved to "
+                         f"{os.path.join(os.path.dirname(str(manager.directory)), CORRUPT_DIR)}); to start the run over, "
+                         "remove the workdir or use another --workdir.")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- warm start
+def check_init_from(config: ml_collections.ConfigDict) -> tuple[ocp.CheckpointManager, int, dict]:
+    """`train.init_from`'s checkpoint, checked before any compute: (its manager, step, meta).
+    RunStopped when there is none or its weights cannot fit this run's (naming the keys)."""
+    source = os.path.abspath(os.path.expanduser(config.train.init_from))
+    if not os.path.isdir(os.path.join(source, "checkpoints")):
+        raise RunStopped(f"train.init_from={config.train.init_from!r}: {source}/checkpoints does not exist "
+                         "(it names the workdir of the run to start from)")
+    manager = open_manager(source, config, read_only=True)
+    step = manager.latest_step()
+    if step is None:
+        raise RunStopped(f"train.init_from={config.train.init_from!r}: {source}/checkpoints holds no checkpoint "
+                         "(it names the workdir of the run to start from)")
+    try:
+        meta = read_meta(manager, step)
+    except Exception as e:  # noqa: BLE001 (reported as what it is: an unreadable source)
+        raise RunStopped(f"train.init_from={config.train.init_from!r}: checkpoint {step} cannot be read "
+                         f"({short_reason(e)})") from e
+    saved = meta.get("fingerprint")
+    if saved is not None:
+        diff = differences(saved, fingerprint(config), carried=False, keys=_WEIGHT_KEYS)
+        if diff:
+            raise RunStopped(f"train.init_from={config.train.init_from!r}: the trainable weights of its checkpoint "
+                             f"{step} do not fit this run's:\n  " + "\n  ".join(diff))
+    return manager, step, meta
+
+
+def load_init_from(manager: ocp.CheckpointManager, step: int, meta: dict, trainable,
+                   config: ml_collections.ConfigDict, log: Callable[[str], None]):
+    """The trainable weights of `train.init_from`'s checkpoint `step`, in `trainable`'s shapes and
+    placement (RunStopped when a leaf does not fit); logs what was loaded."""
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), trainable)
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item={"trainable": target}, partial_restore=True,
+                                         restore_args=ocp.checkpoint_utils.construct_restore_args({"trainable": target}))))["state"]
+    except Exception as e:  # noqa: BLE001 (a source written before fingerprints: its shapes are the check)
+        raise RunStopped(f"train.init_from={config.train.init_from!r}: the trainable weights of checkpoint {step} "
+                         f"do not load into this run's: {short_reason(e)}") from e
+    saved = meta.get("fingerprint") or {}
+    notes = differences(saved, fingerprint(config), carried=False,
+                        keys=tuple(k for k in saved if k not in _WEIGHT_KEYS)) if saved else []
+    log(f"train.init_from: loaded the trainable weights ({saved.get('trainable', 'trainable tree')}) of "
+        f"{manager.directory}/{step}; fresh optimizer state and EMA, starting at iteration 0"
+        + ("; that run differed in:\n  " + "\n  ".join(notes) if notes else ""))
+    return restored["trainable"]

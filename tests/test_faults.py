@@ -1,0 +1,337 @@
+"""Resume safety and faults: the run fingerprint, warm starts, unreadable checkpoints, a cut
+metrics row, failed saves, full disks, the workdir lock, the resumed trace, carried task costs.
+
+Most tests copy one finished LoRA run (two iterations, a checkpoint after each) and damage or
+change it; resuming to the last checkpoint restores without training.
+"""
+import errno
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from digen_jax.rl import loop, workload
+from digen_jax.runtime import checkpoints
+from digen_jax.runtime.checkpoints import RunStopped, WorkdirLock
+from digen_jax.runtime.executor import Executor
+from digen_jax.runtime.trace import read_trace
+from tests import test_train_loop as train_loop
+from tests.test_train_loop import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def lora_config(cache_dir, **train):
+    """test_train_loop's LoRA run (its compiled programs), checkpointed after each iteration."""
+    return train_loop.lora_config(cache_dir, **{"checkpoint_every": 1, **train})
+
+
+@pytest.fixture(scope="module")
+def template(pretrain_cache_dir, tmp_path_factory):
+    """A finished LoRA run with checkpoints 1 and 2: (workdir, its final trainable weights)."""
+    workdir = tmp_path_factory.mktemp("lora_run") / "run"
+    state = loop.train(lora_config(pretrain_cache_dir), str(workdir), log=lambda _: None)
+    return workdir, jax.device_get(state.trainable)
+
+
+@pytest.fixture
+def copy(template, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(template[0], workdir)
+    return workdir
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the base model was built before the check")
+
+    monkeypatch.setattr(workload, "pretrained_params", fail)
+
+
+# ---------------------------------------------------------------- fingerprint, warm start
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        # Another base model (another pretraining recipe) and another alpha: adapters at 2x on the wrong base.
+        (dict(lora_alpha=8.0, pretrain_steps=4), ["rl.lora_alpha: 4.0 in the checkpoint, 8.0 now", "base model: "]),
+        (dict(lora_rank=4), ["rl.lora_rank: 2 in the checkpoint, 4 now", "rl.lora_alpha: 4.0 in the checkpoint, 8.0 now"]),
+        (dict(lora_rank=0), ['trainable: "LoRA adapters" in the checkpoint, "all weights (full fine-tuning)" now',
+                             "rl.lora_rank: 2 in the checkpoint, 0 now"]),
+    ],
+)
+def test_resume_with_a_config_that_changes_the_state_stops_before_compute(pretrain_cache_dir, copy, no_compute, change, expected):
+    c = lora_config(pretrain_cache_dir)
+    c.rl.lora_alpha = change.get("lora_alpha", c.rl.lora_alpha)
+    c.rl.lora_rank = change.get("lora_rank", c.rl.lora_rank)
+    c.pretrain.steps = change.get("pretrain_steps", c.pretrain.steps)
+    with pytest.raises(RunStopped) as info:
+        loop.train(c, str(copy), log=lambda _: None)
+    message = str(info.value)
+    assert f"checkpoint 2 in {copy / 'checkpoints'}" in message
+    for line in expected:
+        assert line in message, message
+    assert not any(key in message for key in ("model.family", "rl.ema", "optimizer")), message  # only what differs
+    assert ("train.init_from" in message) == (change == dict(lora_alpha=8.0, pretrain_steps=4))  # only where the weights fit
+
+
+def test_init_from_loads_the_trainable_weights_with_a_fresh_optimizer(pretrain_cache_dir, template, tmp_path):
+    source, final = template
+    # Another alpha and base are a deliberate choice here; the weights' shapes must fit.
+    c = lora_config(pretrain_cache_dir, iterations=1, checkpoint_every=0, init_from=str(source))
+    c.rl.lora_alpha = 8.0
+    run = loop.Run(c, str(tmp_path / "direct"), log=lambda _: None)
+    logs = []
+    loaded = checkpoints.load_init_from(*checkpoints.check_init_from(c), run.state.trainable, c, logs.append)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded), final)
+    assert "loaded the trainable weights (LoRA adapters)" in logs[0] and "rl.lora_alpha: 4.0 in the checkpoint, 8.0 now" in logs[0]
+
+    c.rl.lora_alpha = 0.0  # the template's programs
+    logs = []
+    loop.train(c, str(tmp_path / "warm"), log=logs.append)
+    assert any("train.init_from: loaded" in line for line in logs), logs
+    rows = read_metrics(tmp_path / "warm")
+    assert [(r["step"], r["version"]) for r in rows] == [(1, 2)]  # iteration 0 from version 0: its two updates
+
+    c.rl.lora_rank = 4
+    with pytest.raises(RunStopped, match=r"do not fit this run's:\n  rl\.lora_rank: 2 in the checkpoint, 4 now"):
+        loop.train(c, str(tmp_path / "other"), log=lambda _: None)
+
+
+# ---------------------------------------------------------------- unreadable checkpoints
+def _damage(step_dir, variant):
+    # OCDBT keeps small arrays inline in its tree nodes and large ones in per-process data files:
+    # damage every data file, so that whatever layout orbax chose, the state cannot be read.
+    data = glob.glob(f"{step_dir}/state/**/d/*", recursive=True)
+    if variant == "truncated data files":
+        for path in data:
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+        return "state"
+    if variant == "garbage data files":
+        for path in data:
+            with open(path, "r+b") as f:
+                f.write(os.urandom(os.path.getsize(path)))
+        return "state"
+    if variant == "missing manifest":
+        os.remove(f"{step_dir}/state/manifest.ocdbt")
+        return "manifest.ocdbt is missing"
+    if variant == "missing meta":
+        shutil.rmtree(f"{step_dir}/meta")
+        return "meta"
+    if variant == "empty step dir":
+        shutil.rmtree(step_dir)
+        os.makedirs(step_dir)
+        return "the step directory is empty"
+    raise ValueError(variant)
+
+
+VARIANTS = ("truncated data files", "garbage data files", "missing manifest", "missing meta", "empty step dir")
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+def test_unreadable_latest_checkpoint_is_set_aside_for_the_previous_one(pretrain_cache_dir, copy, variant):
+    hint = _damage(copy / "checkpoints" / "2", variant)
+    logs = []
+    loop.train(lora_config(pretrain_cache_dir, iterations=1), str(copy), log=logs.append)  # to checkpoint 1: no training
+    report = [line for line in logs if "cannot be read" in line]
+    assert len(report) == 1 and f"checkpoint 2 ({copy / 'checkpoints' / '2'}) cannot be read" in report[0], logs
+    assert hint in report[0] and "resumes from the newest checkpoint that reads back" in report[0] and len(report[0]) < 800
+    assert any("resumed from checkpoint 1" in line for line in logs), logs
+    assert os.listdir(copy / "checkpoints") == ["1"] and os.listdir(copy / "corrupt_checkpoints") == ["2"]
+    assert [r["step"] for r in read_metrics(copy)] == [1]
+
+
+def test_fallback_retrains_to_the_uninterrupted_weights_and_the_trace_marks_the_resume(pretrain_cache_dir, template, copy):
+    """A latest checkpoint with truncated data files: the run resumes from checkpoint 1 and trains iteration 1
+    again; its weights are the uninterrupted run's, and the trace says which events count."""
+    _damage(copy / "checkpoints" / "2", "truncated data files")
+    before = read_trace(copy / "trace.json")
+    logs = []
+    state = loop.train(lora_config(pretrain_cache_dir), str(copy), log=logs.append)
+    assert any("checkpoint 2" in line and "cannot be read" in line for line in logs), logs
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.trainable), template[1])
+    assert [r["step"] for r in read_metrics(copy)] == [1, 2]
+
+    markers = read_trace(copy / "trace.json", phases=("i",))
+    assert [m["args"]["resumed_from"] for m in markers] == [1]
+    everything = read_trace(copy / "trace.json", superseded=True)
+    superseded = [e for e in everything if e["args"].get("superseded")]
+    assert superseded and {e["args"]["iteration"] for e in superseded} == {1}  # the earlier run's iteration 1
+    last_before = max(e["ts"] + e["dur"] for e in before)
+    after = everything[len(before):]
+    assert markers[0]["ts"] >= last_before and all(e["ts"] >= markers[0]["ts"] for e in after)  # monotonic
+    # What counts: every sample generated once and trained once, by the update of its iteration.
+    events = read_trace(copy / "trace.json")
+    for kind in ("rollout", "train"):
+        ids = [sid for e in events if e["args"]["kind"] == kind for sid in e["args"]["sample_ids"]]
+        assert sorted(ids) == list(range(16)), kind
+
+
+def test_stop_policy_refuses_an_unreadable_checkpoint(pretrain_cache_dir, copy):
+    _damage(copy / "checkpoints" / "2", "empty step dir")
+    with pytest.raises(RunStopped, match=r"checkpoint 2 .* cannot be read: the step directory is empty\. Stopping"):
+        loop.train(lora_config(pretrain_cache_dir, iterations=1, on_corrupt_checkpoint="stop"), str(copy), log=lambda _: None)
+    assert sorted(os.listdir(copy / "checkpoints")) == ["1", "2"]  # nothing moved
+
+
+def test_a_cut_metrics_row_is_dropped_on_resume(pretrain_cache_dir, copy):
+    with open(copy / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward_me')  # a write cut by a kill or a full disk
+    logs = []
+    loop.train(lora_config(pretrain_cache_dir), str(copy), log=logs.append)
+    assert [r["step"] for r in read_metrics(copy)] == [1, 2]
+    assert any("dropped 1 incomplete row" in line for line in logs), logs
+
+
+# ---------------------------------------------------------------- failed saves, full disk
+def test_a_failed_asynchronous_save_stops_the_run(pretrain_cache_dir, tmp_path, monkeypatch):
+    from orbax.checkpoint._src.path import async_path
+
+    async def disk_full(*args, **kwargs):  # the rename that commits a checkpoint, in orbax's save thread
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "checkpoints" / "1"))
+
+    monkeypatch.setattr(async_path, "rename", disk_full)
+    with pytest.raises(RunStopped) as info:
+        loop.train(lora_config(pretrain_cache_dir, iterations=3), str(tmp_path / "run"), log=lambda _: None)
+    message = str(info.value)
+    assert message.startswith("saving checkpoint 1 failed: the disk is full") and "rerun" in message, message
+    assert len(message.splitlines()) == 1
+    assert len(read_metrics(tmp_path / "run")) < 3  # it did not run on to the end
+
+
+@pytest.mark.parametrize("code, words", [(errno.ENOSPC, "the disk is full"), (errno.EACCES, "permission denied")])
+def test_a_full_disk_or_a_permission_error_is_one_message(pretrain_cache_dir, tmp_path, monkeypatch, code, words):
+    metrics = str(tmp_path / "run" / "metrics.jsonl")
+
+    def failing_open(path, mode="r", *args, **kwargs):
+        if str(path) == metrics and "a" in mode:
+            raise OSError(code, os.strerror(code), metrics)
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "open", failing_open, raising=False)  # the loop's own writes
+    with pytest.raises(RunStopped) as info:
+        loop.train(lora_config(pretrain_cache_dir, iterations=1), str(tmp_path / "run"), log=lambda _: None)
+    assert str(info.value).startswith(f"writing the run's outputs failed: {words} ({metrics})"), str(info.value)
+    WorkdirLock(str(tmp_path / "run")).release()  # the stopped run released its workdir
+
+
+# ---------------------------------------------------------------- workdir lock
+_HOLD_LOCK = """
+import sys
+from digen_jax.runtime.checkpoints import WorkdirLock
+WorkdirLock(sys.argv[1])
+print("LOCKED", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_run_in_a_workdir_stops_and_a_dead_holder_does_not_block(pretrain_cache_dir, tmp_path, no_compute):
+    workdir = str(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, workdir], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+        with pytest.raises(RunStopped, match=rf"workdir {workdir} is in use by another run \(pid {holder.pid} on "):
+            loop.train(lora_config(pretrain_cache_dir), workdir, log=lambda _: None)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.communicate()
+    lock = WorkdirLock(workdir)  # the killed holder's lock file is still there; its lock is not
+    lock.release()
+
+
+def test_launcher_prints_a_message_not_a_traceback(tmp_path):
+    workdir = str(tmp_path / "run")
+    lock = WorkdirLock(workdir)
+    try:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+        out = subprocess.run([sys.executable, "launch/train.py", "--config=configs/tiny.py", f"--workdir={workdir}"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        lock.release()
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"stopped: workdir {workdir} is in use by another run (pid {os.getpid()}" in out.stderr
+
+
+# ---------------------------------------------------------------- elastic splits
+def test_measured_costs_travel_with_the_checkpoint(pretrain_cache_dir, tmp_path):
+    """An elastic TAG split is chosen from measured task costs: the resumed run chooses from the
+    costs its checkpoint recorded, as the uninterrupted run would, not from none."""
+    c = train_loop.small_config(pretrain_cache_dir)
+    c.runtime.update(mode="gap+tsp+tag", micro_batches=2, rollout_devices=4, train_devices=4, tag_microbatches=-1)
+    c.rl.micro_batch_size = 4
+    run = loop.Run(c, str(tmp_path), log=lambda _: None)
+    first = Executor(run, log=lambda _: None)
+    first.measured = {("rollout", "rollout"): [4.0, 4.2], ("train", "train"): [1.0], ("rollout", "train"): [4.0]}
+    split = first.split_for(1)
+    assert split[0] > 0  # rollout is slow: the trainer takes a micro-batch
+    first.save(run.checkpoints, 1)
+    run.checkpoints.wait_until_finished()
+    first.close()
+    resumed = Executor(run, log=lambda _: None)
+    assert resumed.restore(run.checkpoints) == 1
+    assert resumed.measured == first.measured and resumed.split_for(1) == split
+    resumed.close()
+
+
+def test_base_model_id_tells_converted_checkpoints_apart(tmp_path):
+    """Two conversions of one architecture (other weights) differ; a copied checkpoint is the same base."""
+    import ml_collections
+
+    from digen_jax.models import FAMILIES, save_checkpoint
+
+    family = FAMILIES["flux"]
+    for name, seed in (("a", 1), ("b", 2)):
+        save_checkpoint(str(tmp_path / name), family, family.variants["tiny"],
+                        workload._random_params(family, family.variants["tiny"], seed=seed))
+    shutil.copytree(tmp_path / "a", tmp_path / "a_copy")
+    ids = {name: workload.base_model_id(ml_collections.ConfigDict({"model": {"checkpoint": str(tmp_path / name)}}))
+           for name in ("a", "b", "a_copy")}
+    assert ids["a"]["id"] != ids["b"]["id"] and ids["a"]["id"] == ids["a_copy"]["id"]
+    assert ids["a_copy"]["where"] == str(tmp_path / "a_copy")
+
+
+def test_a_trace_write_that_fails_reaches_the_loop_instead_of_hanging_it(tmp_path):
+    """The watcher thread that stamps a task writes its event; a full disk there must surface
+    to the dispatching thread (and let `wait` return), not end the watcher with the task pending."""
+    import threading
+
+    import jax.numpy as jnp
+
+    from digen_jax.runtime.plan import Task
+    from digen_jax.runtime.trace import Tracer
+
+    tracer = Tracer(str(tmp_path / "trace.json"))
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "trace.json"))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    tracer._file = FullDisk()
+    tracer.record(Task("update", "train", 0, 0, 1), jnp.ones(2), tracer.now())
+    raised = []
+
+    def wait():
+        try:
+            tracer.wait()
+        except OSError as e:
+            raised.append(e)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(30)
+    assert not waiter.is_alive() and raised and raised[0].errno == errno.ENOSPC
+    assert checkpoints.disk_error(raised[0]) == (errno.ENOSPC, str(tmp_path / "trace.json"))
