@@ -38,7 +38,7 @@ import dataclasses
 import functools
 import os
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
