@@ -34,6 +34,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from digen_jax import cli, xla_flags
+from digen_jax.rewards.remote import RemoteRewardError
 from digen_jax.rl.loop import ConfigError, train, validate_config
 from digen_jax.runtime.checkpoints import RunStopped
 from digen_jax.runtime.distributed import initialize
@@ -108,7 +109,9 @@ def main(argv):
         sys.exit(f"error in --config={flags.FLAGS['config'].config_filename}: {e}")
     try:
         train(_CONFIG.value, _WORKDIR.value, log=lambda msg: print(msg, flush=True))
-    except RunStopped as e:  # an expected fault: its message says what to do (--traceback shows where)
+    except (RunStopped, FloatingPointError, RemoteRewardError) as e:
+        # An expected fault (a workdir in use, an unreadable checkpoint, a full disk, diverged
+        # updates, a reward server that stopped answering): its message says what to do.
         if _TRACEBACK.value:
             raise
         sys.exit(f"stopped: {e}")

@@ -299,6 +299,18 @@ def test_train_script_reports_missing_inputs(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_train_script_reports_diverged_updates_without_a_traceback(tmp_path):
+    """Updates the divergence guard skips (here: any update at all, under a bound of 1e-12 of the
+    weights' norm) stop the run after rl.max_nonfinite_in_row with a message, exit status 1."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "train.py"), f"--config={ROOT}/configs/qwenimage.py:tiny",
+         f"--workdir={tmp_path}", "--config.model.num_layers=1", "--config.rl.max_update_ratio=1e-12",
+         "--config.rl.max_nonfinite_in_row=1"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "stopped:" in result.stderr and "rl.max_update_ratio" in result.stderr, result.stderr[-3000:]
+
+
 def test_train_script_reports_an_unknown_config_key(tmp_path):
     """A mistyped `--config.KEY` override: one line with ml_collections' hint and exit status 2,
     not a chained traceback."""
