@@ -76,7 +76,7 @@ class Tracer:
         if self._file is None:
             return
         self._file.close()
-        lines, end = [], 0.0
+        lines, end_us = [], 0.0  # microseconds, as the events hold them: the marker lands exactly at the last end
         with open(self._path) as f:
             for line in f:
                 line = line.strip().rstrip(",")
@@ -92,18 +92,18 @@ class Tracer:
                     held = args["kind"] in ("rollout", "reward") and (args["iteration"], args["microbatch"]) in kept
                     if owner >= iteration and not held:
                         args["superseded"] = True
-                    end = max(end, (event["ts"] + event["dur"]) / 1e6)
+                    end_us = max(end_us, event["ts"] + event["dur"])
                 elif "ts" in event:
-                    end = max(end, event["ts"] / 1e6)
+                    end_us = max(end_us, event["ts"])
                 lines.append(json.dumps(event))
         tmp = f"{self._path}.tmp"
         with open(tmp, "w") as f:
             f.write("[\n" + "".join(line + ",\n" for line in lines))
         os.replace(tmp, self._path)
         self._file = open(self._path, "a")
-        self.origin = self.clock() - end
+        self.origin = self.clock() - end_us / 1e6
         marker = {"name": f"resume from checkpoint {iteration}", "ph": "i", "s": "g", "pid": 0, "tid": 0,
-                  "ts": round(end * 1e6, 3), "args": {"resumed_from": iteration}}
+                  "ts": end_us, "args": {"resumed_from": iteration}}
         self._file.write(json.dumps(marker) + ",\n")
         self._file.flush()
 
