@@ -13,9 +13,7 @@ CPU smoke run of the tiny variant: --config=configs/qwenimage.py:tiny
 """
 import ml_collections
 
-from digen_jax.rl.lora import ATTENTION_MLP_TARGETS
-from digen_jax.rl.workload import tiny_overrides
-from digen_jax.runtime.config import runtime_section, sharding_section
+from configs.sections import ATTENTION_MLP_TARGETS, runtime_section, sharding_section, tiny_overrides
 
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
@@ -109,4 +107,4 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     # LoRA: the frozen base is replicated on every train device (data parallel, one adapter-gradient
     # all-reduce per micro-batch) instead of FSDP's per-layer gathers; README 'Benchmarks' says why.
     c.sharding = sharding_section(fsdp=False)
-    return tiny_overrides(c) if size == "tiny" else c
+    return tiny_overrides(c, video=False, trained_steps=2) if size == "tiny" else c

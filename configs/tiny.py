@@ -11,8 +11,7 @@ then trains it against a programmatic reward that checks colour, shape and posit
 """
 import ml_collections
 
-from digen_jax.rl.lora import ATTENTION_MLP_TARGETS
-from digen_jax.runtime.config import runtime_section, sharding_section
+from configs.sections import ATTENTION_MLP_TARGETS, runtime_section, sharding_section
 
 
 def get_config() -> ml_collections.ConfigDict:

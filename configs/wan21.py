@@ -15,9 +15,7 @@ CPU smoke run of the tiny variant: --config=configs/wan21.py:tiny
 """
 import ml_collections
 
-from digen_jax.rl.lora import ATTENTION_MLP_TARGETS
-from digen_jax.rl.workload import tiny_overrides
-from digen_jax.runtime.config import runtime_section, sharding_section
+from configs.sections import ATTENTION_MLP_TARGETS, runtime_section, sharding_section, tiny_overrides
 
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
@@ -115,4 +113,4 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     # LoRA: the frozen base is replicated on every train device (data parallel, one adapter-gradient
     # all-reduce per micro-batch) instead of FSDP's per-layer gathers; README 'Benchmarks' says why.
     c.sharding = sharding_section(fsdp=False)
-    return tiny_overrides(c) if size == "tiny" else c
+    return tiny_overrides(c, video=True, trained_steps=3) if size == "tiny" else c

@@ -55,6 +55,7 @@ from absl import flags
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configs.sections import ATTENTION_MLP_TARGETS
 from digen_jax import cli  # noqa: E402  (imports neither jax nor torch)
 # jax, torch and digen_jax are imported inside the functions that use them: `--help` stays fast,
 # and nothing initialises a GPU backend before the PyTorch peer has run and exited.
@@ -97,7 +98,7 @@ _LORA_RANK = flags.DEFINE_integer("lora_rank", 64, "LoRA rank for lora_fwd_bwd."
 _LORA_ALPHA = flags.DEFINE_float("lora_alpha", 0.0, "LoRA alpha (scale alpha / rank); 0: 2 x rank.")
 _LORA_TARGETS = flags.DEFINE_multi_string(
     "lora_target", None, "LoRA target regex, repeatable (searched in params paths). Default: attention and MLP "
-    "of every block (rl.lora.ATTENTION_MLP_TARGETS)."
+    "of every block (rl.ATTENTION_MLP_TARGETS)."
 )
 _LORA_MODE = flags.DEFINE_enum("lora_mode", "factored", ["factored", "merged"], "How LoRA is applied in lora_fwd_bwd.")
 _REMAT = flags.DEFINE_string("remat_policy", "none", "Per-block remat policy: a key of models.layers.REMAT_POLICIES.")
@@ -221,9 +222,7 @@ def source_digest(root: str | None = None) -> str:
 
 
 def _lora_targets(family: str) -> list[str]:
-    from digen_jax.rl import lora
-
-    return list(_LORA_TARGETS.value or lora.ATTENTION_MLP_TARGETS[family])
+    return list(_LORA_TARGETS.value or ATTENTION_MLP_TARGETS[family])
 
 
 def _lora_scale() -> float:
@@ -763,7 +762,7 @@ def run_system() -> dict[str, Any]:
     """
     import jax
 
-    from digen_jax.runtime.benchmark import run_modes
+    from digen_jax.app.benchmark import run_modes
 
     config = _CONFIG.value
     device = jax.devices()[0]

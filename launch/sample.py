@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from digen_jax import cli, xla_flags
 from digen_jax.grid import image_grid
-from digen_jax.rl.loop import Run
+from digen_jax.app.loop import Run
 from digen_jax.runtime.executor import Executor
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")

@@ -35,8 +35,8 @@ from ml_collections import config_flags
 
 from digen_jax import cli, xla_flags
 from digen_jax.rewards.remote import RemoteRewardError
-from digen_jax.rl.loop import ConfigError, train, validate_config
-from digen_jax.runtime.checkpoints import RunStopped
+from digen_jax.app.loop import ConfigError, train, validate_config
+from digen_jax.app.checkpoints import RunStopped
 from digen_jax.runtime.distributed import initialize
 
 with cli.config_override_errors():

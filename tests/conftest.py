@@ -43,7 +43,7 @@ import sys
 import threading
 threading.Thread(target=lambda: (os.read(0, 1), os._exit(1)), daemon=True).start()
 from configs import tiny
-from digen_jax.rl import workload
+from digen_jax.app import workload
 config = tiny.get_config()
 config.pretrain.cache_dir = sys.argv[1]
 workload.make_workload(config)

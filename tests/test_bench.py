@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from configs.sections import ATTENTION_MLP_TARGETS
 from digen_jax import flops
 from digen_jax.models import FAMILIES
-from digen_jax.rl import lora
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "bench.py")
@@ -48,7 +48,7 @@ def test_model_mode_writes_every_figure(tmp_path, monkeypatch):
     terms = flops.model_terms("qwenimage", cfg, batch=2, height=64, width=32, text_len=6)
     want = {
         "forward": terms.forward().total,
-        "lora_fwd_bwd": terms.lora_fwd_bwd(2, lora.ATTENTION_MLP_TARGETS["qwenimage"]).total,
+        "lora_fwd_bwd": terms.lora_fwd_bwd(2, ATTENTION_MLP_TARGETS["qwenimage"]).total,
         "full_fwd_bwd": terms.full_fwd_bwd().total,
     }
     for what, flop in want.items():
@@ -273,7 +273,7 @@ def test_elastic_warm_up_runs_until_the_split_settles():
     prefetch would finish inside the timed iteration), at most MAX_SETTLING_ITERATIONS."""
     from types import SimpleNamespace
 
-    from digen_jax.runtime import benchmark
+    from digen_jax.app import benchmark
 
     class Executor:
         def __init__(self, split):

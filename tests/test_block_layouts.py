@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs.sections import ATTENTION_MLP_TARGETS
 from digen_jax.models import FAMILIES, layers, load_checkpoint, save_checkpoint
-from digen_jax.rl import lora, workload
+from digen_jax.app import workload
+from digen_jax.rl import lora
 
 TRANSFORMERS = ("flux", "qwenimage", "wan", "hunyuan_video")
 
@@ -59,7 +61,7 @@ def test_unrolled_blocks_compute_the_scanned_function(name):
     np.testing.assert_allclose(out_unrolled, out_scanned, rtol=1e-5, atol=1e-5)
 
     # The default LoRA targets adapt the same weights in both layouts.
-    targets = lora.ATTENTION_MLP_TARGETS[name]
+    targets = ATTENTION_MLP_TARGETS[name]
     counts = [lora.lora_param_count(lora.init_lora(p, rank=2, target_patterns=targets, key=jax.random.key(2)))
               for p in (params, per_block)]
     assert counts[0] == counts[1] > 0

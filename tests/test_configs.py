@@ -16,7 +16,8 @@ import pytest
 
 from digen_jax.data import write_cache
 from digen_jax.models import FAMILIES, save_checkpoint
-from digen_jax.rl import lora, loop, workload
+from digen_jax.app import loop, workload
+from digen_jax.rl import lora
 from digen_jax.rl.rollout import Conditioning, make_denoiser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -344,7 +345,7 @@ def test_unknown_config_key_without_config_flag(capsys):
 def test_auto_attention_avoids_cudnn_only_in_fsdp_programs_on_several_gpus(monkeypatch):
     """`auto` resolves to XLA attention where the train rules shard weights on a multi-GPU run
     (cuDNN attention deadlocked there, README "Training shards"); elsewhere it is left to the layer."""
-    from digen_jax.runtime.config import sharding_section
+    from configs.sections import sharding_section
 
     config = get_config("qwenimage")
     config.model.random_init = True

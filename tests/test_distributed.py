@@ -28,8 +28,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from digen_jax import diffusion
-from digen_jax.rl import loop
-from digen_jax.rl import workload as workload_lib
+from digen_jax.app import loop
+from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, Trajectory, initial_noise
 from digen_jax.runtime import distributed
 from digen_jax.runtime import mesh as mesh_lib

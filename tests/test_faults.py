@@ -16,9 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-from digen_jax.rl import loop, workload
-from digen_jax.runtime import checkpoints
-from digen_jax.runtime.checkpoints import RunStopped, WorkdirLock
+from digen_jax.app import loop, workload
+from digen_jax.app import checkpoints
+from digen_jax.app.checkpoints import RunStopped, WorkdirLock
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
 from tests import test_train_loop as train_loop
@@ -225,7 +225,7 @@ def test_a_full_disk_or_a_permission_error_is_one_message(pretrain_cache_dir, tm
 # ---------------------------------------------------------------- workdir lock
 _HOLD_LOCK = """
 import sys
-from digen_jax.runtime.checkpoints import WorkdirLock
+from digen_jax.app.checkpoints import WorkdirLock
 WorkdirLock(sys.argv[1])
 print("LOCKED", flush=True)
 sys.stdin.read()

@@ -54,7 +54,7 @@ def test_main_job_imports_no_dev_package(tmp_path):
 import runpy, sys
 runpy.run_path("launch/train.py")
 from configs import tiny
-from digen_jax.rl import loop, workload
+from digen_jax.app import loop, workload
 workload.make_reward_fn(tiny.get_config())
 loop.summary_writer({str(tmp_path)!r}).close()
 print(sorted(m for m in {DEV_ONLY!r} if m in sys.modules))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 from flax import traverse_util
 
+from configs.sections import ATTENTION_MLP_TARGETS
 from digen_jax import flops
 from digen_jax.models import FAMILIES
 from digen_jax.rl import lora
@@ -60,7 +61,7 @@ def test_counts_equal_the_traced_matmuls(family):
     forward = lambda p, x: module.apply({"params": p}, **x)  # noqa: E731
     assert flops.jaxpr_matmul_flops(forward, params, inputs) == terms.forward().total
 
-    targets = lora.ATTENTION_MLP_TARGETS[family]
+    targets = ATTENTION_MLP_TARGETS[family]
     adapters = jax.eval_shape(lambda p: lora.init_lora(p, rank=RANK, target_patterns=targets, key=jax.random.key(0)), params)
     lora_loss = lambda a, p, x: jnp.sum(module.apply(lora.factored_variables(p, a, scale=0.5), **x))  # noqa: E731
     assert flops.jaxpr_matmul_flops(lora_loss, adapters, params, inputs) == terms.lora_forward(RANK, targets).total
@@ -123,7 +124,7 @@ def test_full_size_counts_equal_the_traced_program(family, variant, shape, text_
     terms = flops.model_terms(family, cfg, batch=1, text_len=text_len, **shape)
     forward = lambda p, x: module.apply({"params": p}, **x)  # noqa: E731
     assert flops.jaxpr_matmul_flops(forward, params, inputs) == terms.forward().total
-    targets = lora.ATTENTION_MLP_TARGETS[family]
+    targets = ATTENTION_MLP_TARGETS[family]
     adapters = jax.eval_shape(lambda p: lora.init_lora(p, rank=64, target_patterns=targets, key=jax.random.key(0)), params)
     lora_loss = lambda a, p, x: jnp.sum(module.apply(lora.factored_variables(p, a, scale=2.0), **x))  # noqa: E731
     assert flops.jaxpr_matmul_flops(jax.grad(lora_loss), adapters, params, inputs) == terms.lora_fwd_bwd(64, targets).total
@@ -140,7 +141,7 @@ def test_rl_sample_of_the_qwen_image_setting():
     assert abs(full["rollout"] + full["train_full_convention"] - 534e12) < 0.005 * 534e12
     assert full["train"] < full["train_full_convention"]  # no input gradients for the embedders
     lora64 = flops.rl_sample_flops(
-        "qwenimage", cfg, **common, lora_rank=64, lora_targets=lora.ATTENTION_MLP_TARGETS["qwenimage"]
+        "qwenimage", cfg, **common, lora_rank=64, lora_targets=ATTENTION_MLP_TARGETS["qwenimage"]
     )
     assert lora64["rollout"] == full["rollout"] and 0.6 * full["train"] < lora64["train"] < 0.8 * full["train"]
 

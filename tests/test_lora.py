@@ -18,7 +18,8 @@ from flax import traverse_util
 from digen_jax import flops
 from digen_jax.models import FAMILIES
 from digen_jax.rl import init_lora, lora_param_count, lora_scale, match_lora_targets, merge_lora
-from digen_jax.rl.lora import ATTENTION_MLP_TARGETS, LoraWeights, factored_variables, model_variables
+from configs.sections import ATTENTION_MLP_TARGETS
+from digen_jax.rl.lora import LoraWeights, factored_variables, model_variables
 
 TARGETS = [r"attn/to_(q|k)/kernel$", r"^proj_out/kernel$"]
 

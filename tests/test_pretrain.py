@@ -10,7 +10,7 @@ import pytest
 
 from digen_jax.data import ShapesTask
 from digen_jax.models.flux import FluxConfig
-from digen_jax.rl.pretrain import cache_key, check_compatible, init_params, pretrained_params
+from digen_jax.app.pretrain import cache_key, check_compatible, init_params, pretrained_params
 
 HYPER = dict(steps=30, batch_size=8, learning_rate=3e-3, seed=0)
 

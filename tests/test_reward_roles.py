@@ -22,8 +22,8 @@ from test_runtime import runtime_config
 
 from digen_jax.models import FAMILIES
 from digen_jax.rewards import RemoteRewardError, clip_scores
-from digen_jax.rl import loop, workload
-from digen_jax.runtime.config import sharding_section
+from digen_jax.app import loop, workload
+from configs.sections import sharding_section
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
 

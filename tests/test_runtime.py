@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from digen_jax.rl import loop
+from digen_jax.app import loop
 from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
@@ -362,7 +362,7 @@ KILLED_IN = ITERATIONS - 1
 _KILLED_RUN = """
 import os
 import sys
-from digen_jax.rl import loop
+from digen_jax.app import loop
 from digen_jax.runtime.executor import Executor
 from tests.test_runtime import KILLED_IN, kill_config
 

@@ -10,7 +10,8 @@ import pytest
 
 from configs import tiny
 from digen_jax.rewards import registry
-from digen_jax.rl import loop, optim, workload
+from digen_jax.app import loop, workload
+from digen_jax.rl import optim
 from digen_jax.runtime.executor import Executor
 
 

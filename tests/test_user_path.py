@@ -18,7 +18,7 @@ from digen_jax.data import write_cache
 from digen_jax.data.embeddings import FAMILIES as CACHE_FAMILIES
 from digen_jax.models import FAMILIES, load_checkpoint
 from digen_jax.models.conversion import POLICY_FIELDS
-from digen_jax.rl import loop, workload
+from digen_jax.app import loop, workload
 
 diffusers = pytest.importorskip("diffusers")
 torch = pytest.importorskip("torch")

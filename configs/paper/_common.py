@@ -5,7 +5,7 @@ The simulated grid compares systems on the same work per iteration, so the secon
 which the disaggregated modes require), and training chunks hold enough units to give every
 trainer device several (`rl.micro_batch_size`).
 """
-from digen_jax.runtime.config import runtime_section, sharding_section
+from configs.sections import runtime_section, sharding_section
 
 
 def paper_overrides(c, *, micro_batch_size: int = 64):

@@ -40,20 +40,6 @@ _KERNEL = "kernel"
 _A = "lora_a"
 _B = "lora_b"
 LORA_MODES = ("factored", "merged")
-# The usual RL target set, "attention and MLP" of every block, per model family: every q/k/v and
-# output projection of the attentions and both MLP matmuls (FLUX/HunyuanVideo single blocks:
-# proj_mlp and the fused proj_out). Embedders, AdaLN modulation and HunyuanVideo's token
-# refiner stay frozen. `(\d+/)?` admits the block index of unrolled layouts (`blocks/3/ffn/...`).
-ATTENTION_MLP_TARGETS: dict[str, tuple[str, ...]] = {
-    "flux": (r"attn/(to_|add_)", r"/(ff|ff_context)/", r"single_blocks/(\d+/)?proj_(mlp|out)/"),
-    "qwenimage": (r"attn/(to_|add_)", r"/(img_mlp|txt_mlp)/"),
-    "wan": (r"blocks/(\d+/)?attn[12]/to_", r"blocks/(\d+/)?ffn/"),
-    "hunyuan_video": (
-        r"(double|single)_blocks/(\d+/)?attn/(to_|add_)",
-        r"double_blocks/(\d+/)?(ff|ff_context)/",
-        r"single_blocks/(\d+/)?proj_(mlp|out)/",
-    ),
-}
 
 
 def lora_scale(rank: int, alpha: float) -> float:

@@ -1,2 +1,3 @@
-"""The disaggregated runtime (DESIGN.md sections 2, 4 and 5)."""
-from digen_jax.runtime import distributed  # noqa: F401
+"""The disaggregated runtime: the planner, the executor and what it dispatches with (device
+meshes, transfers, weight sync, the trace), and the simulator that runs the same plans against a
+cost model (docs/design.md)."""

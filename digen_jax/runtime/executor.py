@@ -48,11 +48,11 @@ from jax.experimental import multihost_utils
 
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import lora
-from digen_jax.rl import workload as workload_lib
+from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, Trajectory
 from digen_jax.rl.timesteps import plan_steps
 from digen_jax.rl.trainer import LAG0_FIGURES, GradSum, TrainState, build_units
-from digen_jax.runtime import checkpoints
+from digen_jax.app import checkpoints
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import to_every_process, transfer

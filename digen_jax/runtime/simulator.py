@@ -277,9 +277,9 @@ class Workload:
 
 def workload(config) -> Workload:
     """The `Workload` of a model-zoo config (configs/{flux,qwenimage,wan21,hunyuanvideo}.py, configs/paper/*)."""
-    from digen_jax.rl import workload as workload_lib  # the model registry; imported late (heavy)
+    from digen_jax.app import workload as workload_lib  # the model registry; imported late (heavy)
     from digen_jax.rl.timesteps import plan_steps
-    from digen_jax.runtime import benchmark
+    from digen_jax.app import benchmark
 
     if workload_lib.is_shapes(config):
         raise ValueError("the simulator needs a model-zoo config (a `data` section); the shapes task has no FLOP model")
@@ -322,7 +322,7 @@ def workload(config) -> Workload:
 
 def _model_config(config):
     from digen_jax.models import FAMILIES
-    from digen_jax.rl import workload as workload_lib
+    from digen_jax.app import workload as workload_lib
 
     if config.model.checkpoint:
         return workload_lib.model_config(config)

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from digen_jax.rl import lora
-from digen_jax.rl import workload as workload_lib
+from digen_jax.app import workload as workload_lib
 
 ON_CORRUPT = ("fallback", "stop")
 LOCK_FILE = "run.lock"

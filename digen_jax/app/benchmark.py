@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from digen_jax import flops
-from digen_jax.rl import loop
+from digen_jax.app import loop
 from digen_jax.rl.timesteps import plan_steps
 from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
 from digen_jax.runtime import plan as plan_lib

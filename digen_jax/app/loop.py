@@ -1,7 +1,7 @@
 """Colocated Flow-GRPO training: rollout, reward, advantages, updates, on one device group.
 
 `train(config, workdir)` runs the loop of `launch/train.py` for any workload
-(`digen_jax.rl.workload`): the shapes task of configs/tiny.py or one of the four model
+(`digen_jax.app.workload`): the shapes task of configs/tiny.py or one of the four model
 families of configs/{flux,qwenimage,wan21,hunyuanvideo}.py. Every iteration k is a pure
 function of (seed, k, state): prompts, noises and step selection derive from
 `fold_in(seed, k)`, so a run resumed from a checkpoint replays exactly what an
@@ -27,13 +27,13 @@ from digen_jax.grid import image_grid
 from digen_jax.rewards import registry
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import losses, lora, optim
-from digen_jax.rl import workload as workload_lib
-from digen_jax.rl.config_ranges import check_ranges
+from digen_jax.app import workload as workload_lib
+from digen_jax.app.config_ranges import check_ranges
 from digen_jax.rl.rollout import Conditioning, SamplerSpec
 from digen_jax.rl.timesteps import plan_steps, validate_step_selection
 from digen_jax.rl.trainer import LAG0_FIGURES, ONPOLICY_ANCHORS, LossConfig, Trainer, TrainState
-from digen_jax.rl.workload import ConfigError
-from digen_jax.runtime import checkpoints
+from digen_jax.app.workload import ConfigError
+from digen_jax.app import checkpoints
 from digen_jax.runtime.executor import Executor, validate_runtime_config
 
 

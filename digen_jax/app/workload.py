@@ -39,9 +39,8 @@ from digen_jax.data.shapes import ShapesTask
 from digen_jax.models import FAMILIES, load_checkpoint, vae_flux, vae_hunyuan_video, vae_wan
 from digen_jax.models.checkpoints import MODEL_JSON, PARAMS_DIR
 from digen_jax.rewards import registry
-from digen_jax.rl.pretrain import cache_key, pretrained_params
+from digen_jax.app.pretrain import cache_key, pretrained_params
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, make_denoiser
-from digen_jax.rl.timesteps import plan_steps
 
 # fold_in tags of one iteration's randomness
 PROMPTS, SAMPLES, EVAL = 0, 1, 2
@@ -652,29 +651,3 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 def make_workload(config: ml_collections.ConfigDict) -> ShapesWorkload | ModelZooWorkload:
     return (ShapesWorkload if is_shapes(config) else ModelZooWorkload)(config)
-
-
-def tiny_overrides(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """`config` (a model-zoo config) at CPU size: the tiny variants, random weights and embeddings,
-    32x32 px (5 frames for video), 4 steps, 2 prompts x 2 samples, one iteration, float32."""
-    c = config
-    c.model.variant, c.model.random_init = "tiny", True
-    c.model.dtype = c.model.param_dtype = "float32"
-    c.data.random_embeddings, c.data.text_len, c.data.num_prompts = True, 8, 16
-    c.sampling.height = c.sampling.width = 32
-    if ZOO[c.model.family].video:
-        c.sampling.num_frames = 5
-    c.sampling.num_steps = 4
-    c.rl.sde_window_range = (0, 3)
-    c.rl.sde_window_size = min(c.rl.sde_window_size, 2)
-    c.rl.prompts_per_iteration, c.rl.group_size = 2, 2
-    c.rl.num_updates_per_batch = 1
-    c.runtime.micro_batches = 1
-    trained = plan_steps(c.rl, c.sampling.num_steps, 1.0, 1, 0, np.random.default_rng(0)).trained.shape[1]
-    c.rl.micro_batch_size = c.rl.prompts_per_iteration * c.rl.group_size * trained
-    c.rl.lora_rank = min(c.rl.lora_rank, 2)
-    c.model.vae_decode_batch = 4
-    c.train.iterations = 1
-    c.train.eval_every = c.train.image_every = c.train.checkpoint_every = 0
-    c.train.eval_prompts = 2
-    return c

@@ -1,0 +1,88 @@
+"""What the configs share, as data: the `runtime` and `sharding` sections, the LoRA target sets of
+the model families, and the CPU-size (`:tiny`) overrides of the model-zoo configs."""
+from __future__ import annotations
+
+import ml_collections
+
+
+def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_collections.ConfigDict:
+    """Schedule mode and device roles (DESIGN.md sections 2 and 4; README 'Runtime')."""
+    return ml_collections.ConfigDict(
+        dict(
+            # 'colocated' | 'disagg_sync' | 'gap' | 'gap+tsp' | 'gap+tsp+tag' | 'gap+tsp+tag+tcss'
+            mode=mode,
+            micro_batches=micro_batches,  # M: micro-batches (whole groups) per iteration
+            # Devices per role (disaggregated modes); 0 = an even split of what is left.
+            # Colocated: train_devices > 0 uses only the first train_devices devices.
+            rollout_devices=0,
+            train_devices=0,
+            reward_devices=0,  # 0: rewards are scored where decoding ran
+            # Micro-batches the trainer rolls out (tag modes) / the rollout group prefetches with
+            # stale weights (tcss); -1: chosen every iteration from measured costs.
+            tag_microbatches=-1,
+            prefetch_microbatches=-1,
+            staleness=1,  # tcss bound on version lag (0 turns prefetching off)
+            reward_workers=2,  # host threads scoring micro-batches
+            trace=True,  # WORKDIR/trace.json (Chrome trace)
+            distributed=False,  # jax.distributed.initialize() (SLURM auto-detection); see launch/slurm/
+        )
+    )
+
+
+def sharding_section(fsdp: bool = True) -> ml_collections.ConfigDict:
+    """Logical axis -> mesh axis rules per role (digen_jax.models.layers lists the logical names).
+
+    Rollout replicates the weights and splits the batch (no per-step all-gathers); training
+    shards the hidden dimension of every weight over its devices (FSDP) when `fsdp`.
+    """
+    batch = (("activation_batch", "data"),)
+    return ml_collections.ConfigDict(
+        dict(
+            rollout_rules=batch,
+            train_rules=batch + ((("embed", "data"),) if fsdp else ()),
+        )
+    )
+
+
+# The usual RL target set, "attention and MLP" of every block, per model family: every q/k/v and
+# output projection of the attentions and both MLP matmuls (FLUX/HunyuanVideo single blocks:
+# proj_mlp and the fused proj_out). Embedders, AdaLN modulation and HunyuanVideo's token
+# refiner stay frozen. `(\d+/)?` admits the block index of unrolled layouts (`blocks/3/ffn/...`).
+ATTENTION_MLP_TARGETS: dict[str, tuple[str, ...]] = {
+    "flux": (r"attn/(to_|add_)", r"/(ff|ff_context)/", r"single_blocks/(\d+/)?proj_(mlp|out)/"),
+    "qwenimage": (r"attn/(to_|add_)", r"/(img_mlp|txt_mlp)/"),
+    "wan": (r"blocks/(\d+/)?attn[12]/to_", r"blocks/(\d+/)?ffn/"),
+    "hunyuan_video": (
+        r"(double|single)_blocks/(\d+/)?attn/(to_|add_)",
+        r"double_blocks/(\d+/)?(ff|ff_context)/",
+        r"single_blocks/(\d+/)?proj_(mlp|out)/",
+    ),
+}
+
+
+def tiny_overrides(c: ml_collections.ConfigDict, *, video: bool, trained_steps: int) -> ml_collections.ConfigDict:
+    """`c` (a model-zoo config) at CPU size: the tiny variants, random weights and embeddings,
+    32x32 px (5 frames for video), 4 steps, 2 prompts x 2 samples, one iteration, float32.
+
+    `trained_steps`: the steps per sample the config's step selection trains at this size; one
+    training chunk holds every unit of the batch (tests check it against `rl.timesteps`).
+    """
+    c.model.variant, c.model.random_init = "tiny", True
+    c.model.dtype = c.model.param_dtype = "float32"
+    c.data.random_embeddings, c.data.text_len, c.data.num_prompts = True, 8, 16
+    c.sampling.height = c.sampling.width = 32
+    if video:
+        c.sampling.num_frames = 5
+    c.sampling.num_steps = 4
+    c.rl.sde_window_range = (0, 3)
+    c.rl.sde_window_size = min(c.rl.sde_window_size, 2)
+    c.rl.prompts_per_iteration, c.rl.group_size = 2, 2
+    c.rl.num_updates_per_batch = 1
+    c.runtime.micro_batches = 1
+    c.rl.micro_batch_size = c.rl.prompts_per_iteration * c.rl.group_size * trained_steps
+    c.rl.lora_rank = min(c.rl.lora_rank, 2)
+    c.model.vae_decode_batch = 4
+    c.train.iterations = 1
+    c.train.eval_every = c.train.image_every = c.train.checkpoint_every = 0
+    c.train.eval_prompts = 2
+    return c
