@@ -57,6 +57,12 @@ def mode_flags(mode: str) -> ModeFlags:
     )
 
 
+# The modes by the part they play in reports and searches: the one-group mode, the synchronous
+# disaggregated baseline that every pipelined mode is compared with, and every technique on.
+COLOCATED, SYNC_BASELINE, BEST_MODE = MODES[0], MODES[1], MODES[-1]
+DISAGGREGATED_MODES = tuple(m for m in MODES if not mode_flags(m).colocated)
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     kind: str  # 'rollout' | 'reward' | 'train' | 'update' | 'sync'
