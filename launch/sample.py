@@ -18,9 +18,9 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from digen_jax import cli, xla_flags
-from digen_jax.grid import image_grid
+from digen_jax.app import checkpoints
 from digen_jax.app.loop import Run
-from digen_jax.runtime.executor import Executor
+from digen_jax.grid import image_grid
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir to sample from.", required=True)
@@ -51,10 +51,7 @@ def main(argv):
     config = _CONFIG.value
     config.runtime.trace = False  # sampling adds nothing to the training trace
     run = Run(config, _WORKDIR.value)
-    executor = Executor(run)
-    executor.restore(run.checkpoints)
-    executor.close()
-    state = executor.state
+    state = checkpoints.read_state(run.checkpoints, run.state, config) or run.state
     params = run.trainer.params_for(state.ema if state.ema is not None else state.trainable)
     noise = np.full((run.sampler.num_steps,), _NOISE.value, np.float32)
     traj = run.sampler.rollout(params, run.eval_cond, run.eval_keys, noise, run.latent_shape, state.version)

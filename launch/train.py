@@ -35,7 +35,9 @@ from ml_collections import config_flags
 
 from digen_jax import cli, xla_flags
 from digen_jax.rewards.remote import RemoteRewardError
-from digen_jax.app.loop import ConfigError, train, validate_config
+from digen_jax.app.errors import ConfigError
+from digen_jax.app.loop import train
+from digen_jax.app.validation import validate_config
 from digen_jax.app.checkpoints import RunStopped
 from digen_jax.runtime.distributed import initialize
 

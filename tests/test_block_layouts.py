@@ -10,7 +10,7 @@ import pytest
 
 from configs.sections import ATTENTION_MLP_TARGETS
 from digen_jax.models import FAMILIES, layers, load_checkpoint, save_checkpoint
-from digen_jax.app import workload
+from digen_jax.app import random_init
 from digen_jax.rl import lora
 
 TRANSFORMERS = ("flux", "qwenimage", "wan", "hunyuan_video")
@@ -35,7 +35,7 @@ def _inputs(example: dict, seed: int) -> dict:
 def _init(name: str, cfg):
     fam = FAMILIES[name]
     inputs = _inputs(fam.example_inputs(cfg), 1)
-    return fam, inputs, workload._random_params(fam, cfg, seed=0)  # host draws: no init program to compile
+    return fam, inputs, random_init.random_params(fam, cfg, seed=0)  # host draws: no init program to compile
 
 
 def _apply(fam, cfg, params, inputs):

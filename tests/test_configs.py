@@ -17,6 +17,7 @@ import pytest
 from digen_jax.data import write_cache
 from digen_jax.models import FAMILIES, save_checkpoint
 from digen_jax.app import loop, workload
+from digen_jax.app import families, random_init
 from digen_jax.rl import lora
 from digen_jax.rl.rollout import Conditioning, make_denoiser
 
@@ -46,7 +47,7 @@ def no_device_work(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("weights were built before the config was validated")
 
-    monkeypatch.setattr(workload, "_random_params", forbidden)
+    monkeypatch.setattr(random_init, "random_params", forbidden)
     monkeypatch.setattr(workload, "load_checkpoint", forbidden)
 
 
@@ -59,9 +60,9 @@ def test_full_size_config_validates_and_fits_its_model(family):
     c.model.random_init = c.data.random_embeddings = True
     loop.validate_config(c)
 
-    s, zoo = c.sampling, workload.ZOO[family]
-    model_cfg, vae_cfg = workload.model_config(c), workload.vae_config(c)
-    shape = workload.latent_shape(c, vae_cfg)
+    s, zoo = c.sampling, families.ZOO[family]
+    model_cfg, vae_cfg = families.model_config(c), families.vae_config(c)
+    shape = families.latent_shape(c, vae_cfg)
     if zoo.video:
         assert shape == (16, 9, s.height // 8, s.width // 8)  # 33 frames -> 9 latent frames
     else:
@@ -81,9 +82,9 @@ def test_full_size_config_validates_and_fits_its_model(family):
     velocity = jax.eval_shape(denoiser, params, latents, cond, jax.ShapeDtypeStruct((1,), jnp.float32))
     assert velocity.shape == (1, *shape)
 
-    vae_family = FAMILIES[workload._VAE_FAMILY[family]]
+    vae_family = FAMILIES[families.ZOO[family].vae_family]
     vae_params = nn.unbox(vae_family.abstract_params(vae_cfg))
-    decode = workload._decoder(family, vae_cfg, s.height, s.width)
+    decode = families.decoder(family, vae_cfg, s.height, s.width)
     frames = jax.eval_shape(decode, vae_params, latents)
     assert frames.shape == (1, 3, s.num_frames if zoo.video else 1, s.height, s.width)
 
@@ -151,7 +152,7 @@ def test_real_user_path_checkpoints_and_embedding_cache(tmp_path):
     saved = {}
     for name, key in (("qwenimage", "checkpoint"), ("vae_qwenimage", "vae_checkpoint")):
         fam = FAMILIES[name]
-        saved[key] = workload._random_params(fam, fam.variants["tiny"], seed=7)
+        saved[key] = random_init.random_params(fam, fam.variants["tiny"], seed=7)
         save_checkpoint(str(tmp_path / name), fam, fam.variants["tiny"], saved[key])
     cache = _tiny_cache(tmp_path / "cache")
     c = get_config("qwenimage", "tiny")
@@ -243,10 +244,10 @@ def test_depth_override_shortens_the_random_model_only():
     """`model.num_layers` / `num_single_layers` keep that many blocks at the variant's width."""
     c = get_config("flux")
     c.model.random_init = c.data.random_embeddings = True
-    full = workload.model_config(c)
+    full = families.model_config(c)
     c.model.num_layers, c.model.num_single_layers = 2, 3
     loop.validate_config(c)
-    short = workload.model_config(c)
+    short = families.model_config(c)
     assert (short.num_layers, short.num_single_layers) == (2, 3)
     assert dataclasses.replace(short, num_layers=full.num_layers, num_single_layers=full.num_single_layers) == full
     params = nn.unbox(FAMILIES["flux"].abstract_params(short))
@@ -349,15 +350,15 @@ def test_auto_attention_avoids_cudnn_only_in_fsdp_programs_on_several_gpus(monke
 
     config = get_config("qwenimage")
     config.model.random_init = True
-    assert not workload.shards_weights(config.sharding.train_rules)  # the zoo configs: data parallel
+    assert not families.shards_weights(config.sharding.train_rules)  # the zoo configs: data parallel
     fsdp = sharding_section(fsdp=True)
-    assert workload.shards_weights(fsdp.train_rules) and not workload.shards_weights(fsdp.rollout_rules)
+    assert families.shards_weights(fsdp.train_rules) and not families.shards_weights(fsdp.rollout_rules)
 
     def resolved(rules, backend, devices, impl="auto"):
         config.sharding.train_rules, config.model.attention_impl = rules, impl
         monkeypatch.setattr(workload.jax, "default_backend", lambda: backend)
         monkeypatch.setattr(workload.jax, "device_count", lambda: devices)
-        return workload.model_config(config).attention_impl
+        return families.model_config(config).attention_impl
 
     assert resolved(fsdp.train_rules, "gpu", 2) == "xla"
     assert resolved(fsdp.train_rules, "gpu", 2, impl="cudnn") == "cudnn"  # asked for explicitly

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from digen_jax import diffusion
-from digen_jax.app import loop
+from digen_jax.app import checkpoints, loop
 from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, Trajectory, initial_noise
 from digen_jax.runtime import distributed
@@ -596,17 +596,18 @@ def run_checkpoint_worker(workdir: str, cache_dir: str) -> None:
     )
     prefetched.traj = Trajectory(latents=latents, log_probs=log_probs, means=latents, noise_levels=jnp.asarray(prefetched.noise_levels),
                                  sample_keys=prefetched.sample_keys, version=jnp.int32(1))
-    prefetched.group, prefetched.version = "rollout", 1
+    prefetched.rolled_on, prefetched.version = "rollout", 1
     prefetched.rewards = concurrent.futures.Future()
     prefetched.rewards.set_result(np.linspace(-1.0, 1.0, samples, dtype=np.float32))
     executor.carried = [prefetched]
-    executor.save(run.checkpoints, 1)
+    checkpoints.save(executor, run.checkpoints, 1, config)
     run.checkpoints.wait_until_finished()
     saved = jax.device_get(distributed.to_every_process(executor.state))
     executor.close()
 
-    resumed = Executor(loop.Run(config, workdir, log=stage), log=stage)
-    assert resumed.restore(resumed.run.checkpoints) == 1
+    rerun = loop.Run(config, workdir, log=stage)
+    resumed = Executor(rerun, log=stage)
+    assert checkpoints.restore(resumed, rerun.checkpoints) == 1
     assert all(a.sharding == s for a, s in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(shardings)))
     mine = set(jax.local_devices())
     assert all(bool(a.addressable_shards) == (a.sharding.device_set <= mine) for a in jax.tree.leaves(resumed.state))
@@ -614,7 +615,7 @@ def run_checkpoint_worker(workdir: str, cache_dir: str) -> None:
     assert int(restored.version) == int(saved.version) == 1
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)))
     [carried] = resumed.carried
-    assert (carried.index, carried.group, carried.version) == (0, "rollout", 1)
+    assert (carried.index, carried.rolled_on, carried.version) == (0, "rollout", 1)
     assert np.array_equal(carried.rewards.result(), prefetched.rewards.result())
     assert np.array_equal(carried.traj.latents, np.arange(samples * 6.0).reshape(samples, 3, 2) - 7.5)
     assert np.array_equal(carried.traj.log_probs, -np.arange(samples * 2.0).reshape(samples, 2))

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from digen_jax.app import loop, workload
+from digen_jax.app import random_init
 from digen_jax.app import checkpoints
 from digen_jax.app.checkpoints import RunStopped, WorkdirLock
 from digen_jax.runtime.executor import Executor
@@ -272,11 +273,11 @@ def test_measured_costs_travel_with_the_checkpoint(pretrain_cache_dir, tmp_path)
     first.measured = {("rollout", "rollout"): [4.0, 4.2], ("train", "train"): [1.0], ("rollout", "train"): [4.0]}
     split = first.split_for(1)
     assert split[0] > 0  # rollout is slow: the trainer takes a micro-batch
-    first.save(run.checkpoints, 1)
+    checkpoints.save(first, run.checkpoints, 1, c)
     run.checkpoints.wait_until_finished()
     first.close()
     resumed = Executor(run, log=lambda _: None)
-    assert resumed.restore(run.checkpoints) == 1
+    assert checkpoints.restore(resumed, run.checkpoints) == 1
     assert resumed.measured == first.measured and resumed.split_for(1) == split
     resumed.close()
 
@@ -290,7 +291,7 @@ def test_base_model_id_tells_converted_checkpoints_apart(tmp_path):
     family = FAMILIES["flux"]
     for name, seed in (("a", 1), ("b", 2)):
         save_checkpoint(str(tmp_path / name), family, family.variants["tiny"],
-                        workload._random_params(family, family.variants["tiny"], seed=seed))
+                        random_init.random_params(family, family.variants["tiny"], seed=seed))
     shutil.copytree(tmp_path / "a", tmp_path / "a_copy")
     ids = {name: workload.base_model_id(ml_collections.ConfigDict({"model": {"checkpoint": str(tmp_path / name)}}))
            for name in ("a", "b", "a_copy")}

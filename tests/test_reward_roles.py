@@ -23,6 +23,7 @@ from test_runtime import runtime_config
 from digen_jax.models import FAMILIES
 from digen_jax.rewards import RemoteRewardError, clip_scores
 from digen_jax.app import loop, workload
+from digen_jax.app import random_init
 from configs.sections import sharding_section
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
@@ -32,7 +33,7 @@ REWARD_SECONDS = 0.25  # host scoring time: long against a tiny rollout, so over
 
 def random_base_model(model_cfg, task, *, seed, **_):
     """Stands in for pretraining (random weights): these tests are about placement and failure."""
-    return workload._random_params(FAMILIES["flux"], model_cfg, seed)
+    return random_init.random_params(FAMILIES["flux"], model_cfg, seed)
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +200,7 @@ def test_reward_options_reach_their_reward_and_are_checked():
 
 def test_clip_reward_scores_on_the_calling_threads_default_device(monkeypatch):
     cfg = FAMILIES["clip"].variants["tiny"]
-    params = {"clip": workload._random_params(FAMILIES["clip"], cfg, 0)}
+    params = {"clip": random_init.random_params(FAMILIES["clip"], cfg, 0)}
     jitted, ran_on = clip_scores.jitted_score_fn(clip_scores.SCORERS["clipscore"], cfg), []
 
     def recording(scorer, cfg):

@@ -10,7 +10,7 @@ import pytest
 
 from configs import tiny
 from digen_jax.rewards import registry
-from digen_jax.app import loop, workload
+from digen_jax.app import checkpoints, loop, workload
 from digen_jax.rl import optim
 from digen_jax.runtime.executor import Executor
 
@@ -170,12 +170,12 @@ def test_diverging_updates_are_skipped_and_never_checkpointed(cache_dir, tmp_pat
 def test_a_state_with_nan_is_never_saved(cache_dir, tmp_path):
     run = loop.Run(small_config(cache_dir), str(tmp_path), log=lambda _: None)
     executor = Executor(run, log=lambda _: None)
-    executor.save(run.checkpoints, 1)
+    checkpoints.save(executor, run.checkpoints, 1, run.config)
     leaves, treedef = jax.tree.flatten(executor.state.trainable)
     leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(np.nan)
     executor.state = executor.state.replace(trainable=jax.tree.unflatten(treedef, leaves))
     with pytest.raises(FloatingPointError, match="checkpoint 2 not saved: the trainable weights hold NaN or inf"):
-        executor.save(run.checkpoints, 2)
+        checkpoints.save(executor, run.checkpoints, 2, run.config)
     run.checkpoints.wait_until_finished()
     executor.close()
     assert run.checkpoints.all_steps() == [1]

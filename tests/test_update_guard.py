@@ -11,7 +11,7 @@ from configs import tiny
 from digen_jax.rl import make_optimizer
 from digen_jax.app.config_ranges import RANGES, check_ranges
 from digen_jax.rl.trainer import LossConfig, Trainer
-from digen_jax.app.workload import ConfigError
+from digen_jax.app.errors import ConfigError
 
 
 def _trainer(learning_rate: float, **cfg) -> tuple[Trainer, object]:

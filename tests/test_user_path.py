@@ -19,6 +19,7 @@ from digen_jax.data.embeddings import FAMILIES as CACHE_FAMILIES
 from digen_jax.models import FAMILIES, load_checkpoint
 from digen_jax.models.conversion import POLICY_FIELDS
 from digen_jax.app import loop, workload
+from digen_jax.app import families, random_init
 
 diffusers = pytest.importorskip("diffusers")
 torch = pytest.importorskip("torch")
@@ -94,11 +95,11 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("user_path")
     pairs, out = [], {}
     for i, family in enumerate(sorted(CONFIGS)):
-        for kind, name in (("transformer", family), ("vae", workload._VAE_FAMILY[family])):
+        for kind, name in (("transformer", family), ("vae", families.ZOO[family].vae_family)):
             diffusers_model(name, seed=10 + i).save_pretrained(root / family / kind)
             pairs += [str(root / family / kind), str(root / family / f"{kind}-jax")]
         cfg = FAMILIES[family].variants["tiny"]
-        zoo = workload.ZOO[family]
+        zoo = families.ZOO[family]
         cache = random_cache(str(root / family / "cache"), family, getattr(cfg, zoo.text_dim),
                              getattr(cfg, zoo.pooled_dim) if zoo.pooled_dim else None)
         out[family] = (str(root / family / "transformer-jax"), str(root / family / "vae-jax"), cache)
@@ -169,7 +170,7 @@ def test_shapes_task_trains_from_a_checkpoint_that_fits(tmp_path):
     c = _shapes_config(str(tmp_path / "ckpt"))
     family = FAMILIES["flux"]
     cfg = family.config_cls(**{**c.model.arch.to_dict(), "num_single_layers": 1})
-    params = workload._random_params(family, cfg, seed=5)
+    params = random_init.random_params(family, cfg, seed=5)
     save_checkpoint(c.model.checkpoint, family, cfg, params)
     loop.validate_config(c)
     work = workload.make_workload(c)

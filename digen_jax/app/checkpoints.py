@@ -29,8 +29,9 @@ import ml_collections
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from digen_jax.rl import lora
 from digen_jax.app import workload as workload_lib
+from digen_jax.rl import lora
+from digen_jax.runtime.distributed import to_every_process
 
 ON_CORRUPT = ("fallback", "stop")
 LOCK_FILE = "run.lock"
@@ -301,13 +302,98 @@ def _quiet_abandoned_reads() -> None:
     sys.unraisablehook = hook
 
 
+# ---------------------------------------------------------------------------------- save and restore
+def save(executor, manager: ocp.CheckpointManager, iterations_done: int, config: ml_collections.ConfigDict) -> None:
+    """Checkpoint `executor`'s train state and the micro-batches it prefetched for the next
+    iteration (asynchronously), with the run's fingerprint and the task costs measured so far.
+
+    Every process calls it at the same point of the loop. Several processes: orbax (0.12)
+    writes a jax.Array only from shards spread over several processes (a train role inside
+    one process has host-local arrays there, which it refuses; processes without shards fail)
+    and host arrays from process 0 only, which need not own a train device. So every process
+    takes a whole host copy of the state and process 0 writes it: `to_every_process`
+    replicates the state on every train device, then sends one copy to each other process;
+    for the save, a full state per train device and per host. One process: the state as it
+    lives on its devices, written asynchronously without a host copy.
+    """
+    executor.drain()  # the prefetched micro-batches are saved: their rollouts must have run
+    # No checkpoint holds NaN or inf: one device reduction per save, read here (saves are rare).
+    bad = [part for part, ok in executor.state_is_finite().items() if not ok]
+    if bad:
+        raise FloatingPointError(
+            f"checkpoint {iterations_done} not saved: the {' and '.join(bad)} hold NaN or inf values (the "
+            "checkpoints saved before are kept). Updates are checked before they are applied (non-finite values, "
+            "rl.max_update_ratio), so these came from a restored checkpoint or a bug; stopping"
+        )
+    state = executor.state
+    if jax.process_count() > 1:
+        state = jax.device_get(to_every_process(state))
+    meta = {
+        "carried": [m.index for m in executor.carried],
+        "mode": executor.mode,
+        "fingerprint": fingerprint(config),
+        # The task costs measured so far: a resumed run chooses its elastic splits as this one would.
+        "measured": [[kind, group, values] for (kind, group), values in executor.measured.items()],
+    }
+    items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+    if executor.carried:
+        items["carried"] = ocp.args.StandardSave(executor.carried_snapshot())
+    manager.save(iterations_done, args=ocp.args.Composite(**items))
+
+
+def restore(executor, manager: ocp.CheckpointManager, step: int | None = None) -> int:
+    """Restore checkpoint `step` (default: the latest) into `executor`, with its prefetched
+    micro-batches and measured task costs; the iteration to start from."""
+    latest = manager.latest_step() if step is None else step
+    if latest is None:
+        return 0
+    meta = read_meta(manager, latest)
+    multi_process = jax.process_count() > 1
+    # One process: straight onto the train shardings. Several: host arrays on every process
+    # (as `save` wrote them), then each process places the slices of its own train devices.
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=None if multi_process else s),
+        executor.state, executor.state_sharding,
+    )
+    items = {"state": ocp.args.StandardRestore(abstract_state)}
+    if meta["carried"]:
+        items["carried"] = ocp.args.StandardRestore()
+    restored = manager.restore(latest, args=ocp.args.Composite(**items))
+    state = restored["state"]
+    version = int(state.version)
+    if multi_process:
+        state = jax.tree.map(
+            lambda a, s: jax.make_array_from_callback(a.shape, s, a.__getitem__, dtype=a.dtype),
+            state, executor.state_sharding,
+        )
+    executor.resume(latest, state, restored["carried"] if meta["carried"] else {}, meta.get("measured", []))
+    executor.log(f"resumed from checkpoint {latest} (policy version {version}, {len(executor.carried)} prefetched "
+                 "micro-batches)")
+    return latest
+
+
+def read_state(manager: ocp.CheckpointManager, like, config: ml_collections.ConfigDict):
+    """The train state of the latest checkpoint, laid out like `like` (its shapes and shardings),
+    or None when there is none; RunStopped when that checkpoint was written by another config."""
+    step = manager.latest_step()
+    if step is None:
+        return None
+    saved = read_meta(manager, step).get("fingerprint")
+    diff = differences(saved, fingerprint(config), carried=False) if saved is not None else []
+    if diff:
+        raise RunStopped(f"checkpoint {step} in {manager.directory} was written by a run whose config differs from "
+                         "this one in what shapes the trained state:\n  " + "\n  ".join(diff))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like)
+    return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+
+
 def restore_first_readable(executor, manager: ocp.CheckpointManager, candidates: list[int],
                            config: ml_collections.ConfigDict, log: Callable[[str], None]) -> int:
     """Restore the newest of `candidates` whose data reads back (`set_aside` for the others);
     the iteration to start from (0 without candidates)."""
     for step in candidates:
         try:
-            return executor.restore(manager, step)
+            return restore(executor, manager, step)
         except RunStopped:
             raise
         except Exception as e:  # noqa: BLE001 (a checkpoint that does not read back is the fault handled here)

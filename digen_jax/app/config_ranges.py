@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import ml_collections
 
-from digen_jax.app.workload import ConfigError
+from digen_jax.app.errors import ConfigError
 
 INF = math.inf
 

@@ -24,68 +24,19 @@ import ml_collections
 import numpy as np
 
 from digen_jax.grid import image_grid
-from digen_jax.rewards import registry
-from digen_jax.rl import advantages as adv_lib
-from digen_jax.rl import losses, lora, optim
+from digen_jax.rl import lora, optim
 from digen_jax.app import workload as workload_lib
-from digen_jax.app.config_ranges import check_ranges
-from digen_jax.rl.rollout import Conditioning, SamplerSpec
-from digen_jax.rl.timesteps import plan_steps, validate_step_selection
-from digen_jax.rl.trainer import LAG0_FIGURES, ONPOLICY_ANCHORS, LossConfig, Trainer, TrainState
-from digen_jax.app.workload import ConfigError
+from digen_jax.rl.rollout import Conditioning
+from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
 from digen_jax.app import checkpoints
-from digen_jax.runtime.executor import Executor, validate_runtime_config
-
-
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Reject a bad config before any compute, naming the offending key (raises ConfigError)."""
-    check_ranges(config)
-    workload_lib.validate_config(config)
-    try:
-        registry.validate_reward_config(dict(config.reward.weights))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    rl = config.rl
-    try:
-        adv_lib.validate_group_size(rl.group_size)
-        adv_lib.validate_advantage_modes(rl.mean_mode, rl.std_mode)
-        losses.validate_policy_loss(rl.policy_loss, config.sampling.sde_type, rl.decoupled, config.sampling.noise_level)
-        validate_step_selection(rl, config.sampling.num_steps)
-        SamplerSpec(config.sampling.sde_type, config.sampling.cfg_scale, config.sampling.cfg_rescale)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if rl.prompts_per_iteration < 1:
-        raise ConfigError(f"rl.prompts_per_iteration must be >= 1, got {rl.prompts_per_iteration}")
-    batch = rl.prompts_per_iteration * rl.group_size
-    if rl.num_updates_per_batch < 1 or batch % rl.num_updates_per_batch:
-        raise ConfigError(
-            f"rl.num_updates_per_batch={rl.num_updates_per_batch} must divide the {batch} samples of an iteration"
-        )
-    per_update = batch // rl.num_updates_per_batch * _trained_per_sample(config)
-    if rl.micro_batch_size < 1 or per_update % rl.micro_batch_size:
-        raise ConfigError(
-            f"rl.micro_batch_size={rl.micro_batch_size} must divide the {per_update} training units of an update"
-        )
-    if rl.onpolicy_anchor not in ONPOLICY_ANCHORS:
-        raise ConfigError(f"rl.onpolicy_anchor must be one of {ONPOLICY_ANCHORS}, got {rl.onpolicy_anchor!r}")
-    if rl.lora_rank < 0:
-        raise ConfigError(f"rl.lora_rank must be >= 0 (0 = full fine-tuning), got {rl.lora_rank}")
-    if config.train.on_corrupt_checkpoint not in checkpoints.ON_CORRUPT:
-        raise ConfigError(f"train.on_corrupt_checkpoint={config.train.on_corrupt_checkpoint!r} must be one of "
-                          f"{checkpoints.ON_CORRUPT}")
-    try:
-        validate_runtime_config(config, len(jax.devices()))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _trained_per_sample(config) -> int:
-    plan = plan_steps(config.rl, config.sampling.num_steps, 1.0, 1, 0, np.random.default_rng(0))
-    return plan.trained.shape[1]
+from digen_jax.app.validation import validate_config
+from digen_jax.runtime.executor import Executor
 
 
 class Run:
-    """Everything built once per run: workload (task, model, sampler, reward), trainer, writers."""
+    """Everything built once per run: workload (task, model, sampler, reward), trainer, writers.
+
+    It is the `Job` the runtime's executor runs (`runtime.executor.Job`)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print):
         validate_config(config)
@@ -126,7 +77,7 @@ class Run:
         # Every process saves and restores at the same points; with several, process 0 writes
         # (Executor.save says why) into a directory every process reads.
         self.checkpoints = checkpoints.open_manager(workdir, config)
-        self.root_key = jax.random.key(config.seed)
+        self._root_key = jax.random.key(config.seed)
         self.eval_ids, self.eval_cond = self.workload.eval_batch(config.train.eval_prompts)
         self.eval_keys = jax.random.split(jax.random.key(config.seed + 8), config.train.eval_prompts)
         self._writer = None
@@ -137,10 +88,33 @@ class Run:
             self._writer = summary_writer(os.path.join(self.workdir, "tb"))
         return self._writer
 
-    # ---------------------------------------------------------------- prompts, decode + reward
+    # ---------------------------------------------------------------- what the executor runs
+    @property
+    def abstract_params(self):
+        """The transformer's boxed abstract parameters (their logical axes name the shardings)."""
+        return self.workload.family.abstract_params(self.workload.model_cfg)
+
+    @property
+    def decoder_params(self):
+        return self.workload.decoder_params
+
+    def release_base_params(self) -> None:
+        """Forget the workload's copy of the base weights (the trainer holds the placed one)."""
+        self.workload.base_params = None
+
     def prompt_batch(self, k: int) -> tuple[jax.Array, Conditioning]:
         """Iteration k's prompt ids (P,) and their conditioning (one row per prompt, not per sample)."""
         return self.workload.prompt_batch(k)
+
+    def sample_key(self, k: int) -> jax.Array:
+        """The key iteration k's sample noises derive from."""
+        return jax.random.fold_in(jax.random.fold_in(self._root_key, k), workload_lib.SAMPLES)
+
+    def decode(self, latents: jax.Array, decoder_params=None) -> jax.Array:
+        return self.workload.decode(latents, decoder_params)
+
+    def reward(self, decoded: np.ndarray, prompt_ids: jax.Array) -> tuple[np.ndarray, dict]:
+        return self.workload.reward(decoded, prompt_ids)
 
     def images(self, latents: jax.Array) -> np.ndarray:
         """(B, H, W, 3) float32 in [0, 1] previews of final latents (a video's middle frame)."""
@@ -168,8 +142,8 @@ class Run:
         else:
             params = self.trainer.params_for(weights)
             traj = self.sampler.rollout(params, self.eval_cond, self.eval_keys, zeros, self.latent_shape, state.version)
-            pixels = self.workload.decode(traj.final)
-        rewards, _ = self.workload.reward(np.asarray(pixels), self.eval_ids)
+            pixels = self.decode(traj.final)
+        rewards, _ = self.reward(np.asarray(pixels), self.eval_ids)
         return float(np.mean(rewards))
 
 
@@ -354,14 +328,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
                 emit(*pending)  # a checkpoint never runs ahead of metrics.jsonl
                 pending = None
                 settle()
-                executor.save(run.checkpoints, k + 1)
+                checkpoints.save(executor, run.checkpoints, k + 1, config)
                 saving = k + 1
         if pending is not None:
             executor.drain()  # the last iteration's prefetched rollouts belong to its timing
             emit(*pending)
         if total > start and (not config.train.checkpoint_every or total % config.train.checkpoint_every):
             settle()
-            executor.save(run.checkpoints, total)
+            checkpoints.save(executor, run.checkpoints, total, config)
             saving = total
         settle()
     finally:

@@ -38,26 +38,59 @@ import dataclasses
 import functools
 import os
 import threading
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from digen_jax.rl import advantages as adv_lib
-from digen_jax.rl import lora
-from digen_jax.app import workload as workload_lib
-from digen_jax.rl.rollout import Conditioning, Trajectory
+from digen_jax.rl.rollout import Conditioning, Sampler, Trajectory
 from digen_jax.rl.timesteps import plan_steps
-from digen_jax.rl.trainer import LAG0_FIGURES, GradSum, TrainState, build_units
-from digen_jax.app import checkpoints
+from digen_jax.rl.trainer import LAG0_FIGURES, GradSum, Trainer, TrainState, build_units
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.distributed import to_every_process, transfer
+from digen_jax.runtime.distributed import to_every_process
 from digen_jax.runtime.dispatch import Lanes, dispatch
 from digen_jax.runtime.trace import Tracer, iteration_summary
+from digen_jax.runtime.weight_sync import RoleWeights
+
+
+class Job(Protocol):
+    """What the executor runs: a run as the runtime sees it (the application layer's `Run`)."""
+
+    config: ml_collections.ConfigDict
+    workdir: str  # the trace goes to WORKDIR/trace.json unless the executor is given another path
+    trainer: Trainer
+    state: TrainState  # the initial train state (the executor copies it; this one survives)
+    sampler: Sampler
+    latent_shape: tuple[int, ...]
+
+    @property
+    def abstract_params(self) -> Any:
+        """The model's boxed abstract parameters: their logical axes name the weight shardings."""
+
+    @property
+    def decoder_params(self) -> Any:
+        """The decoder's (VAE) weights, or None in pixel space."""
+
+    def release_base_params(self) -> None:
+        """Drop the run's own reference to the base weights once the trainer's copy is placed."""
+
+    def prompt_batch(self, k: int) -> tuple[jax.Array, Conditioning]:
+        """Iteration k's prompt ids (P,) and their conditioning (one row per prompt)."""
+
+    def sample_key(self, k: int) -> jax.Array:
+        """The key iteration k's samples' noise derives from."""
+
+    def decode(self, latents: jax.Array, decoder_params: Any = None) -> jax.Array:
+        """What rewards score, decoded from final latents on their devices (device work)."""
+
+    def reward(self, decoded: np.ndarray, prompt_ids: jax.Array) -> tuple[np.ndarray, dict]:
+        """Rewards of decoded samples on the host: (B,) and the per-reward arrays."""
+
 
 def validate_runtime_config(config, num_devices: int) -> None:
     """Reject a bad `runtime` section before any compute, naming the key."""
@@ -172,19 +205,19 @@ class MicroBatch:
     sample_keys: jax.Array
     noise_levels: np.ndarray  # (N,) the iteration's per-step noise levels
     trained: np.ndarray  # (samples, S) trained step indices
-    group: str | None = None  # where it was rolled out
+    rolled_on: str | None = None  # the device group that rolled it out
     version: int | None = None  # the policy version that generated it
     traj: Trajectory | None = None
     rewards: concurrent.futures.Future | None = None
 
 
 class Executor:
-    """Runs iterations of `run` (a `rl.loop.Run`) in `config.runtime.mode`."""
+    """Runs iterations of `job` (a `Job`: the application layer's `Run`) in `config.runtime.mode`."""
 
-    def __init__(self, run, *, config=None, trace_path: str | None = None, log: Callable[[str], None] = print):
-        """`config` overrides `run.config`'s runtime and sharding sections (one Run, several modes);
+    def __init__(self, job: Job, *, config=None, trace_path: str | None = None, log: Callable[[str], None] = print):
+        """`config` overrides `job.config`'s runtime and sharding sections (one run, several modes);
         the trace goes to `trace_path` (default WORKDIR/trace.json)."""
-        self.run, self.config, self.log = run, config or run.config, log
+        self.job, self.config, self.log = job, config or job.config, log
         rt = self.config.runtime
         self.mode, self.flags = rt.mode, plan_lib.mode_flags(rt.mode)
         validate_runtime_config(self.config, len(jax.devices()))
@@ -193,7 +226,7 @@ class Executor:
         self.microbatches = rt.micro_batches
         # Process 0 writes the trace (it stamps tasks on other processes' devices when dispatched).
         write_trace = rt.trace and jax.process_index() == 0
-        self.tracer = Tracer((trace_path or os.path.join(run.workdir, "trace.json")) if write_trace else None)
+        self.tracer = Tracer((trace_path or os.path.join(job.workdir, "trace.json")) if write_trace else None)
         self.lanes = Lanes() if jax.process_count() == 1 else None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=rt.reward_workers, thread_name_prefix="reward")
         self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
@@ -204,91 +237,47 @@ class Executor:
 
     # ------------------------------------------------------------------ weights
     def _place_weights(self) -> None:
-        run, trainer = self.run, self.run.trainer
-        rules = self.config.sharding
-        boxed = run.workload.family.abstract_params(run.workload.model_cfg)
-        self._sharding = {
-            "train": mesh_lib.param_shardings(boxed, self.meshes.train, rules.train_rules),
-            "rollout": mesh_lib.param_shardings(boxed, self.meshes.rollout, rules.rollout_rules),
-        }
-        self.lora_scale = trainer.cfg.lora_scale
-        train_mesh = self.meshes.train
-        trainable_sh = mesh_lib.like_params(run.state.trainable, self._sharding["train"], train_mesh)
-        state_sh = TrainState(
-            version=mesh_lib.replicated(train_mesh),
-            trainable=trainable_sh,
-            opt_state=mesh_lib.optimizer_state_shardings(trainer.optimizer, run.state.trainable, trainable_sh, train_mesh),
-            ema=None if run.state.ema is None else trainable_sh,
-            nonfinite_streak=mesh_lib.replicated(train_mesh),
-        )
-        self.state_sharding = state_sh
-        trainer.pin_state_sharding(state_sh)
-        # Fresh buffers: the update donates the state, and run.state must survive (resume, other modes).
-        self.state = jax.device_put(jax.tree.map(jnp.copy, run.state), state_sh)
-        if trainer.frozen is not None:
-            trainer.frozen = jax.device_put(trainer.frozen, self._sharding["train"])
-            # The frozen base now lives on the train mesh; dropping the workload's first copy frees
-            # its device before the rollout replicas are made (a 20B base fits a card only once).
-            run.workload.base_params = None
-        self.frozen_on_rollout = None
-        if self.lora_scale is not None and not self.meshes.colocated:
-            self.frozen_on_rollout = transfer(trainer.frozen, self._sharding["rollout"])
-        decoder = run.workload.decoder_params
-        groups = {"shared": self.meshes.train} if self.meshes.colocated else {"rollout": self.meshes.rollout, "train": self.meshes.train}
-        if self.meshes.reward is not None:
-            groups["reward"] = self.meshes.reward
-        self._decoder = {} if decoder is None else {g: transfer(decoder, mesh_lib.replicated(m)) for g, m in groups.items()}
-        self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
-        self.rollout_params = None
-        self.rollout_version = -1
+        job = self.job
+        self.weights = RoleWeights(self.meshes, self.config.sharding, job.abstract_params, job.trainer,
+                                   merge_for_sampling=self.config.rl.lora_merge_for_sampling)
+        self.state_sharding = self.weights.state_sharding(job.state)
+        job.trainer.pin_state_sharding(self.state_sharding)
+        self.state = self.weights.fresh_state(job.state, self.state_sharding)
+        self.weights.place_frozen_on_train()
+        # The frozen base now lives on the train mesh; dropping the run's first copy frees its
+        # device before the rollout replicas are made (a 20B base fits a card only once).
+        job.release_base_params()
+        self.weights.place_frozen_on_rollout()
+        self.weights.place_decoders(job.decoder_params)
         self._reward_dispatch = threading.Lock()  # see _rollout
-
-    def _weights_for_sampling(self, trainable, frozen):
-        """Sampling weights from trainable (+ frozen base for LoRA) where they live."""
-        if self.lora_scale is None:
-            return trainable
-        if self.config.rl.lora_merge_for_sampling:
-            return self._merge(frozen, trainable)
-        return lora.LoraWeights(frozen, trainable, self.lora_scale)
-
-    def _to_rollout(self, trainable):
-        """`trainable` (on the train role) moved to the rollout role: the tree that moved (only
-        adapters with LoRA) and the sampling weights made from it there."""
-        if self.lora_scale is None:
-            moved = transfer(trainable, self._sharding["rollout"])
-        else:
-            moved = transfer(trainable, mesh_lib.replicated(self.meshes.rollout))
-        return moved, self._weights_for_sampling(moved, self.frozen_on_rollout)
 
     def _sync(self, version: int, deps: tuple = ()) -> None:
         """Trainer -> rollout weight transfer of `version` (asynchronous; only adapters with LoRA)."""
         task = plan_lib.Task("sync", "link", version, 0, version, deps=deps)
         start = self.tracer.now()
-        moved, self.rollout_params = self._to_rollout(self.state.trainable)
+        moved = self.weights.sync(self.state.trainable, version)
         self.tracer.record(task, moved, start)
-        self.rollout_version = version
 
     def _params_on(self, group: str, version: int):
         if group == "rollout":
-            if self.rollout_version != version:
+            if self.weights.rollout_version != version:
                 self._sync(version)  # the initial weights, or a sync the plan did not place
-            return self.rollout_params
-        return self._weights_for_sampling(self.state.trainable, self.run.trainer.frozen)
+            return self.weights.rollout_params
+        return self.weights.on_train(self.state.trainable)
 
     # ------------------------------------------------------------------ inputs
     def microbatches_of(self, k: int) -> list[MicroBatch]:
         """Iteration k's micro-batches: pure functions of (seed, k), like `Run.iteration`."""
         with jax.default_device(mesh_lib.host_device()):  # host-derived: see mesh.host_device
-            run, rl, s = self.run, self.config.rl, self.config.sampling
-            prompt_ids, cond = run.prompt_batch(k)
-            group = rl.group_size
-            batch = len(prompt_ids) * group
-            key = jax.random.fold_in(run.root_key, k)
-            sample_keys = jax.random.split(jax.random.fold_in(key, workload_lib.SAMPLES), batch)
+            rl, s = self.config.rl, self.config.sampling
+            prompt_ids, cond = self.job.prompt_batch(k)
+            group_size = rl.group_size
+            batch = len(prompt_ids) * group_size
+            sample_keys = jax.random.split(self.job.sample_key(k), batch)
             steps = plan_steps(rl, s.num_steps, s.noise_level, batch, k, np.random.default_rng([self.config.seed, k]))
             per_mb = batch // self.microbatches
-            sample_prompts = np.repeat(np.asarray(prompt_ids), group, axis=0)
-            cond = cond.repeat(group)
+            sample_prompts = np.repeat(np.asarray(prompt_ids), group_size, axis=0)
+            cond = cond.repeat(group_size)
             out = []
             for m in range(self.microbatches):
                 rows = slice(m * per_mb, (m + 1) * per_mb)
@@ -318,19 +307,19 @@ class Executor:
         params = self._params_on(task.group, task.version)
         start = self.tracer.now()
         cond, keys = mesh_lib.put_batch((mb.cond, mb.sample_keys), mesh)
-        mb.traj = self.run.sampler.rollout(params, cond, keys, mb.noise_levels, self.run.latent_shape, task.version)
-        mb.group, mb.version = task.group, task.version
+        mb.traj = self.job.sampler.rollout(params, cond, keys, mb.noise_levels, self.job.latent_shape, task.version)
+        mb.rolled_on, mb.version = task.group, task.version
         self.tracer.record(task, mb.traj.latents, start, sample_ids=mb.sample_ids.tolist())
-        final, decoder = mb.traj.final, self._decoder.get(task.group)
+        final, decoder = mb.traj.final, self.weights.decoders.get(task.group)
         # Every process scores the same rewards from its own copy of the pixels (their bytes cross
         # to each process once; the host reward work is repeated per process), so advantages and
         # reward metrics need no further exchange. One process: the decoded arrays as they are.
         if self.meshes.reward is None:
-            decoded = to_every_process(self.run.workload.decode(final, decoder))
+            decoded = to_every_process(self.job.decode(final, decoder))
         else:
             with self._reward_dispatch:
-                final, decoder = mesh_lib.put_batch(final, self.meshes.reward), self._decoder.get("reward")
-                decoded = to_every_process(self.run.workload.decode(final, decoder))
+                final, decoder = mesh_lib.put_batch(final, self.meshes.reward), self.weights.decoders.get("reward")
+                decoded = to_every_process(self.job.decode(final, decoder))
         mb.rewards = self.pool.submit(self._score, mb, decoded)
 
     def _score(self, mb: MicroBatch, decoded: jax.Array) -> np.ndarray:
@@ -339,7 +328,7 @@ class Executor:
         # Reward models that run on a device (CLIP scorers) use a device that decoded this
         # micro-batch: the reward role's when it has devices (single-device programs, no collectives).
         with jax.default_device(decoded.addressable_shards[0].device):
-            rewards, _ = self.run.workload.reward(pixels, jnp.asarray(mb.prompt_ids))
+            rewards, _ = self.job.reward(pixels, jnp.asarray(mb.prompt_ids))
         rewards = np.asarray(rewards, np.float32)
         reward_task = plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version)
         self.tracer.record_done(reward_task, start, self.tracer.now(), sample_ids=mb.sample_ids.tolist())
@@ -365,18 +354,18 @@ class Executor:
         rewards = mb.rewards.result()  # the one wait: everything that can run meanwhile is enqueued
         mesh = self.meshes.train
         acc["finite"] = acc["finite"] and bool(np.all(np.isfinite(rewards)))
-        groups = len(rewards) // rl.group_size
-        group_ids = np.repeat(np.arange(groups), rl.group_size)
+        prompt_groups = len(rewards) // rl.group_size  # GRPO groups: one prompt's samples each
+        group_ids = np.repeat(np.arange(prompt_groups), rl.group_size)
         start = self.tracer.now()
         with jax.default_device(mesh_lib.host_device()):  # not behind the rollouts queued on a rollout device
             adv = adv_lib.group_advantages(
-                jnp.asarray(np.where(np.isfinite(rewards), rewards, 0.0)), jnp.asarray(group_ids), groups,
+                jnp.asarray(np.where(np.isfinite(rewards), rewards, 0.0)), jnp.asarray(group_ids), prompt_groups,
                 std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof, mean_mode=rl.mean_mode,
             )
             trained = jnp.asarray(mb.trained)
         traj, cond, adv, trained = mesh_lib.put_batch((mb.traj, mb.cond, adv, trained), mesh)
-        units = build_units(traj, cond, adv, trained, old_means=self.run.trainer.cfg.policy_loss == "grpo_guard")
-        trainer, acc_grads = self.run.trainer, acc["sum"]
+        units = build_units(traj, cond, adv, trained, old_means=self.job.trainer.cfg.policy_loss == "grpo_guard")
+        trainer, acc_grads = self.job.trainer, acc["sum"]
         on_policy = task.version == mb.version  # generated by the weights this task trains
         for chunk in self._chunks(units, mb.trained.shape[1]):
             if self._pace_chunks and acc_grads.metrics is not None:
@@ -392,7 +381,7 @@ class Executor:
 
     def _update(self, task: plan_lib.Task, acc: dict) -> dict:
         start = self.tracer.now()
-        self.state, metrics = self.run.trainer.finish_update(self.state, acc["sum"], acc["finite"])
+        self.state, metrics = self.job.trainer.finish_update(self.state, acc["sum"], acc["finite"])
         self.tracer.record(task, metrics["version"], start)
         return metrics
 
@@ -520,12 +509,12 @@ class Executor:
         """
         group = "shared" if self.meshes.colocated else "rollout"
         if self.meshes.colocated:
-            params = self._weights_for_sampling(trainable, self.run.trainer.frozen)
+            params = self.weights.on_train(trainable)
         else:
-            params = self._to_rollout(trainable)[1]
+            params = self.weights.to_rollout(trainable)[1]
         cond, sample_keys = mesh_lib.put_batch((cond, sample_keys), self.meshes.for_group(group))
-        traj = self.run.sampler.rollout(params, cond, sample_keys, noise_levels, self.run.latent_shape, version)
-        return to_every_process(self.run.workload.decode(traj.final, self._decoder.get(group)))
+        traj = self.job.sampler.rollout(params, cond, sample_keys, noise_levels, self.job.latent_shape, version)
+        return to_every_process(self.job.decode(traj.final, self.weights.decoders.get(group)))
 
     def last_finals(self) -> jax.Array:
         """Final latents of the last iteration's samples, in sample order (readable on every process)."""
@@ -566,9 +555,10 @@ class Executor:
         }
 
     # ------------------------------------------------------------------ checkpoints
-    def _carried_tree(self) -> dict:
-        # The trajectories live on the rollout role (or the trainer's, with TAG): host copies on
-        # every process, process 0 included (orbax's writer of host arrays; see `save`).
+    def carried_snapshot(self) -> dict:
+        """The micro-batches prefetched for the next iteration as host trees, keyed by index (on
+        every process, process 0 included: it writes a run's checkpoints). Their rollouts must
+        have run (`drain`)."""
         return {
             str(m.index): {
                 "traj": jax.device_get(to_every_process(
@@ -576,87 +566,32 @@ class Executor:
                 )),
                 "rewards": m.rewards.result(),
                 "version": np.int32(m.version),
-                "group": np.int32(plan_lib.GROUPS.index(m.group)),
+                "group": np.int32(plan_lib.GROUPS.index(m.rolled_on)),
             }
             for m in self.carried
         }
 
-    def save(self, manager: ocp.CheckpointManager, iterations_done: int) -> None:
-        """Checkpoint the train state and the micro-batches prefetched for the next iteration (async).
+    def state_is_finite(self) -> dict[str, bool]:
+        """Whether the weights, optimizer state and EMA of the live state are free of NaN and inf."""
+        return jax.device_get(to_every_process(_finite_parts(self.state)))
 
-        Every process calls it at the same point of the loop. Several processes: orbax (0.12)
-        writes a jax.Array only from shards spread over several processes (a train role inside
-        one process has host-local arrays there, which it refuses; processes without shards fail)
-        and host arrays from process 0 only, which need not own a train device. So every process
-        takes a whole host copy of the state and process 0 writes it: `to_every_process`
-        replicates the state on every train device, then sends one copy to each other process;
-        for the save, a full state per train device and per host. One process: the state as it
-        lives on its devices, written asynchronously without a host copy.
-        """
-        self.drain()  # the prefetched micro-batches are saved: their rollouts must have run
-        # No checkpoint holds NaN or inf: one device reduction per save, read here (saves are rare).
-        finite = jax.device_get(to_every_process(_finite_parts(self.state)))
-        bad = [part for part, ok in finite.items() if not ok]
-        if bad:
-            raise FloatingPointError(
-                f"checkpoint {iterations_done} not saved: the {' and '.join(bad)} hold NaN or inf values (the "
-                "checkpoints saved before are kept). Updates are checked before they are applied (non-finite values, "
-                "rl.max_update_ratio), so these came from a restored checkpoint or a bug; stopping"
-            )
-        state = self.state
-        if jax.process_count() > 1:
-            state = jax.device_get(to_every_process(state))
-        meta = {
-            "carried": [m.index for m in self.carried],
-            "mode": self.mode,
-            "fingerprint": checkpoints.fingerprint(self.config),
-            # The task costs measured so far: a resumed run chooses its elastic splits as this one would.
-            "measured": [[kind, group, values] for (kind, group), values in self.measured.items()],
-        }
-        items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
-        if self.carried:
-            items["carried"] = ocp.args.StandardSave(self._carried_tree())
-        manager.save(iterations_done, args=ocp.args.Composite(**items))
-
-    def restore(self, manager: ocp.CheckpointManager, step: int | None = None) -> int:
-        """Restore checkpoint `step` (default: the latest) with its prefetched micro-batches and
-        measured task costs; the iteration to start from."""
-        latest = manager.latest_step() if step is None else step
-        if latest is None:
-            return 0
-        meta = checkpoints.read_meta(manager, latest)
-        multi_process = jax.process_count() > 1
-        # One process: straight onto the train shardings. Several: host arrays on every process
-        # (as `save` wrote them), then each process places the slices of its own train devices.
-        abstract_state = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=None if multi_process else s),
-            self.state, self.state_sharding,
-        )
-        items = {"state": ocp.args.StandardRestore(abstract_state)}
-        if meta["carried"]:
-            items["carried"] = ocp.args.StandardRestore()
-        restored = manager.restore(latest, args=ocp.args.Composite(**items))
-        version = int(restored["state"].version)
-        self.state = restored["state"]
-        if multi_process:
-            self.state = jax.tree.map(
-                lambda a, s: jax.make_array_from_callback(a.shape, s, a.__getitem__, dtype=a.dtype),
-                self.state, self.state_sharding,
-            )
+    def resume(self, step: int, state: TrainState, carried: dict, measured: list) -> None:
+        """Continue after iteration `step` from a restored `state` (placed on `state_sharding`), the
+        prefetched micro-batches `carried` (as `carried_snapshot` gave them) and the task costs
+        measured so far (`[kind, group, durations]` rows)."""
+        self.state = state
         self.carried = []
-        for mb in self.microbatches_of(latest)[: len(meta["carried"])]:
-            saved = restored["carried"][str(mb.index)]
+        for mb in self.microbatches_of(step)[: len(carried)]:
+            saved = carried[str(mb.index)]
             mb.traj = Trajectory(sample_keys=mb.sample_keys, **{name: jnp.asarray(a) for name, a in saved["traj"].items()})
             mb.version = int(saved["version"])
-            mb.group = plan_lib.GROUPS[int(saved["group"])]
+            mb.rolled_on = plan_lib.GROUPS[int(saved["group"])]
             mb.rewards = concurrent.futures.Future()
             mb.rewards.set_result(np.asarray(saved["rewards"], np.float32))
             self.carried.append(mb)
-        self.rollout_version = -1
-        self.measured = {(kind, group): list(values) for kind, group, values in meta.get("measured", [])}
-        self.tracer.resume(latest, kept={(latest, m.index) for m in self.carried})
-        self.log(f"resumed from checkpoint {latest} (policy version {version}, {len(self.carried)} prefetched micro-batches)")
-        return latest
+        self.weights.rollout_version = -1
+        self.measured = {(kind, group): list(values) for kind, group, values in measured}
+        self.tracer.resume(step, kept={(step, m.index) for m in self.carried})
 
     def drain(self) -> None:
         """Wait until every dispatched task (the next iteration's prefetched rollouts too) ran."""

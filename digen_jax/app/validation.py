@@ -1,0 +1,252 @@
+"""Config validation: every check a config passes before any compute, each failure a
+`ConfigError` that names the key and what to do (files, shapes, families, rewards, ranges, the
+runtime section)."""
+from __future__ import annotations
+
+import os
+
+import jax
+import ml_collections
+import numpy as np
+
+from digen_jax import diffusion
+from digen_jax.app import checkpoints
+from digen_jax.app.config_ranges import check_ranges
+from digen_jax.app.errors import ConfigError
+from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, model_config, read_model_json,
+                                    latent_shape, vae_config)
+from digen_jax.app.workload import is_shapes, open_cache, shapes_task
+from digen_jax.data.embeddings import FAMILIES as EMBEDDING_FAMILIES
+from digen_jax.models import FAMILIES
+from digen_jax.models.checkpoints import MODEL_JSON
+from digen_jax.rewards import registry
+from digen_jax.rl import advantages as adv_lib
+from digen_jax.rl import losses
+from digen_jax.rl.rollout import SamplerSpec
+from digen_jax.rl.timesteps import plan_steps, validate_step_selection
+from digen_jax.rl.trainer import ONPOLICY_ANCHORS
+from digen_jax.runtime.executor import validate_runtime_config
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Reject a bad config before any compute, naming the offending key (raises ConfigError)."""
+    check_ranges(config)
+    _validate_workload(config)
+    try:
+        registry.validate_reward_config(dict(config.reward.weights))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    rl = config.rl
+    try:
+        adv_lib.validate_group_size(rl.group_size)
+        adv_lib.validate_advantage_modes(rl.mean_mode, rl.std_mode)
+        losses.validate_policy_loss(rl.policy_loss, config.sampling.sde_type, rl.decoupled, config.sampling.noise_level)
+        validate_step_selection(rl, config.sampling.num_steps)
+        SamplerSpec(config.sampling.sde_type, config.sampling.cfg_scale, config.sampling.cfg_rescale)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if rl.prompts_per_iteration < 1:
+        raise ConfigError(f"rl.prompts_per_iteration must be >= 1, got {rl.prompts_per_iteration}")
+    batch = rl.prompts_per_iteration * rl.group_size
+    if rl.num_updates_per_batch < 1 or batch % rl.num_updates_per_batch:
+        raise ConfigError(
+            f"rl.num_updates_per_batch={rl.num_updates_per_batch} must divide the {batch} samples of an iteration"
+        )
+    per_update = batch // rl.num_updates_per_batch * _trained_per_sample(config)
+    if rl.micro_batch_size < 1 or per_update % rl.micro_batch_size:
+        raise ConfigError(
+            f"rl.micro_batch_size={rl.micro_batch_size} must divide the {per_update} training units of an update"
+        )
+    if rl.onpolicy_anchor not in ONPOLICY_ANCHORS:
+        raise ConfigError(f"rl.onpolicy_anchor must be one of {ONPOLICY_ANCHORS}, got {rl.onpolicy_anchor!r}")
+    if rl.lora_rank < 0:
+        raise ConfigError(f"rl.lora_rank must be >= 0 (0 = full fine-tuning), got {rl.lora_rank}")
+    if config.train.on_corrupt_checkpoint not in checkpoints.ON_CORRUPT:
+        raise ConfigError(f"train.on_corrupt_checkpoint={config.train.on_corrupt_checkpoint!r} must be one of "
+                          f"{checkpoints.ON_CORRUPT}")
+    try:
+        validate_runtime_config(config, len(jax.devices()))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _trained_per_sample(config) -> int:
+    plan = plan_steps(config.rl, config.sampling.num_steps, 1.0, 1, 0, np.random.default_rng(0))
+    return plan.trained.shape[1]
+
+
+def _validate_reward_options(config: ml_collections.ConfigDict) -> None:
+    options = config.reward.get("options") or {}
+    for name, kwargs in options.items():
+        if name not in config.reward.weights:
+            raise ConfigError(f"reward.options names {name!r}, which is not in reward.weights "
+                              f"{sorted(dict(config.reward.weights))}: options belong to a weighted reward")
+        if not isinstance(kwargs, (dict, ml_collections.ConfigDict)):
+            raise ConfigError(f"reward.options[{name!r}] must map option names to values, got {kwargs!r}")
+
+def _validate_shapes(config) -> None:
+    if config.model.family not in FAMILIES:
+        raise ConfigError(f"model.family={config.model.family!r} is unknown; known: {sorted(FAMILIES)}")
+    if config.task.name != "shapes":
+        raise ConfigError(f"task.name={config.task.name!r} is unknown; known: ['shapes']")
+    if config.sampling.cfg_scale != 1.0:
+        raise ConfigError("sampling.cfg_scale: the shapes task has no negative prompt; use 1 (embedded guidance)")
+    try:
+        shapes_task(config)
+    except ValueError as e:
+        raise ConfigError(f"task: {e}") from None
+    if config.model.checkpoint:
+        _validate_shapes_checkpoint(config)
+
+
+# What ties a transformer to the shapes task: packed pixel tokens in and out, the text encoder's widths.
+_SHAPES_INTERFACE = ("in_channels", "out_dim", "joint_attention_dim", "pooled_projection_dim")
+
+
+def _validate_shapes_checkpoint(config) -> None:
+    """`model.checkpoint` of the shapes task: a converted model of `model.family` whose inputs and
+    outputs are the task's (the architecture of `model.arch` there; its depth and width are free)."""
+    c = config.model
+    key = f"model.checkpoint={c.checkpoint!r}"
+    if not os.path.exists(os.path.join(c.checkpoint, MODEL_JSON)):
+        raise ConfigError(f"{key} holds no converted model ({MODEL_JSON} missing): give a directory written by "
+                          "convert/diffusers_to_orbax.py, or leave it empty to pretrain on the task")
+    meta = read_model_json(c.checkpoint)
+    if meta.get("family") != c.family:
+        raise ConfigError(f"{key} holds a {meta.get('family')!r} model; the shapes task trains "
+                          f"model.family={c.family!r}")
+    family = FAMILIES[c.family]
+    try:
+        found = family.config_from_diffusers(meta["config"])
+        wanted = family.config_cls(**c.arch.to_dict())
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+    differ = [f"{name}={getattr(found, name)} (the task needs {getattr(wanted, name)})"
+              for name in _SHAPES_INTERFACE if getattr(found, name) != getattr(wanted, name)]
+    if differ:
+        raise ConfigError(f"{key} does not fit the shapes task: {', '.join(differ)}; the task packs "
+                          "pixels 2x2 into 12 channels and encodes prompts at model.arch's widths")
+
+def _missing_inputs_message(config, missing: list[str]) -> str:
+    zoo = ZOO[config.model.family]
+    pipeline = f"<{zoo.title} diffusers folder>"
+    how = {
+        "model.checkpoint": (
+            "the converted transformer",
+            f"python convert/diffusers_to_orbax.py --model_dir={pipeline}/transformer --out=<DIR> --dtype=bfloat16"),
+        "model.vae_checkpoint": (
+            "the converted VAE",
+            f"python convert/diffusers_to_orbax.py --model_dir={pipeline}/vae --out=<DIR>"),
+        "data.embedding_cache": (
+            "the prompt-embedding cache",
+            f"python convert/encode_prompts.py --family={zoo.name} --prompts=<prompts.txt> "
+            f"--encoder_dir={pipeline} --out=<DIR> --device=cuda"),
+    }
+    lines = [f"model.family={zoo.name!r} needs inputs that are not there:"]
+    for key in missing:
+        what, command = how[key]
+        value = config[key.split(".")[0]][key.split(".")[1]]
+        if not value:
+            state = " is not set"
+        elif os.path.isdir(value):
+            state = f"={value!r} holds no {MODEL_JSON} (not a converted checkpoint)"
+        else:
+            state = f"={value!r} does not exist"
+        lines += [f"  {key}{state}: {what}. Make it with", f"      {command}",
+                  f"    then pass --config.{key}=<DIR>"]
+    lines.append("Or, for a throughput run without weights or text encoders: "
+                 "--config.model.random_init=True --config.data.random_embeddings=True")
+    return "\n".join(lines)
+
+
+def _validate_zoo(config) -> None:
+    c, s, d = config.model, config.sampling, config.data
+    if c.family not in ZOO:
+        raise ConfigError(f"model.family={c.family!r} is unknown; known: {sorted(ZOO)}")
+    zoo = ZOO[c.family]
+    if c.random_init and c.variant not in FAMILIES[c.family].variants:
+        raise ConfigError(f"model.variant={c.variant!r} is unknown for {c.family}; "
+                          f"known: {sorted(FAMILIES[c.family].variants)}")
+    for key in DEPTH_KEYS:
+        depth = c.get(key, 0)
+        if depth and not c.random_init:
+            raise ConfigError(f"model.{key}={depth} shortens random-weight models only (model.random_init=True); "
+                              "a converted checkpoint has its own depth")
+        if depth and not hasattr(FAMILIES[c.family].variants[c.variant], key):
+            raise ConfigError(f"model.{key}={depth}: {c.family} has no {key}")
+        if not isinstance(depth, int) or depth < 0:
+            raise ConfigError(f"model.{key} must be an integer >= 0 (0: the variant's depth), got {depth!r}")
+    for key in ("height", "width"):
+        value = s[key]
+        if not isinstance(value, int) or value <= 0 or value % SIDE_MULTIPLE:
+            raise ConfigError(f"sampling.{key}={value!r} must be a positive multiple of {SIDE_MULTIPLE} "
+                              f"(the VAE's 8x downsampling, then 2x2 packing or patches)")
+    if zoo.video and (not isinstance(s.num_frames, int) or s.num_frames < 1 or (s.num_frames - 1) % TEMPORAL):
+        raise ConfigError(f"sampling.num_frames={s.num_frames!r} must be 4k+1 (1, 5, ..., 33, ..., 81): "
+                          "the causal video VAE decodes k+1 latent frames into 4k+1")
+    if s.cfg_scale != 1.0 and EMBEDDING_FAMILIES[c.family]["negative"] is None:
+        raise ConfigError(f"sampling.cfg_scale={s.cfg_scale}: {c.family} uses embedded guidance (sampling.guidance), "
+                          "not true CFG; set sampling.cfg_scale=1")
+    positive = (("reward.frame_stride", config.reward.frame_stride), ("model.vae_decode_batch", c.vae_decode_batch))
+    for key, value in positive:
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    try:
+        diffusion.sigma_ladder(s.ladder, s.num_steps, image_seq_len=256, **s.ladder_options.to_dict())
+    except ValueError as e:
+        raise ConfigError(f"sampling.ladder / sampling.ladder_options / sampling.num_steps: {e}") from None
+
+    missing = []
+    if not c.random_init:
+        for key, path in (("model.checkpoint", c.checkpoint), ("model.vae_checkpoint", c.vae_checkpoint)):
+            if not path or not os.path.exists(os.path.join(path, MODEL_JSON)):
+                missing.append(key)
+    if not d.random_embeddings and (not d.embedding_cache or not os.path.isdir(d.embedding_cache)):
+        missing.append("data.embedding_cache")
+    if missing:
+        raise ConfigError(_missing_inputs_message(config, missing))
+
+    if not c.random_init:
+        for key, path, accepted in (("model.checkpoint", c.checkpoint, (c.family,)),
+                                    ("model.vae_checkpoint", c.vae_checkpoint, zoo.vae_families)):
+            found = read_model_json(path).get("family")
+            if found not in accepted:
+                raise ConfigError(f"{key}={path!r} holds a {found!r} model; model.family={c.family!r} needs "
+                                  f"{' or '.join(map(repr, accepted))}")
+    try:
+        model_cfg, vae_cfg = model_config(config), vae_config(config)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model: {e}") from None
+    shape = latent_shape(config, vae_cfg)
+    model_in = model_cfg.in_channels
+    if model_in != (shape[1] if not zoo.video else shape[0]):
+        raise ConfigError(f"the transformer (model.checkpoint / model.variant) takes {model_in} latent channels but "
+                          f"the VAE (model.vae_checkpoint) gives latents of shape {shape}: they are not one model's")
+
+    text_dim = getattr(model_cfg, zoo.text_dim)
+    pooled_dim = getattr(model_cfg, zoo.pooled_dim) if zoo.pooled_dim else None
+    if d.random_embeddings:
+        text_len, key = d.text_len, "data.text_len"
+        if d.num_prompts < 1:
+            raise ConfigError(f"data.num_prompts must be >= 1, got {d.num_prompts}")
+    else:
+        cache = open_cache(config)
+        made_by = [str(cache.meta[k]) for k in ("encoders", "encoder_dir") if k in cache.meta]
+        source = f" (encoded by {', '.join(made_by)})" if made_by else ""
+        if (cache.text_dim, cache.pooled_dim) != (text_dim, pooled_dim):
+            raise ConfigError(
+                f"data.embedding_cache={d.embedding_cache!r} was made for another model{source}: text dim "
+                f"{cache.text_dim}, pooled dim {cache.pooled_dim}; this {c.family} model takes {text_dim} and "
+                f"{pooled_dim}. Encode the prompts with this model's text encoders")
+        if s.cfg_scale != 1.0 and not cache.has_negative:
+            raise ConfigError(f"data.embedding_cache={d.embedding_cache!r} stores no negative prompt, which "
+                              f"sampling.cfg_scale={s.cfg_scale} (true CFG) needs; re-encode without --no_negative")
+        text_len, key = cache.text_len, f"data.embedding_cache={d.embedding_cache!r}: its text length"
+    if not 1 <= text_len <= zoo.text_cap:
+        raise ConfigError(f"{key} {text_len} is over the {c.family} text cap of {zoo.text_cap} tokens "
+                          "(or below 1)")
+
+def _validate_workload(config: ml_collections.ConfigDict) -> None:
+    """The workload part of config validation: files, shapes, families and reward options, no device work."""
+    (_validate_shapes if is_shapes(config) else _validate_zoo)(config)
+    _validate_reward_options(config)

@@ -1,0 +1,103 @@
+"""Weight placement and sync: where each role's weights live, and the trainer -> rollout transfer.
+
+The train role holds the train state (sharded by `sharding.train_rules`) and, with LoRA or a KL
+reference, the frozen base. The rollout role samples with its own copy: with LoRA only the
+adapters cross at each sync (onto a frozen base placed there once); full fine-tuning moves the
+whole trainable tree (sharded by `sharding.rollout_rules`). Colocated runs sample with the train
+state where it lives. Decoders (VAE weights) are replicated on every group that decodes.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from digen_jax.rl import lora
+from digen_jax.rl.trainer import Trainer, TrainState
+from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.runtime.distributed import transfer
+
+
+class RoleWeights:
+    """The weights of every role of one run, and the sync that carries a version to rollout."""
+
+    def __init__(self, meshes: mesh_lib.RoleMeshes, rules, abstract_params: Any, trainer: Trainer,
+                 merge_for_sampling: bool):
+        """`abstract_params`: the model's boxed abstract parameters (their logical axes name the
+        shardings); `rules`: the config's `sharding` section."""
+        self.meshes, self.trainer = meshes, trainer
+        self.merge_for_sampling = merge_for_sampling
+        self.lora_scale = trainer.cfg.lora_scale
+        self.sharding = {
+            "train": mesh_lib.param_shardings(abstract_params, meshes.train, rules.train_rules),
+            "rollout": mesh_lib.param_shardings(abstract_params, meshes.rollout, rules.rollout_rules),
+        }
+        self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
+        self.frozen_on_rollout = None
+        self.decoders: dict[str, Any] = {}
+        self.rollout_params = None
+        self.rollout_version = -1
+
+    def state_sharding(self, state: TrainState) -> TrainState:
+        """Shardings of a train state laid out like `state` on the train mesh."""
+        train_mesh = self.meshes.train
+        trainable_sh = mesh_lib.like_params(state.trainable, self.sharding["train"], train_mesh)
+        return TrainState(
+            version=mesh_lib.replicated(train_mesh),
+            trainable=trainable_sh,
+            opt_state=mesh_lib.optimizer_state_shardings(self.trainer.optimizer, state.trainable, trainable_sh, train_mesh),
+            ema=None if state.ema is None else trainable_sh,
+            nonfinite_streak=mesh_lib.replicated(train_mesh),
+        )
+
+    def place_frozen_on_train(self) -> None:
+        """The trainer's frozen base (if any) onto the train mesh."""
+        self.trainer.place_frozen(self.sharding["train"])
+
+    def place_frozen_on_rollout(self) -> None:
+        """Disaggregated with LoRA: the frozen base, once, onto the rollout role (syncs carry adapters only)."""
+        if self.lora_scale is not None and not self.meshes.colocated:
+            self.frozen_on_rollout = transfer(self.trainer.frozen, self.sharding["rollout"])
+
+    def place_decoders(self, decoder_params: Any) -> None:
+        """The decoder's weights replicated on every group that decodes (none in pixel space)."""
+        meshes = self.meshes
+        groups = {"shared": meshes.train} if meshes.colocated else {"rollout": meshes.rollout, "train": meshes.train}
+        if meshes.reward is not None:
+            groups["reward"] = meshes.reward
+        if decoder_params is not None:
+            self.decoders = {g: transfer(decoder_params, mesh_lib.replicated(m)) for g, m in groups.items()}
+
+    def for_sampling(self, trainable, frozen):
+        """Sampling weights from trainable (+ frozen base for LoRA) where they live."""
+        if self.lora_scale is None:
+            return trainable
+        if self.merge_for_sampling:
+            return self._merge(frozen, trainable)
+        return lora.LoraWeights(frozen, trainable, self.lora_scale)
+
+    def to_rollout(self, trainable):
+        """`trainable` (on the train role) moved to the rollout role: the tree that moved (only
+        adapters with LoRA) and the sampling weights made from it there."""
+        if self.lora_scale is None:
+            moved = transfer(trainable, self.sharding["rollout"])
+        else:
+            moved = transfer(trainable, mesh_lib.replicated(self.meshes.rollout))
+        return moved, self.for_sampling(moved, self.frozen_on_rollout)
+
+    def sync(self, trainable, version: int):
+        """Carry `version` (its trainable tree) to the rollout role (asynchronous); the tree that moved."""
+        moved, self.rollout_params = self.to_rollout(trainable)
+        self.rollout_version = version
+        return moved
+
+    def on_train(self, trainable):
+        """Sampling weights of `trainable` on the train role (colocated, or the trainer's rollouts)."""
+        return self.for_sampling(trainable, self.trainer.frozen)
+
+    def fresh_state(self, state: TrainState, sharding: TrainState) -> TrainState:
+        """`state` copied onto `sharding`: the update donates the state it is given, so the caller's
+        copy survives (a resume, or other modes of one run)."""
+        return jax.device_put(jax.tree.map(jnp.copy, state), sharding)
