@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-MODES = ("fraction", "window", "mixgrpo", "random")
+STEP_SELECTIONS = ("fraction", "window", "mixgrpo", "random")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +34,8 @@ def _num_trained(fraction: float, steps: int) -> int:
 def validate_step_selection(rl, num_steps: int) -> None:
     """Raise ValueError naming the config key if the selection leaves the trainable ladder."""
     mode = rl.step_selection
-    if mode not in MODES:
-        raise ValueError(f"rl.step_selection must be one of {MODES}, got {mode!r}")
+    if mode not in STEP_SELECTIONS:
+        raise ValueError(f"rl.step_selection must be one of {STEP_SELECTIONS}, got {mode!r}")
     if mode in ("fraction", "random"):
         pool = num_steps if mode == "fraction" else num_steps - 1
         t = _num_trained(rl.timestep_fraction, pool)
