@@ -1,13 +1,12 @@
 """Dispatching a plan: each device group's tasks from that group's own host thread.
 
 The executor's task handlers enqueue device programs and return; JAX runs them
-asynchronously. That holds only while a dispatch call returns before its program ends, and
-on the lent H100s (jax 0.11.2) it did not for the model's programs: a rollout step or a
-gradient micro-batch returned from its jit call only about when it had run (the GPU client
-also admits at most 32 programs in flight per device; a dispatch beyond that waits for one
-to finish). One host thread dispatching every group then ran the groups one after the
-other, whatever the plan said. With one thread per group a dispatch that waits holds up
-only its own group.
+asynchronously. That holds only while a dispatch call returns before its program ends, which
+is not guaranteed: on GPUs a large program's jit call can return only about when it has run,
+and the client admits a bounded number of programs in flight per device (32), beyond which a
+dispatch waits for one to finish (docs/known_issues.md). One host thread dispatching every
+group would then run the groups one after the other, whatever the plan says; with one thread
+per group a dispatch that waits holds up only its own group.
 
 Order: a group's tasks are dispatched in plan order by its thread, so every device gets
 its programs in the plan's order (programs with collectives need one order on every

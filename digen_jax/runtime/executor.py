@@ -371,10 +371,10 @@ class Executor:
             if self._pace_chunks and acc_grads.metrics is not None:
                 # The CPU client runs a program's launch and its collective participants on one
                 # pool of as many threads as devices, and a launch that finds a device with 32
-                # programs in flight holds its thread until one finishes. Dispatched far ahead,
-                # those launches took the threads that a queued gradient's all-gather needed:
-                # the started participants waited for the missing ones, forever (2-process
-                # gap+tsp, 1 run in 7). One chunk in flight keeps every device far below 32.
+                # programs in flight holds its thread until one finishes. Launches dispatched
+                # far ahead can take every thread a queued gradient's all-gather needs, so its
+                # started participants wait forever for the others. One chunk in flight keeps
+                # every device far below 32.
                 jax.block_until_ready(acc_grads.metrics)
             trainer.add_chunk(acc_grads, self.state.trainable, chunk, on_policy)
         self.tracer.record(task, acc_grads.metrics["loss"], start, sample_ids=mb.sample_ids.tolist())  # grads get donated
