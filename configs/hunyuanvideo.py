@@ -112,6 +112,6 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     # --config.runtime.mode=gap+tsp+tag+tcss --config.runtime.rollout_devices=2 --config.runtime.train_devices=2
     c.runtime = runtime_section(micro_batches=4)
     # LoRA: the frozen base is replicated on every train device (data parallel, one adapter-gradient
-    # all-reduce per micro-batch) instead of FSDP's per-layer gathers; README 'Benchmarks' says why.
+    # all-reduce per micro-batch) instead of FSDP's per-layer gathers; docs/known_issues.md "Training shards" says why.
     c.sharding = sharding_section(fsdp=False)
     return tiny_overrides(c, video=True, trained_steps=1) if size == "tiny" else c

@@ -6,7 +6,7 @@ import ml_collections
 
 
 def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_collections.ConfigDict:
-    """Schedule mode and device roles (DESIGN.md sections 2 and 4; README 'Runtime')."""
+    """Schedule mode and device roles (docs/design.md sections 2 and 4; README 'Runtime')."""
     return ml_collections.ConfigDict(
         dict(
             # 'colocated' | 'disagg_sync' | 'gap' | 'gap+tsp' | 'gap+tsp+tag' | 'gap+tsp+tag+tcss'

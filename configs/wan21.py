@@ -111,6 +111,6 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     # --config.rl.num_updates_per_batch=1 (a disaggregated mode makes one update per iteration)
     c.runtime = runtime_section(micro_batches=4)
     # LoRA: the frozen base is replicated on every train device (data parallel, one adapter-gradient
-    # all-reduce per micro-batch) instead of FSDP's per-layer gathers; README 'Benchmarks' says why.
+    # all-reduce per micro-batch) instead of FSDP's per-layer gathers; docs/known_issues.md "Training shards" says why.
     c.sharding = sharding_section(fsdp=False)
     return tiny_overrides(c, video=True, trained_steps=3) if size == "tiny" else c

@@ -1,6 +1,6 @@
 """Exact FLOP counts of the diffusion transformers: every matmul and every attention product.
 
-The count follows MODELS.md section 7: a dense layer applying an (in, out) kernel to n rows
+The count follows docs/models.md section 7: a dense layer applying an (in, out) kernel to n rows
 costs 2 n in out; an attention with B x N heads, T queries, S keys and head dim H costs
 4 B N T S H (QK^T and PV). Norms, RoPE, softmax and other elementwise work are not counted.
 The AdaLN modulation layers act on one vector per sample and the two streams of a

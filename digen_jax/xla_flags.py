@@ -1,6 +1,6 @@
 """XLA flags the launchers set before the first device is touched (XLA reads them once, then).
 
-GPU defaults, each measured (benchmarks/results, README "Benchmarks"):
+GPU defaults, each measured (benchmarks/results, benchmarks/README.md):
   --xla_gpu_enable_triton_gemm=false: cuBLAS for every matmul. Triton picked the per-block
       modulation projections (batch-sized rows against 3072 x 18432 weights) and ran them far
       below memory bandwidth; with cuBLAS, Qwen-Image-20B at batch 4, 512x512 on one H100 went

@@ -61,7 +61,7 @@ from digen_jax import cli  # noqa: E402  (imports neither jax nor torch)
 # and nothing initialises a GPU backend before the PyTorch peer has run and exited.
 
 WHATS = ("forward", "lora_fwd_bwd", "full_fwd_bwd")
-# Text-encoder sequence lengths of the pipelines (MODELS.md section 7; Qwen-Image's is the
+# Text-encoder sequence lengths of the pipelines (docs/models.md section 7; Qwen-Image's is the
 # prompt length, assumed 128).
 DEFAULT_TEXT_LEN = {"flux": 512, "qwenimage": 128, "wan": 512, "hunyuan_video": 256}
 # Datasheet dense bf16 tensor-core peaks (FLOP/s, no sparsity), matched in order against the

@@ -1,6 +1,6 @@
 """Group advantages vs float64 numpy restatements of the references.
 
-References (ALGORITHMS.md A5, A8, A9):
+References (docs/algorithms.md A5, A8, A9):
   * yifan123/flow_grpo flow_grpo/stat_tracking.py (PerPromptStatTracker.update: group mean,
     numpy std ddof 0 + 1e-4, per prompt or global_std),
   * XueZeyue/DanceGRPO fastvideo/train_grpo_flux.py (per-group torch.std, ddof 1, + 1e-8;

@@ -63,7 +63,7 @@ def test_model_mode_writes_every_figure(tmp_path, monkeypatch):
         assert entry["mfu_datasheet"] is None
         peak = written["peaks"]["measured_matmul"]["flops_per_s"]
         assert entry["mfu_measured_peak"] == pytest.approx(entry["flops_per_s"] / peak)
-    assert written["param_count"] == 89328 and written["lora_param_count"] > 0  # MODELS.md: the tiny Qwen-Image
+    assert written["param_count"] == 89328 and written["lora_param_count"] > 0  # docs/models.md: the tiny Qwen-Image
 
 
 def test_model_mode_unrolled_blocks_time_the_same_program(tmp_path):

@@ -3,7 +3,7 @@
 References: transformers `CLIPModel` and `CLIPImageProcessorPil`, open_clip `CLIP` (tiny random
 models); PIL for open_clip's and HPSv2's PIL pipelines (torchvision's PIL path is
 `PIL.Image.resize`); torch `interpolate(antialias=True)` for torchvision's tensor `Resize`.
-Scorer formulas: ALGORITHMS.md (c) (PickScore s*cos/26, HPSv2.1 cos, CLIPScore s*cos/30,
+Scorer formulas: docs/algorithms.md (c) (PickScore s*cos/26, HPSv2.1 cos, CLIPScore s*cos/30,
 aesthetic MLP 768-1024-128-64-16-1 on the normalised image embedding).
 """
 import dataclasses

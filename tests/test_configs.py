@@ -23,7 +23,7 @@ from digen_jax.rl.rollout import Conditioning, make_denoiser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"flux": "flux", "qwenimage": "qwenimage", "wan": "wan21", "hunyuan_video": "hunyuanvideo"}
-# Released transformer sizes (MODELS.md section 1); FLUX.1-dev's is its guidance-distilled variant's.
+# Released transformer sizes (docs/models.md section 1); FLUX.1-dev's is its guidance-distilled variant's.
 PARAMS = {"flux": 11_901_408_320, "qwenimage": 20_430_401_088, "wan": 14_288_491_584, "hunyuan_video": 12_821_012_544}
 
 
@@ -345,7 +345,7 @@ def test_unknown_config_key_without_config_flag(capsys):
 
 def test_auto_attention_avoids_cudnn_only_in_fsdp_programs_on_several_gpus(monkeypatch):
     """`auto` resolves to XLA attention where the train rules shard weights on a multi-GPU run
-    (cuDNN attention deadlocked there, README "Training shards"); elsewhere it is left to the layer."""
+    (cuDNN attention deadlocked there, docs/known_issues.md "Training shards"); elsewhere it is left to the layer."""
     from configs.sections import sharding_section
 
     config = get_config("qwenimage")

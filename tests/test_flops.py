@@ -1,4 +1,4 @@
-"""Exact FLOP counts: against the traced program's own matmuls, XLA's cost analysis and MODELS.md.
+"""Exact FLOP counts: against the traced program's own matmuls, XLA's cost analysis and docs/models.md.
 
 The analytic count (`flops.model_terms`) is built from the configs alone; the checks trace
 the real modules (`jax.make_jaxpr` on abstract inputs, no FLOPs run) and sum every
@@ -89,7 +89,7 @@ def test_xla_cost_analysis_agrees_on_the_forward():
     assert ours <= cost["flops"] <= 1.02 * ours
 
 
-# MODELS.md section 7: (family, variant, height, width, frames, text) -> exact, linear, attention TFLOP.
+# docs/models.md section 7: (family, variant, height, width, frames, text) -> exact, linear, attention TFLOP.
 MODELS_MD = [
     ("flux", "dev", 512, 512, 1, 512, 21.5, 19.9, 1.7),
     ("flux", "dev", 1024, 1024, 1, 512, 74.4, 59.5, 14.9),

@@ -1,6 +1,6 @@
 """Policy losses vs float64 numpy restatements of the references, and their gradients' signs.
 
-References (ALGORITHMS.md A4, A8):
+References (docs/algorithms.md A4, A8):
   * yifan123/flow_grpo scripts/train_flux.py and scripts/train_sd3.py (PPO-clip loss on
     clamp(advantages, +-adv_clip_max), approx_kl = 0.5 mean(dlogp^2), clipfrac = mean(|r-1| > eps),
     KL = mean((mu - mu_ref)^2) / (2 std_dev_t^2)),

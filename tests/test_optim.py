@@ -1,6 +1,6 @@
 """Optimizer vs torch's AdamW + clip_grad_norm_, and the EMA schedules.
 
-References (ALGORITHMS.md A4, A6, A8):
+References (docs/algorithms.md A4, A6, A8):
   * yifan123/flow_grpo scripts/train_flux.py (torch.optim.AdamW 0.9/0.999, wd 1e-4, eps 1e-8,
     accelerator.clip_grad_norm_ 1.0; EMAModuleWrapper(decay=0.9, update_step_interval=8)),
   * yifan123/flow_grpo flow_grpo/ema.py (decay min((1+k)/(10+k), decay), update when

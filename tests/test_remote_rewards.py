@@ -1,7 +1,7 @@
 """Remote (HTTP) rewards against real servers on loopback: `launch/reward_server.py` wrapping
 Python scoring functions, plus raw servers that misbehave (slow, dead, garbage answers).
 
-Contract (DESIGN.md section 9): a server that does not answer, or answers garbage, is retried
+Contract (docs/design.md section 9): a server that does not answer, or answers garbage, is retried
 with exponential backoff and then fails the call loudly; no reward is ever made up.
 """
 import base64

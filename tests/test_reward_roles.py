@@ -1,6 +1,6 @@
 """Where rewards run and what a failing scorer does, through the real executor and training loop.
 
-Contract (DESIGN.md sections 4 and 9): decoding runs on the `reward` role's devices when
+Contract (docs/design.md sections 4 and 9): decoding runs on the `reward` role's devices when
 `runtime.reward_devices > 0`, else on the devices that rolled the micro-batch out; scoring
 runs on host threads while later micro-batches roll out (queue scheduling), with reward
 models that run on a device (CLIP) on a device that decoded the micro-batch; a remote scorer

@@ -2,7 +2,7 @@
 
 Reference: yifan123/flow_grpo flow_grpo/rewards.py (jpeg_incompressibility: PIL JPEG quality 95,
 size = buffer.tell() / 1000; jpeg_compressibility: -size / 500; multi_score: weighted sum of
-the named rewards, per-reward scores kept for logging). ALGORITHMS.md (c).
+the named rewards, per-reward scores kept for logging). docs/algorithms.md (c).
 """
 import io
 

@@ -22,7 +22,7 @@ from digen_jax.diffusion import (
 # (height, width) in pixels: square sizes plus the non-square 1328x1024.
 RESOLUTIONS = [(256, 256), (512, 512), (1024, 1024), (1328, 1024)]
 
-# Scheduler configs from MODELS.md section 5 (FLUX.1-dev and Qwen-Image scheduler_config.json).
+# Scheduler configs from docs/models.md section 5 (FLUX.1-dev and Qwen-Image scheduler_config.json).
 FLUX_CONFIG = dict(
     shift=3.0,
     use_dynamic_shifting=True,
@@ -63,7 +63,7 @@ def _assert_same_ladder(ladder, scheduler):
 
 def test_calculate_shift_matches_pipelines_and_models_md():
     """mu of diffusers pipelines/flux/pipeline_flux.py and pipelines/qwenimage/pipeline_qwenimage.py
-    (both ``calculate_shift``), and the mu values listed in MODELS.md section 5."""
+    (both ``calculate_shift``), and the mu values listed in docs/models.md section 5."""
     flux_shift = _pipeline_shift("diffusers.pipelines.flux.pipeline_flux")
     qwen_shift = _pipeline_shift("diffusers.pipelines.qwenimage.pipeline_qwenimage")
     for height, width in RESOLUTIONS + [(1328, 1328), (720, 720)]:
@@ -115,8 +115,8 @@ def test_qwen_image_single_step_raises_instead_of_nan():
 
 
 def test_reference_example_ladders():
-    """ALGORITHMS.md A6 (flow_grpo flow_grpo/diffusers_patch/flux_pipeline_with_logprob.py):
-    FLUX 512 px, N = 6; MODELS.md section 5: Qwen-Image 1024 px, N = 10."""
+    """docs/algorithms.md A6 (flow_grpo flow_grpo/diffusers_patch/flux_pipeline_with_logprob.py):
+    FLUX 512 px, N = 6; docs/models.md section 5: Qwen-Image 1024 px, N = 10."""
     flux = flux_ladder(6, packed_seq_len(512, 512)).sigmas
     np.testing.assert_allclose(flux, [1, 0.9037, 0.7897, 0.6525, 0.4842, 0.2730, 0], atol=5e-5)
     qwen = qwen_image_ladder(10, packed_seq_len(1024, 1024)).sigmas
@@ -134,7 +134,7 @@ def test_sd3_ladder_matches_diffusers(flow_match_euler, num_steps):
 
 
 def test_sd3_ladder_check_values():
-    """ALGORITHMS.md A1 check values (flow_grpo flow_grpo/diffusers_patch/sd3_sde_with_logprob.py
+    """docs/algorithms.md A1 check values (flow_grpo flow_grpo/diffusers_patch/sd3_sde_with_logprob.py
     on SD3.5-M, shift 3, N = 10). The 0.0089 end point is diffusers' double shift."""
     expected = [1, 0.9601, 0.9133, 0.8577, 0.7904, 0.7073, 0.6022, 0.4649, 0.2780, 0.0089, 0]
     np.testing.assert_allclose(sd3_ladder(10).sigmas, expected, atol=5e-5)
@@ -168,7 +168,7 @@ def test_wan_ladder_matches_unipc(num_steps):
 
 
 def test_wan_sigma_1_check_value():
-    """ALGORITHMS.md A3: for N = 20 the Wan UniPC ladder has sigma_1 = .9828."""
+    """docs/algorithms.md A3: for N = 20 the Wan UniPC ladder has sigma_1 = .9828."""
     assert wan_unipc_ladder(20).sigmas[1] == pytest.approx(0.9828, abs=5e-5)
 
 

@@ -1,6 +1,6 @@
 """Sampler steps and KL vs float64 numpy restatements of the reference formulas.
 
-References (ALGORITHMS.md A1-A4, A7):
+References (docs/algorithms.md A1-A4, A7):
   * flow_grpo flow_grpo/diffusers_patch/sd3_sde_with_logprob.py (sde_step_with_logprob,
     sde_type "sde" and "cps"),
   * flow_grpo flow_grpo/diffusers_patch/wan_pipeline_with_logprob.py (sde_step_with_logprob),
@@ -134,7 +134,7 @@ def test_step_matches_numpy_reference(name, step, ref, sigmas, extra, shape):
 
 
 def test_sd3_check_values():
-    """ALGORITHMS.md A1 check values: SD3.5-M ladder (shift 3, N = 10), a = 0.7; g and s to the
+    """docs/algorithms.md A1 check values: SD3.5-M ladder (shift 3, N = 10), a = 0.7; g and s to the
     printed precision (half a unit in the last printed digit)."""
     sigmas = sd3_ladder(10).sigmas
     x = jnp.zeros((1, 4))
@@ -151,7 +151,7 @@ def test_sd3_check_values():
 
 
 def test_dance_grpo_equals_flow_grpo_with_constant_noise_scale():
-    """ALGORITHMS.md A7: DanceGRPO's step is the Flow-GRPO A1 step with g held at eta. At each
+    """docs/algorithms.md A7: DanceGRPO's step is the Flow-GRPO A1 step with g held at eta. At each
     step, setting eta to the A1 step's g gives the same transition (JAX), and the two references'
     different arithmetic agrees in float64."""
     sigmas = sd3_ladder(10).sigmas
@@ -284,7 +284,7 @@ def test_full_trajectory_in_scan():
 
 
 def test_wan_noise_scale_is_sigma_1_times_sigma():
-    """ALGORITHMS.md A3: g = sigma_1 * sigma on the UniPC ladder (sigma_min = 0)."""
+    """docs/algorithms.md A3: g = sigma_1 * sigma on the UniPC ladder (sigma_min = 0)."""
     sigmas = wan_unipc_ladder(20).sigmas
     x = jnp.zeros((1, 2, 1, 2, 2))
     for i in (0, 7, 19):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -112,3 +113,32 @@ def test_no_mode_string_is_compared_outside_the_planner(tree):
     planner = ROOT / "digen_jax" / "runtime" / "plan.py"
     found = [hit for p in sorted((ROOT / tree).rglob("*.py")) if p != planner for hit in _mode_literals(p)]
     assert not found, f"schedule modes spelled outside the planner: {found}"
+
+
+def _headings(doc: pathlib.Path) -> set[str]:
+    """The section identifiers of a doc: '4' for '## 4. Title', 'A3' for '### A3. Title', '(c)' for '## (c) Title'."""
+    ids = set()
+    for line in doc.read_text().splitlines():
+        if line.startswith("#"):
+            first = line.lstrip("#").split()[0] if line.lstrip("#").split() else ""
+            ids.add(first.rstrip("."))
+    return ids
+
+
+def test_every_docs_citation_resolves_to_a_section_of_a_file_in_the_repo():
+    cite = re.compile(r"docs/(design|algorithms|models)\.md((?: sections?)? ((?:\d+|A\d+|\([a-e]\))(?:(?:, | and |-| or )(?:\d+|A\d+|\([a-e]\)))*))?")
+    unresolved = []
+    for tree in ("digen_jax", "launch", "configs", "convert", "tests"):
+        for path in (ROOT / tree).rglob("*.py"):
+            for m in cite.finditer(path.read_text()):
+                doc = ROOT / "docs" / f"{m.group(1)}.md"
+                if not doc.exists():
+                    unresolved.append(f"{path.name}: {m.group(0)}")
+                    continue
+                if m.group(3):
+                    ids = re.findall(r"A\d+|\([a-e]\)|\d+", m.group(3))
+                    missing = [i for i in ids if i not in _headings(doc)]
+                    unresolved += [f"{path.name}: {m.group(0)} ({i} missing)" for i in missing]
+    assert not unresolved, unresolved
+    assert not [p for tree in ("digen_jax", "launch", "configs", "convert") for p in (ROOT / tree).rglob("*.py")
+                if re.search(r"(?<![/a-z])(DESIGN|ALGORITHMS|MODELS)\.md", p.read_text())]

@@ -98,7 +98,7 @@ def test_full_size_parameter_count_and_logical_axes():
     abstract = vae_flux.FAMILY.abstract_params(cfg)
     leaves = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
     assert sum(int(np.prod(x.value.shape)) for x in leaves) == expected
-    assert expected == 49_545_475  # MODELS.md: 49.5 M decoder parameters
+    assert expected == 49_545_475  # docs/models.md: 49.5 M decoder parameters
     # Every parameter carries one logical name per dimension.
     for leaf in leaves:
         assert isinstance(leaf, nn.LogicallyPartitioned)

@@ -9,7 +9,7 @@ from diffusers import AutoencoderKLHunyuanVideo
 from digen_jax.models import vae_hunyuan_video as vae_hv
 from digen_jax.models.conversion import ConversionError, convert_weights, torch_state_dict_arrays
 
-# MODELS.md's tiny HunyuanVideo VAE: the released structure with 8-channel bases.
+# docs/models.md's tiny HunyuanVideo VAE: the released structure with 8-channel bases.
 TINY = dict(block_out_channels=[8, 16, 32, 32], layers_per_block=2, norm_num_groups=4, latent_channels=4)
 
 
@@ -62,7 +62,7 @@ def test_full_size_parameter_count_and_logical_axes():
     abstract = vae_hv.FAMILY.abstract_params(cfg)
     leaves = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
     assert sum(int(np.prod(x.value.shape)) for x in leaves) == expected
-    assert round(expected / 1e6, 1) == 146.1  # MODELS.md: 146.1 M decoder parameters
+    assert round(expected / 1e6, 1) == 146.1  # docs/models.md: 146.1 M decoder parameters
     for leaf in leaves:
         assert isinstance(leaf, nn.LogicallyPartitioned)
         assert len(leaf.names) == leaf.value.ndim

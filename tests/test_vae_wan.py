@@ -11,7 +11,7 @@ from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 from digen_jax.models import vae_wan
 from digen_jax.models.conversion import ConversionError, convert_weights, torch_state_dict_arrays
 
-# MODELS.md's tiny Wan/Qwen VAE: the released structure with 8-channel bases and z_dim 4,
+# docs/models.md's tiny Wan/Qwen VAE: the released structure with 8-channel bases and z_dim 4,
 # with the first four released latent statistics (non-trivial mean and std).
 TINY = dict(
     base_dim=8,

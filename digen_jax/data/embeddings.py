@@ -17,7 +17,7 @@ A cache is a directory::
     negative_mask.npy    (1, L)                               [qwenimage]
     negative_lengths.npy (1,)                                 [qwenimage, wan]
 
-What each family stores (MODELS.md section 6):
+What each family stores (docs/models.md section 6):
 
 * ``flux``: T5 ``last_hidden_state`` padded to max_length (512; padding positions are real T5
   outputs, not zeros, and there is no mask); CLIP ``pooler_output`` from 77 tokens as ``pooled``.

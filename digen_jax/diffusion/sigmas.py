@@ -280,7 +280,7 @@ def _torch_linspace_f32(start: float, end: float, steps: int) -> np.ndarray:
 
 
 def dancegrpo_ladder(num_steps: int, *, shift: float = 3.0) -> SigmaLadder:
-    """DanceGRPO's own ladder (every ``fastvideo/train_grpo_*.py``; ALGORITHMS.md A7).
+    """DanceGRPO's own ladder (every ``fastvideo/train_grpo_*.py``; docs/algorithms.md A7).
 
     ``sigma = static_shift(shift, torch.linspace(1, 0, N + 1))`` in float32 (the trailing 0 is
     part of the linspace). Timesteps are ``int(sigma * 1000)``, the float32 product truncated, as

@@ -3,7 +3,7 @@
 One step moves a latent x at noise level ``sigma = sigmas[i]`` to ``sigma' = sigmas[i + 1]``
 (``Delta = sigma' - sigma < 0``) given the post-guidance velocity v. The stochastic steps draw
 ``x' = mu + s * eps`` from a Gaussian with per-sample mean ``mu`` and scalar std ``s`` and return
-its log-density, which the GRPO ratio compares between policies. Notation (ALGORITHMS.md A1):
+its log-density, which the GRPO ratio compares between policies. Notation (docs/algorithms.md A1):
 ``x0_hat = x - sigma * v`` and ``x1_hat = x + (1 - sigma) * v`` are the predicted data and noise.
 
 Conventions shared by every step function:
@@ -167,7 +167,7 @@ def flow_grpo_sde_step(
     noise: jax.Array | None = None,
     prev_sample: jax.Array | None = None,
 ) -> StepOutput:
-    """Flow-GRPO ``sde_type="sde"`` step (ALGORITHMS.md A1; SD3, FLUX, Qwen-Image).
+    """Flow-GRPO ``sde_type="sde"`` step (docs/algorithms.md A1; SD3, FLUX, Qwen-Image).
 
     With a = ``noise_level`` (scalar or (B,), may be traced; 0 gives the Euler step):
         g = a * sqrt(sigma / (1 - sigma~)),  sigma~ = sigmas[1] if sigma == 1 else sigma
@@ -195,7 +195,7 @@ def flow_grpo_wan_step(
     noise: jax.Array | None = None,
     prev_sample: jax.Array | None = None,
 ) -> StepOutput:
-    """Flow-GRPO's Wan2.1 step (ALGORITHMS.md A3; flow_grpo ``wan_pipeline_with_logprob.py``).
+    """Flow-GRPO's Wan2.1 step (docs/algorithms.md A3; flow_grpo ``wan_pipeline_with_logprob.py``).
 
     The A1 transition with a noise scale linear in sigma and no noise_level knob:
         g = sigma_min + (sigma_max - sigma_min) * sigma,  sigma_max = sigmas[1],
@@ -222,7 +222,7 @@ def dance_grpo_step(
     noise: jax.Array | None = None,
     prev_sample: jax.Array | None = None,
 ) -> StepOutput:
-    """DanceGRPO ``flux_step`` with ``sde_solver=True`` (ALGORITHMS.md A7).
+    """DanceGRPO ``flux_step`` with ``sde_solver=True`` (docs/algorithms.md A7).
 
     The A1 transition with a constant diffusion coefficient g = eta:
         mu = x + Delta * (v + eta^2 / (2 sigma) * x1_hat),  s = eta * sqrt(-Delta)
@@ -245,7 +245,7 @@ def flow_grpo_cps_step(
     noise: jax.Array | None = None,
     prev_sample: jax.Array | None = None,
 ) -> StepOutput:
-    """Flow-GRPO ``sde_type="cps"`` (coefficient-preserving) step (ALGORITHMS.md A2).
+    """Flow-GRPO ``sde_type="cps"`` (coefficient-preserving) step (docs/algorithms.md A2).
 
     With a = ``noise_level`` (scalar or (B,), may be traced):
         s = sigma' * sin(a pi / 2)
@@ -302,7 +302,7 @@ def gaussian_mean_kl(mean: jax.Array, ref_mean: jax.Array, divisor: jax.Array | 
 
     ``mean``/``ref_mean``: (B, ...) step means of the policy and the reference model (any float
     dtype, computed in float32); ``divisor``: () or (B,). Returns (B,) float32; the caller
-    averages over the batch and scales by beta. Which divisor (ALGORITHMS.md A4):
+    averages over the batch and scales by beta. Which divisor (docs/algorithms.md A4):
       * Flow-GRPO SD3 / FLUX / Qwen-Image: ``StepOutput.noise_scale`` (g; dropping sqrt(-Delta)
         is deliberate upstream and beta is tuned for it);
       * Flow-GRPO Wan: ``StepOutput.std`` (s = g * sqrt(-Delta), the true KL).

@@ -116,7 +116,7 @@ class VAEConfig:
 VARIANTS = {
     # FLUX.1-dev and FLUX.1-schnell ship the same VAE.
     "flux1": VAEConfig(),
-    # The released structure with 8-channel bases (MODELS.md section 4), for CPU tests.
+    # The released structure with 8-channel bases (docs/models.md section 4), for CPU tests.
     "tiny": VAEConfig(block_out_channels=(8, 16, 32, 32), latent_channels=4, norm_num_groups=4, dtype="float32"),
 }
 

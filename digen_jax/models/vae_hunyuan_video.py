@@ -120,7 +120,7 @@ class HunyuanVideoVAEConfig:
 
 VARIANTS = {
     "hunyuan_video": HunyuanVideoVAEConfig(),
-    # The released structure with 8-channel bases (MODELS.md section 4), for CPU tests.
+    # The released structure with 8-channel bases (docs/models.md section 4), for CPU tests.
     "tiny": HunyuanVideoVAEConfig(block_out_channels=(8, 16, 32, 32), latent_channels=4, norm_num_groups=4),
 }
 

@@ -6,7 +6,7 @@ sample's group, in any order (samples of one group need not be contiguous). ``nu
 static Python int, so the functions jit with ``static_argnames=("num_groups", ...)``; the
 per-group sums are ``jax.ops.segment_sum`` reductions. All math is float32.
 
-Reference settings (ALGORITHMS.md A5, A8, A9):
+Reference settings (docs/algorithms.md A5, A8, A9):
 
 | recipe                         | ``mean_mode`` | ``std_mode``                               | ddof | eps  |
 |--------------------------------|---------------|--------------------------------------------|------|------|

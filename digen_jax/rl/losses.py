@@ -7,7 +7,7 @@ come from :mod:`digen_jax.rl.advantages`. All math is float32. Each loss returns
 ``(loss scalar, metrics)``; metrics are float32 scalars, already stop-gradiented, with keys fixed
 by the static arguments (so a jitted train step returns one pytree structure).
 
-Notation (ALGORITHMS.md A4): ``r = exp(logp - logp_anchor)``, ``A_hat = clip(A, -c_A, c_A)`` with
+Notation (docs/algorithms.md A4): ``r = exp(logp - logp_anchor)``, ``A_hat = clip(A, -c_A, c_A)`` with
 ``c_A = adv_clip``, and the PPO-clip term per sample
 ``l(r, A_hat) = max(-A_hat * r, -A_hat * clip(r, 1 - eps, 1 + eps))``.
 """
@@ -161,7 +161,7 @@ def grpo_guard_surrogate(
     per_sample_bias: bool = False,
     step_index: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
-    """GRPO-Guard's ratio-normalised PPO-clip loss (Flow-GRPO ``rationorm``, ALGORITHMS.md A4).
+    """GRPO-Guard's ratio-normalised PPO-clip loss (Flow-GRPO ``rationorm``, docs/algorithms.md A4).
 
     With ``g`` the step's diffusion coefficient (:attr:`StepOutput.noise_scale`, () or (B,)) and
     ``Delta = sigma' - sigma < 0`` (() or (B,)), let ``k = mean_B(sqrt(-Delta))`` and

@@ -1,6 +1,6 @@
 """Optimizer and EMA of the trained parameters (full weights or a LoRA adapter tree).
 
-The optimizer is the references' AdamW with gradient-norm clipping (ALGORITHMS.md A4, A8);
+The optimizer is the references' AdamW with gradient-norm clipping (docs/algorithms.md A4, A8);
 the EMA follows Flow-GRPO's schedule (A6) or DanceGRPO's constant decay (A8). Both are pure
 pytree functions that jit; the EMA's step may be traced.
 """

@@ -1,6 +1,6 @@
 """Rollout: per-step jitted denoising with log-probs, collected into trajectories.
 
-The unit of work is one denoising step of a batch (DESIGN.md section 3): keeping it per
+The unit of work is one denoising step of a batch (docs/design.md section 3): keeping it per
 timestep, not one scan over the ladder, is what lets a scheduler interleave micro-batches
 and hand trajectories between device groups at step boundaries.
 
@@ -56,7 +56,7 @@ def make_denoiser(family: str, module, *, guidance: float = 0.0, image_grid: tup
 
     Latent layouts: packed (B, S, C) tokens for 'flux' and 'qwenimage' (`image_grid` is the
     (rows, cols) token grid), (B, C, T, H, W) for 'wan' and 'hunyuan_video'. Each family gets
-    the timestep and guidance in its own convention (MODELS.md section 2): FLUX and
+    the timestep and guidance in its own convention (docs/models.md section 2): FLUX and
     Qwen-Image take sigma, Wan and HunyuanVideo sigma * 1000; FLUX embeds the raw guidance
     scale, HunyuanVideo the scale * 1000; Qwen-Image and Wan use true CFG instead.
     """

@@ -1,6 +1,6 @@
 """The GRPO trainer: training units, the loss, gradient accumulation and the guarded update.
 
-A *training unit* is one (trajectory, trained step) pair (DESIGN.md vocabulary). Units of
+A *training unit* is one (trajectory, trained step) pair (docs/design.md section 1). Units of
 a batch are independent, so they are flattened into one leading axis and cut into
 micro-batches; gradients are summed over micro-batches and averaged once per optimizer
 update, which makes the update independent of how units were grouped.

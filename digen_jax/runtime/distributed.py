@@ -1,6 +1,6 @@
 """Multi-host layer: process start-up, host-aligned role device lists, cross-role transfers.
 
-Every process runs the same program (multi-controller JAX, DESIGN.md section 2). Four pieces:
+Every process runs the same program (multi-controller JAX, docs/design.md section 2). Four pieces:
 
 * `initialize` starts `jax.distributed` from explicit settings (config or `JAX_*` env) or from
   a SLURM step (one task per GPU, or one task per node owning all its GPUs); a single

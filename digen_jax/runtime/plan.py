@@ -1,6 +1,6 @@
 """The planner: what every device group does in one iteration, in order, for each schedule mode.
 
-A plan is an ordered list of tasks (DESIGN.md section 4). The executor dispatches each
+A plan is an ordered list of tasks (docs/design.md section 4). The executor dispatches each
 device group's tasks in this order (from the group's own host thread, `dispatch.py`); the
 simulator (`schedule`) runs the same list against a cost model. Both read the same plan, so
 what the simulator predicts is what the executor does.
@@ -15,7 +15,7 @@ sync that carries it has landed. A task records the version of the weights it *u
 a training task also records the version that *generated* its samples (`sample_version`),
 so staleness = version - sample_version.
 
-Modes (DESIGN.md section 4):
+Modes (docs/design.md section 4):
   colocated           one group rolls out the whole batch, then trains it.
   disagg_sync         rollout generates the whole batch; training starts when all of it is scored.
   gap                 training of micro-batch m starts as soon as m is scored.

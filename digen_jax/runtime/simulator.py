@@ -1,6 +1,6 @@
 """The simulator: the planner's task lists run against a cost model instead of devices.
 
-DESIGN.md section 6. The executor and the simulator read the same plans (`plan.plan_iteration`)
+docs/design.md section 6. The executor and the simulator read the same plans (`plan.plan_iteration`)
 and the same schedule semantics (`plan.schedule`: each group runs its tasks in plan order,
 waiting on dependencies), so a prediction differs from a run only by its task costs. Costs
 (`plan.Costs`: seconds per task kind) come from one of two places:
