@@ -10,10 +10,11 @@ colocated in the GenRL style (sampling on the FSDP training weights), then the d
 ablation disagg_sync, +GAP, +TSP, +TAG, +TCSS at the testbed's role split, and the full mode
 with role sizes, micro-batches and TAG share from `simulator.autosize`.
 
-Every number is simulated (digen_jax/runtime/simulator.py): exact FLOPs of each model, the
-device table and the default `Efficiency` factors, scheduled by the executor's planner. Each
-system runs at its best micro-batch count (a divisor of the prompts, <= 16). Writes
-`tables.md`, `speedup_<testbed>.png` and `timeline_<model>_<testbed>.png` to --out_dir.
+Every number is simulated (digen_jax/runtime/simulator.py, digen_jax/runtime/cost_model.py):
+exact FLOPs of each model, the device table and the default `Efficiency` factors, scheduled by
+the executor's planner. Each system runs at its best micro-batch count (a divisor of the
+prompts, <= 16). Writes `tables.md`, `speedup_<testbed>.png` and
+`timeline_<model>_<testbed>.png` to --out_dir.
 """
 from __future__ import annotations
 
@@ -29,20 +30,28 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from digen_jax import cli  # noqa: E402
-from digen_jax.runtime import simulator  # noqa: E402
+from digen_jax.app import costs  # noqa: E402
+from digen_jax.runtime import cost_model, simulator  # noqa: E402
+from digen_jax.runtime import plan as plan_lib  # noqa: E402
 
 MODELS = (("FLUX.1-12B", "flux"), ("Qwen-Image-20B", "qwenimage"), ("Wan2.1-14B", "wan21"), ("HunyuanVideo-13B", "hunyuanvideo"))
-# (column, mode, colocated style)
+
+
+def _column(mode: str) -> str:
+    """A disaggregated mode's column: the sync baseline by name, every other by the technique it adds."""
+    added = plan_lib.technique(mode)
+    return f"+{added}" if added else mode
+
+
+# (column, mode, colocated style): the two colocated baselines, then the disaggregated ablation
 SYSTEMS = (
-    ("veRL-Omni-style colocated", "colocated", "offload"),
-    ("GenRL-style colocated", "colocated", "fsdp_sampling"),
-    ("disagg_sync", "disagg_sync", None),
-    ("+GAP", "gap", None),
-    ("+TSP", "gap+tsp", None),
-    ("+TAG", "gap+tsp+tag", None),
-    ("+TCSS", "gap+tsp+tag+tcss", None),
+    ("veRL-Omni-style colocated", plan_lib.COLOCATED, "offload"),
+    ("GenRL-style colocated", plan_lib.COLOCATED, "fsdp_sampling"),
+    *((_column(mode), mode, None) for mode in plan_lib.DISAGGREGATED_MODES),
 )
-AUTOSIZED = "+TCSS autosized"
+SYNC, FULL = _column(plan_lib.SYNC_BASELINE), _column(plan_lib.BEST_MODE)
+PIPELINED = _column(next(m for m in plan_lib.DISAGGREGATED_MODES if plan_lib.mode_flags(m).pipelined))
+AUTOSIZED = f"{FULL} autosized"
 README_START = "<!-- simulated-paper-tables:start -->"
 README_END = "<!-- simulated-paper-tables:end -->"
 
@@ -51,11 +60,11 @@ _README = flags.DEFINE_string("readme", None, f"Rewrite the part of this file be
 _PLOTS = flags.DEFINE_boolean("plots", True, "Write PNG plots (needs matplotlib).")
 
 
-def testbeds() -> list[tuple[str, simulator.Pool]]:
+def testbeds() -> list[tuple[str, cost_model.Pool]]:
     out = []
     for t in importlib.import_module("configs.paper.testbeds").get_config().testbeds:
-        pool = simulator.Pool.parse(t["pool"], devices_per_host=t["devices_per_host"], cross_host_bw=t["cross_host_bw"],
-                                    devices=simulator.with_prices(t["prices"]))
+        pool = cost_model.Pool.parse(t["pool"], devices_per_host=t["devices_per_host"], cross_host_bw=t["cross_host_bw"],
+                                     devices=cost_model.with_prices(t["prices"]))
         out.append((t["name"], pool))
     return out
 
@@ -73,7 +82,7 @@ def run_grid() -> Grid:
     grid = Grid({}, {})
     beds = testbeds()
     for title, module in MODELS:
-        work = simulator.workload(importlib.import_module(f"configs.paper.{module}").get_config())
+        work = costs.iteration_work(importlib.import_module(f"configs.paper.{module}").get_config())
         for bed, pool in beds:
             row = {name: simulator.simulate(work, pool, mode, style=style or "fsdp_sampling") for name, mode, style in SYSTEMS}
             # role sizes in half-host steps: a finer search gains little and would take minutes
@@ -93,15 +102,15 @@ def tables(grid: Grid) -> str:
     out += ["", "**Speedup** over the better colocated baseline (and over disagg_sync in brackets)\n", head]
     for (model, bed), row in grid.cells.items():
         base = max(row[SYSTEMS[0][0]].samples_per_s, row[SYSTEMS[1][0]].samples_per_s)
-        sync = row["disagg_sync"].samples_per_s
+        sync = row[SYNC].samples_per_s
         out.append(f"| {model} | {bed} | " + " | ".join(
             f"{row[n].samples_per_s / base:.2f}x ({row[n].samples_per_s / sync:.2f}x)" for n in names) + " |")
     out += ["", "**Where the time goes**: bubble fraction per device group, TAG / prefetch micro-batches, micro-batches M "
             "(full mode at the testbed split; autosized: rollout/train devices)\n",
-            "| model | testbed | disagg_sync bubbles | +TCSS bubbles | +TCSS tag/prefetch/M | autosized split, tag/prefetch/M |",
+            f"| model | testbed | {SYNC} bubbles | {FULL} bubbles | {FULL} tag/prefetch/M | autosized split, tag/prefetch/M |",
             "|---|---|---|---|---|---|"]
     for (model, bed), row in grid.cells.items():
-        sync, full, auto = row["disagg_sync"], row["+TCSS"], grid.autosized[(model, bed)]
+        sync, full, auto = row[SYNC], row[FULL], grid.autosized[(model, bed)]
         bub = lambda p: ", ".join(f"{g} {f:.0%}" for g, f in p.bubble_frac.items())  # noqa: E731
         out.append(f"| {model} | {bed} | {bub(sync)} | {bub(full)} | {full.tag}/{full.prefetch}/{full.microbatches} | "
                    f"{auto.rollout_devices}/{auto.train_devices}, {auto.tag}/{auto.prefetch}/{auto.microbatches} |")
@@ -147,7 +156,7 @@ def plots(grid: Grid, out_dir: str) -> list[str]:
         written.append(path)
     model, bed = MODELS[1][0], beds[0]
     row = grid.cells[(model, bed)]
-    shown = ("disagg_sync", "+GAP", "+TCSS")
+    shown = (SYNC, PIPELINED, FULL)
     fig, axes = plt.subplots(len(shown), 1, figsize=(11, 1.6 * len(shown) + 0.6), sharex=True)
     colors = {"rollout": "tab:blue", "train": "tab:orange", "update": "tab:red", "sync": "tab:green", "reward": "tab:gray"}
     span = max(row[n].iteration_s for n in shown)

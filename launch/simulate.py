@@ -1,8 +1,8 @@
 r"""Predict the throughput of every schedule mode for a config on a device pool (no devices used).
 
 The simulator (digen_jax/runtime/simulator.py) runs the executor's planner against a cost
-model: exact FLOPs of the config's model and a device table, or the task costs a system
-bench run measured:
+model (digen_jax/runtime/cost_model.py: exact FLOPs of the config's model and a device table),
+or against the task costs a system bench run measured:
 
     python launch/simulate.py --config=configs/qwenimage.py --pool=h800:16
     python launch/simulate.py --config=configs/paper/wan21.py --pool=h100:32/rollout=12 --micro_batches=8
@@ -28,8 +28,9 @@ from ml_collections import config_flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from digen_jax import cli  # noqa: E402
+from digen_jax.app import costs  # noqa: E402
 from digen_jax.runtime import plan as plan_lib  # noqa: E402
-from digen_jax.runtime import simulator  # noqa: E402
+from digen_jax.runtime import cost_model, simulator  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Model-zoo config file (ml_collections), e.g. configs/qwenimage.py.")
 _POOL = flags.DEFINE_string("pool", "h100:16", "Device pool: KIND:N, KIND:N/rollout=R or rollout=KIND:N,train=KIND:N.")
@@ -38,7 +39,7 @@ _MICRO = flags.DEFINE_integer("micro_batches", None, "Micro-batches per iteratio
 _HOSTS = flags.DEFINE_integer("devices_per_host", 8, "Devices per host (role groups beyond one host cross the network).")
 _XBW = flags.DEFINE_float("cross_host_gbps", 200.0, "Network bandwidth between hosts, Gb/s per GPU.")
 _PRICE = flags.DEFINE_multi_string("price", [], "KIND=DOLLARS per device-hour, repeatable (overrides the device table).")
-_EFF = flags.DEFINE_multi_string("efficiency", [], "NAME=VALUE overriding simulator.Efficiency (e.g. rollout=0.45), repeatable.")
+_EFF = flags.DEFINE_multi_string("efficiency", [], "NAME=VALUE overriding cost_model.Efficiency (e.g. rollout=0.45), repeatable.")
 _AUTOSIZE = flags.DEFINE_boolean("autosize", False, "Also search role sizes, micro-batches and TAG share for the full mode.")
 _JSON = flags.DEFINE_string("json", None, "Also write the predictions to this JSON file.")
 
@@ -56,11 +57,11 @@ def _pairs(values: list[str], flag: str) -> dict[str, float]:
     return out
 
 
-def pool_from_flags() -> simulator.Pool:
+def pool_from_flags() -> cost_model.Pool:
     try:
-        return simulator.Pool.parse(
+        return cost_model.Pool.parse(
             _POOL.value, devices_per_host=_HOSTS.value, cross_host_bw=_XBW.value * 1e9 / 8,
-            devices=simulator.with_prices(_pairs(_PRICE.value, "price")),
+            devices=cost_model.with_prices(_pairs(_PRICE.value, "price")),
         )
     except ValueError as e:
         raise app.UsageError(f"--pool: {e}") from None
@@ -68,7 +69,7 @@ def pool_from_flags() -> simulator.Pool:
 
 def table(predictions: list[simulator.Prediction]) -> str:
     """A markdown table of predictions (speedups against disagg_sync when it is among them)."""
-    base = next((p.samples_per_s for p in predictions if p.mode == "disagg_sync"), None)
+    base = next((p.samples_per_s for p in predictions if p.mode == plan_lib.SYNC_BASELINE), None)
     lines = [
         "| mode | samples/s | per device | vs disagg_sync | bubble | tag / prefetch | M | MFU | samples/$ |",
         "|---|---:|---:|---:|---|---|---:|---:|---:|",
@@ -105,23 +106,24 @@ def main(argv):
         raise app.UsageError("--config (a model-zoo config file) or --profile is required")
     pool = pool_from_flags()
     try:
-        eff = simulator.Efficiency(**_pairs(_EFF.value, "efficiency"))
+        eff = cost_model.Efficiency(**_pairs(_EFF.value, "efficiency"))
     except TypeError as e:
         raise app.UsageError(f"--efficiency: {e}") from None
     try:
-        workload = simulator.workload(_CONFIG.value)
-        predictions = [simulator.simulate(workload, pool, "colocated", style=s, eff=eff, microbatches=_MICRO.value)
-                       for s in simulator.COLOCATED_STYLES]
-        predictions += [simulator.simulate(workload, pool, m, eff=eff, microbatches=_MICRO.value) for m in plan_lib.MODES[1:]]
+        work = costs.iteration_work(_CONFIG.value)
+        predictions = [simulator.simulate(work, pool, plan_lib.COLOCATED, style=s, eff=eff, microbatches=_MICRO.value)
+                       for s in cost_model.COLOCATED_STYLES]
+        predictions += [simulator.simulate(work, pool, m, eff=eff, microbatches=_MICRO.value)
+                        for m in plan_lib.DISAGGREGATED_MODES]
     except ValueError as e:  # a config / pool combination that cannot run: say which key
         raise app.UsageError(str(e)) from None
-    print(f"Simulated on {pool.describe()} (${pool.dollars_per_hour():.2f}/h), {workload.family}, "
-          f"{workload.samples} samples per iteration, costs from FLOPs x device table x efficiency {eff}.\n")
+    print(f"Simulated on {pool.describe()} (${pool.dollars_per_hour():.2f}/h), {work.family}, "
+          f"{work.samples} samples per iteration, costs from FLOPs x device table x efficiency {eff}.\n")
     print(table(predictions))
     out = {"pool": pool.describe(), "predictions": [p.as_dict() for p in predictions]}
     if _AUTOSIZE.value:
-        sizing = simulator.autosize(workload, pool, eff=eff)
-        print(f"\nautosize (gap+tsp+tag+tcss): {sizing.runtime_overrides()} -> "
+        sizing = simulator.autosize(work, pool, eff=eff)
+        print(f"\nautosize ({plan_lib.BEST_MODE}): {sizing.runtime_overrides()} -> "
               f"{sizing.prediction.samples_per_s:.3f} samples/s")
         out["autosize"] = {**sizing.runtime_overrides(), "samples_per_s": sizing.prediction.samples_per_s}
     if _JSON.value:

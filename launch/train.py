@@ -66,10 +66,10 @@ def autosize_line(config, spec: str) -> str:
     """--autosize: size `config`'s roles in place; a line saying what was chosen."""
     import jax
 
-    from digen_jax.runtime import simulator
+    from digen_jax.app import costs
 
     try:
-        pool, sizing = simulator.size_config(config, spec, jax.devices())
+        pool, sizing = costs.size_config(config, spec, jax.devices())
     except ValueError as e:
         raise ConfigError(f"--autosize={spec}: {e}") from None
     rt = config.runtime

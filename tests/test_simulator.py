@@ -14,6 +14,8 @@ import pytest
 
 from configs.paper import qwenimage as paper_qwen
 from digen_jax import flops
+from digen_jax.app import costs as app_costs
+from digen_jax.runtime import cost_model as cm
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime import simulator as sim
 
@@ -23,7 +25,7 @@ FULL = "gap+tsp+tag+tcss"
 
 @pytest.fixture(scope="module")
 def qwen():
-    return sim.workload(paper_qwen.get_config())
+    return app_costs.iteration_work(paper_qwen.get_config())
 
 
 def test_workload_is_the_exact_flop_count(qwen):
@@ -42,31 +44,31 @@ def test_workload_is_the_exact_flop_count(qwen):
 
 
 def test_cost_model_divides_work_over_devices(qwen):
-    h100, eff = sim.device_kind("h100"), sim.Efficiency(step_call_s=0.0, train_call_s=0.0)
-    one = sim.rollout_mb_s(qwen, 64, h100, 4, eff)
-    assert sim.rollout_mb_s(qwen, 64, h100, 8, eff) == pytest.approx(one / 2)
+    h100, eff = cm.device_kind("h100"), cm.Efficiency(step_call_s=0.0, train_call_s=0.0)
+    one = cm.rollout_mb_s(qwen, 64, h100, 4, eff)
+    assert cm.rollout_mb_s(qwen, 64, h100, 8, eff) == pytest.approx(one / 2)
     assert one == pytest.approx(10 * 16 * qwen.step_flops / (h100.bf16_flops * eff.rollout))
     # more devices than samples: the extra ones idle
-    assert sim.rollout_mb_s(qwen, 4, h100, 8, eff) == pytest.approx(sim.rollout_mb_s(qwen, 4, h100, 4, eff))
-    pool = sim.Pool.parse("h100:16")
+    assert cm.rollout_mb_s(qwen, 4, h100, 8, eff) == pytest.approx(cm.rollout_mb_s(qwen, 4, h100, 4, eff))
+    pool = cm.Pool.parse("h100:16")
     # TSP flattens samples x steps: with fewer samples than devices it keeps them busy, without it not
-    tsp = sim.train_mb_s(qwen, 4, h100, 8, pool, eff, tsp=True)
-    no_tsp = sim.train_mb_s(qwen, 4, h100, 8, pool, eff, tsp=False)
+    tsp = cm.train_mb_s(qwen, 4, h100, 8, pool, eff, tsp=True)
+    no_tsp = cm.train_mb_s(qwen, 4, h100, 8, pool, eff, tsp=False)
     assert tsp < no_tsp
     # enough samples for every device and step: the same compute either way
-    assert sim.train_mb_s(qwen, 64, h100, 8, pool, dataclasses.replace(eff, link=1.0), tsp=True) == pytest.approx(
-        sim.train_mb_s(qwen, 64, h100, 8, pool, dataclasses.replace(eff, link=1.0), tsp=False), rel=0.01)
+    assert cm.train_mb_s(qwen, 64, h100, 8, pool, dataclasses.replace(eff, link=1.0), tsp=True) == pytest.approx(
+        cm.train_mb_s(qwen, 64, h100, 8, pool, dataclasses.replace(eff, link=1.0), tsp=False), rel=0.01)
 
 
 def test_heterogeneous_pool_prices_and_kinds(qwen):
-    hetero = sim.Pool.parse("rollout=h800:16,train=l40s:16", devices=sim.with_prices({"l40s": 1.0, "h800": 2.0}))
+    hetero = cm.Pool.parse("rollout=h800:16,train=l40s:16", devices=cm.with_prices({"l40s": 1.0, "h800": 2.0}))
     assert hetero.heterogeneous and hetero.dollars_per_hour() == pytest.approx(48.0)
-    homo = sim.Pool.parse("rollout=h800:16,train=h800:16")
-    c_het, c_homo = (sim.model_costs(qwen, p, FULL, 8) for p in (hetero, homo))
+    homo = cm.Pool.parse("rollout=h800:16,train=h800:16")
+    c_het, c_homo = (cm.model_costs(qwen, p, FULL, 8) for p in (hetero, homo))
     assert c_het.train > 2 * c_homo.train  # L40S: ~1/3 of the peak, no NVLink
     assert c_het.rollout["rollout"] == pytest.approx(c_homo.rollout["rollout"])
     # colocated steps run in lockstep: bounded by the slowest kind
-    assert sim.model_costs(qwen, hetero, "colocated", 8).rollout["shared"] > sim.model_costs(qwen, homo, "colocated", 8).rollout["shared"]
+    assert cm.model_costs(qwen, hetero, "colocated", 8).rollout["shared"] > cm.model_costs(qwen, homo, "colocated", 8).rollout["shared"]
     # role transfers between machines cross hosts
     assert hetero.role_link_bw() == hetero.cross_host_bw
 
@@ -77,7 +79,7 @@ def _rate(mode, costs, **kw):
 
 @pytest.fixture(scope="module")
 def base_costs(qwen):
-    return sim.model_costs(qwen, sim.Pool.parse("h800:16"), FULL, 8)
+    return cm.model_costs(qwen, cm.Pool.parse("h800:16"), FULL, 8)
 
 
 def test_ablation_gains_follow_from_the_costs(base_costs):
@@ -111,13 +113,13 @@ def test_ablation_gains_follow_from_the_costs(base_costs):
 
 def test_cost_model_moves_with_efficiency(qwen):
     """Predictions respond to the efficiency factors the way the cost formulas say."""
-    pool = sim.Pool.parse("h800:16")
-    big_chunks = sim.Efficiency(train_units_per_device=64)  # compute-bound chunks: no all-gather floor
+    pool = cm.Pool.parse("h800:16")
+    big_chunks = cm.Efficiency(train_units_per_device=64)  # compute-bound chunks: no all-gather floor
     base = sim.simulate(qwen, pool, "disagg_sync", microbatches=1, eff=big_chunks)
     fast_train = sim.simulate(qwen, pool, "disagg_sync", microbatches=1, eff=dataclasses.replace(big_chunks, train=0.8))
     assert fast_train.costs.train == pytest.approx(0.5 * base.costs.train, rel=0.02)
     # small chunks: each pays the weight all-gather, which faster compute does not shorten
-    small = sim.simulate(qwen, pool, "disagg_sync", microbatches=1, eff=sim.Efficiency(train=0.8, train_units_per_device=1))
+    small = sim.simulate(qwen, pool, "disagg_sync", microbatches=1, eff=cm.Efficiency(train=0.8, train_units_per_device=1))
     assert small.costs.train > 1.5 * fast_train.costs.train
     assert fast_train.samples_per_s > base.samples_per_s
     assert fast_train.costs.rollout == base.costs.rollout
@@ -198,11 +200,11 @@ def test_predictions_match_committed_bench_runs(qwen):
     a slow first iteration, elastic splits chosen from the previous iteration's measured times
     (so the timed iterations do not start in steady state) and costs recorded as means.
     """
-    pool = sim.Pool.parse("h100:8")
+    pool = cm.Pool.parse("h100:8")
     batch, micro = qwen.samples, 4
     modes = {}
     for mode in plan_lib.MODES:
-        costs = sim.model_costs(qwen, pool, mode, micro)
+        costs = cm.model_costs(qwen, pool, mode, micro)
         modes[mode] = _emulated_bench(mode, costs, micro, batch)
     synthetic = {"modes": modes, "batch": batch, "gpu": "synthetic (cost model + 5% jitter)"}
     predicted = _check_record(synthetic, "synthetic")
@@ -226,7 +228,7 @@ def test_profile_errors_name_what_is_missing():
 
 # ------------------------------------------------------------------ autosize, input checks
 def test_autosize_is_at_least_as_good_as_the_naive_split(qwen):
-    pool = sim.Pool.parse("h100:8")
+    pool = cm.Pool.parse("h100:8")
     naive = sim.simulate(qwen, pool, FULL, microbatches=8)  # even split, the config's micro-batches
     sized = sim.autosize(qwen, pool)
     assert sized.prediction.samples_per_s >= naive.samples_per_s
@@ -249,20 +251,20 @@ def test_size_config_sizes_the_config_it_will_run():
 
     config = qwenimage.get_config()
     config.runtime.mode = FULL
-    pool, sized = sim.size_config(config, "h100:8", jax.devices())
-    want = sim.autosize(config, sim.Pool.parse("h100:8"), mode=FULL)
+    pool, sized = app_costs.size_config(config, "h100:8", jax.devices())
+    want = sim.autosize(app_costs.iteration_work(config), cm.Pool.parse("h100:8"), mode=FULL)
     rt = config.runtime
     assert (rt.rollout_devices, rt.train_devices, rt.micro_batches) == (want.rollout_devices, want.train_devices, want.microbatches)
     assert sized.prediction.samples_per_s == pytest.approx(want.prediction.samples_per_s) and pool.total == 8
     assert rt.tag_microbatches == rt.prefetch_microbatches == -1
     validate_runtime_config(config, 8)
     with pytest.raises(ValueError, match="device kind 'cpu' has no entry"):
-        sim.size_config(config, "local", jax.devices())
+        app_costs.size_config(config, "local", jax.devices())
     with pytest.raises(ValueError, match="has 16 devices, this run 8"):
-        sim.size_config(config, "h100:16", jax.devices())
+        app_costs.size_config(config, "h100:16", jax.devices())
     config.runtime.mode = "colocated"
     with pytest.raises(ValueError, match="'colocated' has one group"):
-        sim.size_config(config, "h100:8", jax.devices())
+        app_costs.size_config(config, "h100:8", jax.devices())
 
 
 @pytest.mark.parametrize("jax_kind, key", [
@@ -270,7 +272,7 @@ def test_size_config_sizes_the_config_it_will_run():
     ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "l40s"),
 ])
 def test_local_device_kinds(jax_kind, key):
-    assert sim.local_kind(jax_kind) == key
+    assert cm.local_kind(jax_kind) == key
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -278,23 +280,32 @@ def test_local_device_kinds(jax_kind, key):
 ])
 def test_bad_pools_fail_with_a_clear_message(spec, match):
     with pytest.raises(ValueError, match=match):
-        sim.Pool.parse(spec)
+        cm.Pool.parse(spec)
 
 
 def test_bad_inputs_name_the_key(qwen):
-    pool = sim.Pool.parse("h100:8")
+    pool = cm.Pool.parse("h100:8")
     with pytest.raises(ValueError, match="runtime.micro_batches"):
-        sim.model_costs(qwen, pool, "gap", 5)
+        cm.model_costs(qwen, pool, "gap", 5)
     with pytest.raises(ValueError, match="runtime.mode"):
-        sim.model_costs(qwen, pool, "gap+tag", 4)
+        cm.model_costs(qwen, pool, "gap+tag", 4)
     with pytest.raises(ValueError, match="Efficiency.rollout"):
-        sim.Efficiency(rollout=1.5)
+        cm.Efficiency(rollout=1.5)
     with pytest.raises(ValueError, match="do not fit"):
-        sim.simulate(qwen, sim.Pool.parse("rollout=l40s:1,train=h100:4"), "gap", microbatches=1,
-                     eff=sim.Efficiency(usable_hbm=0.5))
+        sim.simulate(qwen, cm.Pool.parse("rollout=l40s:1,train=h100:4"), "gap", microbatches=1,
+                     eff=cm.Efficiency(usable_hbm=0.5))
 
 
 # ------------------------------------------------------------------ the scripts
+def test_simulator_and_cost_model_import_no_checkpointing_or_model_code():
+    """The runtime's simulator and cost model take plain values: importing them loads neither
+    orbax nor flax, the model zoo or the application layer."""
+    code = ("import sys, digen_jax.runtime.simulator, digen_jax.runtime.cost_model; "
+            "assert not [m for m in sys.modules if m.startswith(('orbax', 'digen_jax.models', 'digen_jax.app', 'flax'))]")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_paper_grid_runs_under_a_minute(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     try:

@@ -25,36 +25,11 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from digen_jax import flops
 from digen_jax.app import loop
-from digen_jax.rl.timesteps import plan_steps
+from digen_jax.app.costs import sample_flops
 from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.executor import Executor
-
-
-def sample_flops(run) -> dict[str, int] | None:
-    """Exact FLOPs of one RL sample (rollout steps + trained units) of `run`, None for the shapes task."""
-    config, workload = run.config, run.workload
-    family = config.model.family
-    if not hasattr(workload, "zoo"):  # the shapes task: no transformer FLOP model
-        return None
-    s, rl = config.sampling, config.rl
-    trained = plan_steps(rl, s.num_steps, s.noise_level, 1, 0, np.random.default_rng(0)).trained.shape[1]
-    lora_targets = list(rl.lora_targets) if rl.lora_rank else []
-    return flops.rl_sample_flops(
-        family,
-        workload.model_cfg,
-        height=s.height,
-        width=s.width,
-        frames=s.num_frames if workload.zoo.video else 1,
-        text_len=config.data.text_len,
-        num_steps=s.num_steps,
-        trained_steps=trained,
-        cfg_forwards=2 if s.cfg_scale != 1.0 else 1,
-        lora_rank=rl.lora_rank,
-        lora_targets=lora_targets,
-    )
 
 
 # Extra warm-up iterations an elastic mode may take for its split to settle.
@@ -105,7 +80,7 @@ def run_modes(
     started = time.time()
     run = loop.Run(config, workdir, log=log)
     log(f"built the run in {time.time() - started:.1f} s")
-    per_sample = sample_flops(run)
+    per_sample = sample_flops(config, run.workload.model_cfg)
     batch = config.rl.prompts_per_iteration * config.rl.group_size
     records = {}
     for anchor, mode in [(a, m) for a in (onpolicy_anchors or [None]) for m in modes]:
@@ -205,7 +180,7 @@ def _ratio_figures(metrics: list[dict]) -> dict:
 
 def _figures(records: dict, batch: int) -> dict:
     """The per-mode records with their speedups over the baselines among them, and the shared figures."""
-    for baseline in ("disagg_sync", "colocated"):
+    for baseline in (plan_lib.SYNC_BASELINE, plan_lib.COLOCATED):
         if baseline in records:
             base = records[baseline]["samples_per_s"]
             for r in records.values():

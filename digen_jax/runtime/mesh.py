@@ -19,6 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import role_devices, transfer
 
 
@@ -53,7 +54,7 @@ class RoleMeshes:
 def build_role_meshes(runtime, devices: Sequence[jax.Device] | None = None) -> RoleMeshes:
     """Meshes for the `runtime` config section (keys rollout_devices, train_devices, reward_devices)."""
     devices = list(jax.devices() if devices is None else devices)
-    colocated = runtime.mode == "colocated"
+    colocated = plan_lib.mode_flags(runtime.mode).colocated
     if colocated and runtime.train_devices:  # colocated on the first `train_devices` devices
         devices = devices[: runtime.train_devices]
     sizes = {"rollout": runtime.rollout_devices, "train": runtime.train_devices, "reward": runtime.reward_devices}

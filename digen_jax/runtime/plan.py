@@ -63,6 +63,15 @@ COLOCATED, SYNC_BASELINE, BEST_MODE = MODES[0], MODES[1], MODES[-1]
 DISAGGREGATED_MODES = tuple(m for m in MODES if not mode_flags(m).colocated)
 
 
+def technique(mode: str) -> str | None:
+    """What `mode` adds to the mode before it in `MODES`, as the ablation names it ('GAP', 'TSP',
+    'TAG', 'TCSS'); None for the modes that add no technique (colocated and the sync baseline)."""
+    mode_flags(mode)
+    if mode in (COLOCATED, SYNC_BASELINE):
+        return None
+    return mode.rsplit("+", 1)[-1].upper()
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     kind: str  # 'rollout' | 'reward' | 'train' | 'update' | 'sync'

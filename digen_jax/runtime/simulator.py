@@ -1,471 +1,25 @@
-"""The simulator: the planner's task lists run against a cost model instead of devices.
+"""The simulator: the planner's task lists run against task costs instead of devices.
 
 docs/design.md section 6. The executor and the simulator read the same plans (`plan.plan_iteration`)
 and the same schedule semantics (`plan.schedule`: each group runs its tasks in plan order,
 waiting on dependencies), so a prediction differs from a run only by its task costs. Costs
 (`plan.Costs`: seconds per task kind) come from one of two places:
 
-* a cost model (`model_costs`): exact FLOPs of the config's model (`digen_jax.flops`) and a
-  device table (`DEVICES`), divided by the devices a task runs on and an achieved-efficiency
-  factor per task kind (`Efficiency`), plus bytes over bandwidths for weight transfers,
-  FSDP all-gathers and offload;
+* the cost model (`cost_model.model_costs`): an iteration's work (`cost_model.IterationWork`,
+  built from a config by `digen_jax.app.costs`) on a device pool;
 * a measured profile (`predict_from_profile`): the per-task means a system bench run recorded.
 
-Work spreads over a group's devices at the grain of a sample (rollout) or a training unit,
-ceil(items / devices) on the busiest device (the executor needs the count to divide; a config
-for the pool chooses it so). Rollout keeps a weight replica per device (tensor-parallel
-replicas when the weights do not fit); training shards the weights (FSDP) and all-gathers
-them per gradient chunk, forward and backward; trainer-assisted rollouts (TAG) run on those
-FSDP weights, gathered every step. Without TSP the training grain is the trajectory step:
-one trained step of all the micro-batch's samples at a time, split over samples only; with
-TSP (and colocated, as the executor does) units are flattened over samples x steps first.
-Chunks hold at most `Efficiency.train_units_per_device` units per device (activation memory)
-rather than `rl.micro_batch_size`, which is sized for the devices a config was written for.
-
-Colocated runs come in two styles: `fsdp_sampling` (the executor's own colocated mode, as in
-GenRL: sampling with the FSDP training weights, all-gathered every step) and `offload` (as in
-veRL-Omni: the rollout engine holds full replicated weights; around rollout the training
-state is offloaded to host memory and back, and the rollout weights loaded and dropped).
-These phase switches happen once per iteration on the one shared group; they are charged to
-the update task (the shared group runs its tasks one after another, so where in its list the
-seconds sit does not change the iteration time).
-
-Approximations, stated once: decode (VAE) runs on the generating group's devices but is
-scheduled on the reward queue (as the executor's reward threads wait for it); the VAE
-decoder's FLOPs are `Efficiency.decode_flops_per_pixel` per output pixel (frame); memory is
-checked for rollout weight replicas only, and tensor-parallel replicas scale without
-communication; collectives use a ring model, bytes x (n-1)/n at the link's bandwidth; a
-group spanning hosts shards its weights inside each host and replicates across hosts (hybrid
-sharding), so only gradient reductions cross the network.
+On top of them: `predict` (one mode in steady state), `simulate` (a mode at its best
+micro-batch count) and `autosize` (role sizes, micro-batches and TAG share).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import types
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
-from digen_jax import flops
 from digen_jax.runtime import plan as plan_lib
-
-GIB = 2**30
-
-
-# ---------------------------------------------------------------------------------------- hardware
-@dataclasses.dataclass(frozen=True)
-class DeviceKind:
-    """One accelerator model. Bandwidths are bytes/s per device and direction.
-
-    `link_bw`: device-to-device inside a host (NVLink, or PCIe for cards without it);
-    `host_bw`: device <-> host memory (PCIe), what offloading moves over;
-    `dollars_per_hour`: rental price per device (a parameter: override it with `with_prices`).
-    """
-
-    name: str
-    bf16_flops: float  # datasheet dense bf16 tensor-core peak, FLOP/s (no sparsity)
-    hbm_bytes: float
-    hbm_bw: float
-    link_bw: float
-    host_bw: float
-    dollars_per_hour: float
-
-
-# Datasheet figures. Prices are illustrative on-demand cloud rates per GPU-hour (late 2025);
-# they only scale the cost tables and are meant to be overridden.
-DEVICES: dict[str, DeviceKind] = {
-    "h100": DeviceKind("H100 SXM", 989.4e12, 80e9, 3.35e12, 450e9, 55e9, 2.50),
-    "h100_pcie": DeviceKind("H100 PCIe", 756e12, 80e9, 2.0e12, 64e9, 55e9, 2.00),
-    "h200": DeviceKind("H200 SXM", 989.4e12, 141e9, 4.8e12, 450e9, 55e9, 3.50),
-    "h800": DeviceKind("H800 SXM", 989.4e12, 80e9, 3.35e12, 200e9, 55e9, 2.00),
-    "a100": DeviceKind("A100 SXM 80GB", 312e12, 80e9, 2.04e12, 300e9, 25e9, 1.30),
-    "l40s": DeviceKind("L40S", 362e12, 48e9, 0.864e12, 32e9, 25e9, 0.90),
-}
-
-
-def device_kind(name: str) -> DeviceKind:
-    """The `DEVICES` entry `name` (case-insensitive); a ValueError naming the known ones."""
-    key = name.lower()
-    if key not in DEVICES:
-        raise ValueError(f"unknown device kind {name!r}; known: {sorted(DEVICES)}")
-    return DEVICES[key]
-
-
-def local_kind(jax_device_kind: str) -> str:
-    """The `DEVICES` key of a JAX `device_kind` ('NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H100 PCIe'
-    -> 'h100_pcie'); a ValueError for kinds the table lacks (then name a pool, e.g. 'h100:8')."""
-    name = jax_device_kind.lower()
-    for key in sorted(DEVICES, key=len, reverse=True):  # 'h100_pcie' before 'h100'
-        model, _, variant = key.partition("_")
-        if model in name and (not variant or variant in name):
-            return key
-    raise ValueError(f"device kind {jax_device_kind!r} has no entry in the simulator's table {sorted(DEVICES)}; "
-                     "name a pool instead (e.g. h100:8)")
-
-
-def with_prices(prices: Mapping[str, float]) -> dict[str, DeviceKind]:
-    """A copy of `DEVICES` with `prices` ($/device-hour by kind) replacing the defaults."""
-    table = dict(DEVICES)
-    for name, price in prices.items():
-        table[name.lower()] = dataclasses.replace(device_kind(name), dollars_per_hour=float(price))
-    return table
-
-
-@dataclasses.dataclass(frozen=True)
-class Efficiency:
-    """Achieved fractions of peak per task kind, and fixed per-call costs.
-
-    Defaults: rollout forwards and LoRA forward+backward of multi-billion-parameter DiTs at
-    thousands of tokens per sample reach 40-55% of the bf16 peak in well-tuned JAX/PyTorch
-    (the model-level bench measures this per card: pass its numbers here); the VAE decoder
-    is convolution-heavy and lower. Memory-bound work (optimizer update, LoRA merge) reaches
-    ~70% of HBM bandwidth, collectives and transfers ~80% of link bandwidth. The per-call
-    seconds model dispatch and kernel-launch latency of one jitted call.
-    """
-
-    rollout: float = 0.50
-    train: float = 0.40
-    decode: float = 0.30
-    memory: float = 0.70
-    link: float = 0.80
-    step_call_s: float = 0.002  # one denoising step of a micro-batch
-    train_call_s: float = 0.005  # one gradient chunk
-    update_call_s: float = 0.005
-    reward_s_per_sample: float = 0.002  # host-side scoring after decode (a cheap reward)
-    decode_flops_per_pixel: float = 5e6  # VAE decoder, per output pixel (and frame)
-    usable_hbm: float = 0.85  # share of HBM a rollout weight replica (+ activations) may take
-    train_units_per_device: int = 4  # training units one device holds in a gradient chunk (activation memory)
-
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            if getattr(self, field.name) < 0:
-                raise ValueError(f"Efficiency.{field.name} must be >= 0, got {getattr(self, field.name)}")
-        if self.train_units_per_device < 1:
-            raise ValueError(f"Efficiency.train_units_per_device must be >= 1, got {self.train_units_per_device}")
-        for name in ("rollout", "train", "decode", "memory", "link", "usable_hbm"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"Efficiency.{name} must be in (0, 1], got {getattr(self, name)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Pool:
-    """Devices per role, and how they are wired.
-
-    Roles take devices in order (rollout first, then train), `devices_per_host` to a host; a
-    colocated run uses all of them as one group (bounded by the slowest kind, since its
-    data-parallel steps run in lockstep). `cross_host_bw`: bytes/s per device between hosts
-    (the NIC share of one GPU). Heterogeneous pools (different kinds per role) are separate
-    machines, so role-to-role transfers always cross hosts.
-    """
-
-    rollout_kind: str
-    rollout_devices: int
-    train_kind: str
-    train_devices: int
-    devices_per_host: int = 8
-    cross_host_bw: float = 25e9  # 200 Gb/s per GPU
-    devices: Mapping[str, DeviceKind] = dataclasses.field(default_factory=lambda: DEVICES, compare=False, repr=False)
-
-    def __post_init__(self):
-        for role in ("rollout", "train"):
-            kind, count = getattr(self, f"{role}_kind"), getattr(self, f"{role}_devices")
-            if kind.lower() not in self.devices:
-                raise ValueError(f"pool: unknown {role} device kind {kind!r}; known: {sorted(self.devices)}")
-            if count < 1:
-                raise ValueError(f"pool: {role} needs >= 1 device, got {count}")
-        if self.devices_per_host < 1 or self.cross_host_bw <= 0:
-            raise ValueError(f"pool: devices_per_host and cross_host_bw must be positive, got {self.devices_per_host}, {self.cross_host_bw}")
-
-    @classmethod
-    def parse(cls, spec: str, **kwargs) -> "Pool":
-        """`h100:16` (an even role split), `h100:16/rollout=10` or `rollout=h800:16,train=l40s:16`."""
-        spec = spec.replace(" ", "").lower()
-        if spec.startswith("rollout="):
-            try:
-                roles = dict(part.split("=", 1) for part in spec.split(","))
-                (rk, rn), (tk, tn) = (roles["rollout"].split(":"), roles["train"].split(":"))
-                return cls(rk, int(rn), tk, int(tn), **kwargs)
-            except (KeyError, ValueError):
-                raise ValueError(f"pool spec {spec!r}: expected rollout=KIND:N,train=KIND:N") from None
-        match = re.fullmatch(r"([a-z0-9_]+):(\d+)(?:/rollout=(\d+))?", spec)
-        if not match:
-            raise ValueError(f"pool spec {spec!r}: expected KIND:N, KIND:N/rollout=R or rollout=KIND:N,train=KIND:N")
-        kind, total = match.group(1), int(match.group(2))
-        rollout = int(match.group(3)) if match.group(3) else total // 2
-        if not 0 < rollout < total:
-            raise ValueError(f"pool spec {spec!r}: rollout devices must be in [1, {total - 1}]")
-        return cls(kind, rollout, kind, total - rollout, **kwargs)
-
-    def kind(self, role: str) -> DeviceKind:
-        return self.devices[getattr(self, f"{role}_kind").lower()]
-
-    @property
-    def total(self) -> int:
-        return self.rollout_devices + self.train_devices
-
-    @property
-    def heterogeneous(self) -> bool:
-        return self.rollout_kind.lower() != self.train_kind.lower()
-
-    @property
-    def slowest(self) -> DeviceKind:
-        return min((self.kind("rollout"), self.kind("train")), key=lambda k: (k.bf16_flops, k.hbm_bytes))
-
-    def dollars_per_hour(self) -> float:
-        return sum(self.kind(r).dollars_per_hour * getattr(self, f"{r}_devices") for r in ("rollout", "train"))
-
-    def describe(self) -> str:
-        if self.heterogeneous:
-            return f"{self.rollout_devices}x{self.kind('rollout').name} rollout + {self.train_devices}x{self.kind('train').name} train"
-        return f"{self.total}x{self.kind('rollout').name} ({self.rollout_devices} rollout / {self.train_devices} train)"
-
-    def fsdp_gather_s(self, kind: DeviceKind, devices: int, nbytes: float, eff: "Efficiency") -> float:
-        """All-gather of `nbytes` of weights sharded over `devices` of `kind`.
-
-        A group that spans hosts shards inside each host and replicates across hosts (hybrid
-        sharding): the per-layer gathers stay on NVLink/PCIe, only gradients cross hosts.
-        """
-        return _ring_s(nbytes, min(devices, self.devices_per_host), kind.link_bw, eff)
-
-    def cross_host_reduce_s(self, devices: int, nbytes: float, eff: "Efficiency") -> float:
-        """All-reduce of `nbytes` of gradients between the hosts a group of `devices` spans."""
-        hosts = -(-devices // self.devices_per_host)
-        return 2 * _ring_s(nbytes, hosts, self.cross_host_bw, eff)
-
-    def role_link_bw(self) -> float:
-        """Trainer -> rollout bandwidth per device: NVLink/PCIe when both roles share one host."""
-        if not self.heterogeneous and self.total <= self.devices_per_host:
-            return self.kind("train").link_bw
-        return min(self.cross_host_bw, self.kind("train").link_bw, self.kind("rollout").link_bw)
-
-
-# ---------------------------------------------------------------------------------------- workload
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """What one iteration of a config computes: FLOPs per step and per training unit, sizes."""
-
-    family: str
-    prompts: int
-    group_size: int
-    num_steps: int
-    trained_steps: int
-    step_flops: float  # one denoising step of one sample (CFG included)
-    unit_flops: float  # one training unit's forward+backward (CFG included)
-    params: float  # matmul weights of the transformer (biases and norms are < 0.1%)
-    trainable: float  # LoRA adapter parameters, or `params` for full fine-tuning
-    adapted_weights: float  # base weights under LoRA adapters (what a merge rewrites)
-    lora_rank: int  # 0: full fine-tuning
-    merge_for_sampling: bool  # LoRA merged into the rollout weights after each sync (else applied factored)
-    pixels: int  # output pixels (x frames) per sample, what the VAE decodes
-    updates: int  # optimizer updates per iteration in colocated mode
-    param_bytes: int = 2  # bf16 weights
-
-    @property
-    def lora(self) -> bool:
-        return self.lora_rank > 0
-
-    @property
-    def samples(self) -> int:
-        return self.prompts * self.group_size
-
-    @property
-    def flops_per_sample(self) -> float:
-        return self.num_steps * self.step_flops + self.trained_steps * self.unit_flops
-
-
-def workload(config) -> Workload:
-    """The `Workload` of a model-zoo config (configs/{flux,qwenimage,wan21,hunyuanvideo}.py, configs/paper/*)."""
-    from digen_jax.app import workload as workload_lib  # the model registry; imported late (heavy)
-    from digen_jax.rl.timesteps import plan_steps
-    from digen_jax.app import benchmark
-
-    if workload_lib.is_shapes(config):
-        raise ValueError("the simulator needs a model-zoo config (a `data` section); the shapes task has no FLOP model")
-    family = config.model.family
-    if family not in workload_lib.ZOO:
-        raise ValueError(f"model.family={family!r} is unknown; known: {sorted(workload_lib.ZOO)}")
-    model_cfg = _model_config(config)
-    s, rl = config.sampling, config.rl
-    zoo = workload_lib.ZOO[family]
-    frames = s.num_frames if zoo.video else 1
-    # The benchmark's per-sample count, fed the same fields a built run would carry.
-    run_like = types.SimpleNamespace(config=config, workload=types.SimpleNamespace(zoo=zoo, model_cfg=model_cfg))
-    per_sample = benchmark.sample_flops(run_like)
-    trained = plan_steps(rl, s.num_steps, s.noise_level, 1, 0, np.random.default_rng(0)).trained.shape[1]
-    terms = flops.model_terms(family, model_cfg, batch=1, height=s.height, width=s.width, frames=frames, text_len=config.data.text_len)
-    params = float(sum(m.layers * m.fan_in * m.fan_out for m in terms.matmuls))
-    if rl.lora_rank:
-        adapted = terms.adapted(list(rl.lora_targets))
-        trainable = float(sum(m.layers * rl.lora_rank * (m.fan_in + m.fan_out) for m in adapted))
-        adapted_weights = float(sum(m.layers * m.fan_in * m.fan_out for m in adapted))
-    else:
-        trainable, adapted_weights = params, 0.0
-    return Workload(
-        family=family,
-        prompts=rl.prompts_per_iteration,
-        group_size=rl.group_size,
-        num_steps=s.num_steps,
-        trained_steps=trained,
-        step_flops=per_sample["rollout"] / s.num_steps,
-        unit_flops=per_sample["train"] / max(trained, 1),
-        params=params,
-        trainable=trainable,
-        adapted_weights=adapted_weights,
-        lora_rank=rl.lora_rank,
-        merge_for_sampling=bool(rl.lora_rank) and rl.lora_merge_for_sampling,
-        pixels=s.height * s.width * frames,
-        updates=rl.num_updates_per_batch,
-    )
-
-
-def _model_config(config):
-    from digen_jax.models import FAMILIES
-    from digen_jax.app import workload as workload_lib
-
-    if config.model.checkpoint:
-        return workload_lib.model_config(config)
-    variants = FAMILIES[config.model.family].variants
-    if config.model.variant not in variants:
-        raise ValueError(f"model.variant={config.model.variant!r} is unknown for {config.model.family}; known: {sorted(variants)}")
-    return variants[config.model.variant]
-
-
-# ---------------------------------------------------------------------------------------- cost model
-def _split(items: int, devices: int) -> int:
-    """Items the busiest device computes when `items` (samples or units) spread over `devices`."""
-    return -(-items // devices)
-
-
-def _ring_s(nbytes: float, devices: int, bw: float, eff: Efficiency) -> float:
-    """Seconds of an all-gather (or reduce-scatter) of `nbytes` over `devices` at `bw` per device."""
-    return 0.0 if devices <= 1 else nbytes * (devices - 1) / devices / (bw * eff.link)
-
-
-def _replica_size(w: Workload, kind: DeviceKind, devices: int, eff: Efficiency) -> int:
-    """Devices per rollout weight replica: 1, or the least power of two whose share of the weights fits."""
-    weights = w.params * w.param_bytes
-    size = 1
-    while weights / size > eff.usable_hbm * kind.hbm_bytes:
-        size *= 2
-        if size > devices:
-            raise ValueError(f"{weights / GIB:.0f} GiB of weights do not fit on {devices} x {kind.name}")
-    return size
-
-
-def rollout_mb_s(w: Workload, samples: int, kind: DeviceKind, devices: int, eff: Efficiency, *,
-                 sharded_in: Pool | None = None) -> float:
-    """Seconds to roll out `samples` on `devices` of `kind`.
-
-    Replicated weights (rollout role, offload-style colocated) by default; with `sharded_in`
-    (the pool) the weights stay FSDP-sharded and every step all-gathers them, overlapped with
-    the step's compute (trainer rollouts, GenRL-style colocated).
-    """
-    if sharded_in is None:
-        replica = _replica_size(w, kind, devices, eff)
-        per_replica = _split(samples, devices // replica)
-        step = per_replica * w.step_flops / (replica * kind.bf16_flops * eff.rollout)
-    else:
-        compute = _split(samples, devices) * w.step_flops / (kind.bf16_flops * eff.rollout)
-        step = max(compute, sharded_in.fsdp_gather_s(kind, devices, w.params * w.param_bytes, eff))
-    return w.num_steps * (step + eff.step_call_s)
-
-
-def train_mb_s(w: Workload, samples: int, kind: DeviceKind, devices: int, pool: Pool, eff: Efficiency, *,
-               tsp: bool) -> float:
-    """Seconds of one micro-batch's forward+backward on an FSDP group (gradients accumulated).
-
-    A device holds at most `eff.train_units_per_device` units per gradient chunk (memory).
-    Without TSP the grain is the trajectory step: each trained step's samples are spread over
-    the devices and chunked on their own, so a step with fewer samples than devices leaves
-    devices idle and every step pays its own chunks; with TSP the units of all steps are
-    flattened first. Each chunk all-gathers the weights for its forward and again for its
-    backward (and reduce-scatters the trainable weights' gradients), overlapped with compute.
-    """
-    cap = eff.train_units_per_device
-    if tsp:
-        per_device = [_split(samples * w.trained_steps, devices)]
-    else:
-        per_device = [_split(samples, devices)] * w.trained_steps
-    chunks = [min(cap, n - i) for n in per_device for i in range(0, n, cap)]
-    comm = pool.fsdp_gather_s(kind, devices, 2 * w.params * w.param_bytes + 4 * w.trainable, eff)
-    per_unit = w.unit_flops / (kind.bf16_flops * eff.train)
-    return sum(max(c * per_unit, comm) + eff.train_call_s for c in chunks)
-
-
-def update_s(w: Workload, kind: DeviceKind, devices: int, pool: Pool, eff: Efficiency) -> float:
-    """AdamW over the sharded trainable weights (fp32 params, grads and two moments read, three
-    written) after the gradients are reduced between hosts."""
-    shard = min(devices, pool.devices_per_host)
-    moved = 7 * 4 * w.trainable / shard
-    return moved / (kind.hbm_bw * eff.memory) + pool.cross_host_reduce_s(devices, 4 * w.trainable / shard, eff) + eff.update_call_s
-
-
-def sync_s(w: Workload, pool: Pool, eff: Efficiency) -> float:
-    """Trainer -> rollout weights: adapters (fp32) or full weights to every rollout device; then the LoRA merge."""
-    nbytes = 4 * w.trainable if w.lora else w.params * w.param_bytes
-    senders = min(pool.train_devices, pool.rollout_devices)
-    transfer = nbytes * pool.rollout_devices / senders / (pool.role_link_bw() * eff.link)
-    rollout = pool.kind("rollout")
-    merge = 0.0
-    if w.merge_for_sampling:  # W + s B A on every replica: a rank-r matmul per adapted kernel and one read/write of it
-        merge = 2 * w.lora_rank * w.adapted_weights / (rollout.bf16_flops * eff.rollout) + 2 * w.adapted_weights * w.param_bytes / (rollout.hbm_bw * eff.memory)
-    return transfer + merge
-
-
-def reward_mb_s(w: Workload, samples: int, kind: DeviceKind, devices: int, eff: Efficiency) -> float:
-    """VAE decode on the generating group's devices, then host scoring."""
-    decode = _split(samples, devices) * w.pixels * eff.decode_flops_per_pixel / (kind.bf16_flops * eff.decode)
-    return decode + samples * eff.reward_s_per_sample
-
-
-COLOCATED_STYLES = ("fsdp_sampling", "offload")
-
-
-def model_costs(w: Workload, pool: Pool, mode: str, microbatches: int, *, style: str = "fsdp_sampling",
-                eff: Efficiency = Efficiency()) -> plan_lib.Costs:
-    """`plan.Costs` of `mode` at `microbatches` micro-batches per iteration, from FLOPs and the device table."""
-    flags = plan_lib.mode_flags(mode)
-    if microbatches < 1 or w.prompts % microbatches:
-        raise ValueError(f"runtime.micro_batches={microbatches} must divide rl.prompts_per_iteration={w.prompts}")
-    if style not in COLOCATED_STYLES:
-        raise ValueError(f"colocated style {style!r} is unknown; known: {COLOCATED_STYLES}")
-    samples = w.samples // microbatches
-    if flags.colocated:
-        kind, n = pool.slowest, pool.total
-        rollout = rollout_mb_s(w, samples, kind, n, eff, sharded_in=None if style == "offload" else pool)
-        update = update_s(w, kind, n, pool, eff)
-        if style == "offload":
-            update += _phase_switch_s(w, kind, n, pool, eff) / w.updates
-        return plan_lib.Costs(
-            rollout={"shared": rollout},
-            reward=reward_mb_s(w, samples, kind, n, eff),
-            train=train_mb_s(w, samples, kind, n, pool, eff, tsp=True),
-            update=update,
-            sync=0.0,
-        )
-    r_kind, t_kind = pool.kind("rollout"), pool.kind("train")
-    r_n, t_n = pool.rollout_devices, pool.train_devices
-    return plan_lib.Costs(
-        rollout={
-            "rollout": rollout_mb_s(w, samples, r_kind, r_n, eff),
-            "train": rollout_mb_s(w, samples, t_kind, t_n, eff, sharded_in=pool),
-        },
-        reward=reward_mb_s(w, samples, r_kind, r_n, eff),
-        train=train_mb_s(w, samples, t_kind, t_n, pool, eff, tsp=flags.tsp),
-        update=update_s(w, t_kind, t_n, pool, eff),
-        sync=sync_s(w, pool, eff),
-    )
-
-
-def _phase_switch_s(w: Workload, kind: DeviceKind, devices: int, pool: Pool, eff: Efficiency) -> float:
-    """Offload-style colocation, once per iteration: the sharded training state (bf16 base, fp32
-    trainable weights, gradients and two moments) to host memory and back, and the replicated
-    rollout weights loaded from host memory (dropped afterwards, free)."""
-    train_state = (w.params * w.param_bytes + 16 * w.trainable) / min(devices, pool.devices_per_host)
-    rollout_weights = w.params * w.param_bytes
-    return (2 * train_state + rollout_weights) / (kind.host_bw * eff.link)
+from digen_jax.runtime.cost_model import Efficiency, IterationWork, Pool, model_costs
 
 
 # ---------------------------------------------------------------------------------------- simulate
@@ -544,15 +98,14 @@ def microbatch_choices(prompts: int, limit: int = 16) -> list[int]:
     return [m for m in range(1, min(prompts, limit) + 1) if prompts % m == 0]
 
 
-def simulate(config_or_workload, pool: Pool, mode: str, *, microbatches: int | None = None, style: str = "fsdp_sampling",
+def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | None = None, style: str = "fsdp_sampling",
              eff: Efficiency = Efficiency(), max_microbatches: int = 16) -> Prediction:
-    """Predict `mode` of a config (or a `Workload`) on `pool`.
+    """Predict `mode` of the iteration work `w` on `pool`.
 
     `microbatches`: fixed, or None for the best of `microbatch_choices` (each mode at its own
     best pipeline depth). Returns a `Prediction` (samples/s, per device, bubble fraction per
     device group, MFU against the datasheet peaks, $/hour, the timed iteration's timeline).
     """
-    w = config_or_workload if isinstance(config_or_workload, Workload) else workload(config_or_workload)
     flags = plan_lib.mode_flags(mode)
     # Colocated runs make the config's `rl.num_updates_per_batch` updates per iteration; the
     # disaggregated modes one (the executor rejects more).
@@ -598,7 +151,7 @@ class Sizing:
         }
 
 
-def autosize(config_or_workload, pool: Pool, *, mode: str = "gap+tsp+tag+tcss", eff: Efficiency = Efficiency(),
+def autosize(w: IterationWork, pool: Pool, *, mode: str = plan_lib.BEST_MODE, eff: Efficiency = Efficiency(),
              max_microbatches: int = 16, role_step: int = 1) -> Sizing:
     """Search role sizes, micro-batch count and TAG share (and prefetch) for the best predicted throughput.
 
@@ -607,7 +160,6 @@ def autosize(config_or_workload, pool: Pool, *, mode: str = "gap+tsp+tag+tcss", 
     each split every micro-batch count of `microbatch_choices` is simulated, and
     `plan.choose_split` picks the TAG share and prefetch for it.
     """
-    w = config_or_workload if isinstance(config_or_workload, Workload) else workload(config_or_workload)
     if plan_lib.mode_flags(mode).colocated:
         raise ValueError("autosize searches role sizes of a disaggregated mode; runtime.mode='colocated' has one group")
     if pool.heterogeneous:
@@ -627,28 +179,6 @@ def autosize(config_or_workload, pool: Pool, *, mode: str = "gap+tsp+tag+tcss", 
         raise ValueError(f"no role split of {pool.describe()} can run {mode}")
     chosen, p = best
     return Sizing(chosen.rollout_devices, chosen.train_devices, p.microbatches, p.tag, p.prefetch, p)
-
-
-def size_config(config, spec: str, devices: Sequence[Any]) -> tuple[Pool, Sizing]:
-    """`autosize` for `config`'s `runtime.mode`, applied to `config` in place: role sizes and
-    micro-batch count. The TAG share and prefetch stay as configured (-1: chosen every iteration
-    from measured costs, which track the real devices better than a prediction).
-
-    `spec`: a pool (`Pool.parse`, e.g. 'h100:8') or 'local' for `devices` (the run's devices:
-    their kind and count). The pool must have as many devices as the run.
-    """
-    if plan_lib.mode_flags(config.runtime.mode).colocated:
-        raise ValueError("it sizes the roles of a disaggregated runtime.mode; 'colocated' has one group")
-    if spec == "local":
-        spec = f"{local_kind(devices[0].device_kind)}:{len(devices)}"
-    pool = Pool.parse(spec)
-    if pool.total != len(devices):
-        raise ValueError(f"the pool {spec!r} has {pool.total} devices, this run {len(devices)}")
-    sizing = autosize(config, pool, mode=config.runtime.mode)
-    overrides = sizing.runtime_overrides()
-    for key in ("rollout_devices", "train_devices", "micro_batches"):
-        config.runtime[key] = overrides[key]
-    return pool, sizing
 
 
 # ---------------------------------------------------------------------------------------- profiles

@@ -1,0 +1,120 @@
+"""What a config costs: exact FLOPs of one RL sample, the `IterationWork` the cost model prices,
+and role sizes for a run from the simulator (launch/train.py --autosize).
+
+The runtime's cost model and simulator (`digen_jax.runtime.cost_model`, `.simulator`) take plain
+`IterationWork` values; this module reads them off a model-zoo config and its model zoo entry.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from digen_jax import flops
+from digen_jax.app import workload as workload_lib
+from digen_jax.models import FAMILIES
+from digen_jax.rl.timesteps import plan_steps
+from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime import simulator
+from digen_jax.runtime.cost_model import IterationWork, Pool, local_kind
+
+
+def sample_flops(config, model_cfg) -> dict[str, int] | None:
+    """Exact FLOPs of one RL sample (rollout steps + trained units) of `config` with the transformer
+    config `model_cfg`, None for the shapes task."""
+    if workload_lib.is_shapes(config):  # the shapes task: no transformer FLOP model
+        return None
+    family = config.model.family
+    zoo = workload_lib.ZOO[family]
+    s, rl = config.sampling, config.rl
+    trained = _trained_steps(config)
+    lora_targets = list(rl.lora_targets) if rl.lora_rank else []
+    return flops.rl_sample_flops(
+        family,
+        model_cfg,
+        height=s.height,
+        width=s.width,
+        frames=s.num_frames if zoo.video else 1,
+        text_len=config.data.text_len,
+        num_steps=s.num_steps,
+        trained_steps=trained,
+        cfg_forwards=2 if s.cfg_scale != 1.0 else 1,
+        lora_rank=rl.lora_rank,
+        lora_targets=lora_targets,
+    )
+
+
+def iteration_work(config) -> IterationWork:
+    """The `IterationWork` of a model-zoo config (configs/{flux,qwenimage,wan21,hunyuanvideo}.py, configs/paper/*)."""
+    if workload_lib.is_shapes(config):
+        raise ValueError("the simulator needs a model-zoo config (a `data` section); the shapes task has no FLOP model")
+    family = config.model.family
+    if family not in workload_lib.ZOO:
+        raise ValueError(f"model.family={family!r} is unknown; known: {sorted(workload_lib.ZOO)}")
+    model_cfg = _model_config(config)
+    s, rl = config.sampling, config.rl
+    frames = s.num_frames if workload_lib.ZOO[family].video else 1
+    per_sample = sample_flops(config, model_cfg)
+    trained = _trained_steps(config)
+    terms = flops.model_terms(family, model_cfg, batch=1, height=s.height, width=s.width, frames=frames, text_len=config.data.text_len)
+    params = float(sum(m.layers * m.fan_in * m.fan_out for m in terms.matmuls))
+    if rl.lora_rank:
+        adapted = terms.adapted(list(rl.lora_targets))
+        trainable = float(sum(m.layers * rl.lora_rank * (m.fan_in + m.fan_out) for m in adapted))
+        adapted_weights = float(sum(m.layers * m.fan_in * m.fan_out for m in adapted))
+    else:
+        trainable, adapted_weights = params, 0.0
+    return IterationWork(
+        family=family,
+        prompts=rl.prompts_per_iteration,
+        group_size=rl.group_size,
+        num_steps=s.num_steps,
+        trained_steps=trained,
+        step_flops=per_sample["rollout"] / s.num_steps,
+        unit_flops=per_sample["train"] / max(trained, 1),
+        params=params,
+        trainable=trainable,
+        adapted_weights=adapted_weights,
+        lora_rank=rl.lora_rank,
+        merge_for_sampling=bool(rl.lora_rank) and rl.lora_merge_for_sampling,
+        pixels=s.height * s.width * frames,
+        updates=rl.num_updates_per_batch,
+    )
+
+
+def _trained_steps(config) -> int:
+    """Trajectory steps trained per sample (the count `rl.timesteps.plan_steps` draws for one)."""
+    s = config.sampling
+    return plan_steps(config.rl, s.num_steps, s.noise_level, 1, 0, np.random.default_rng(0)).trained.shape[1]
+
+
+def _model_config(config):
+    """The transformer config of `config`: its checkpoint's, or the named variant's (no weights read)."""
+    if config.model.checkpoint:
+        return workload_lib.model_config(config)
+    variants = FAMILIES[config.model.family].variants
+    if config.model.variant not in variants:
+        raise ValueError(f"model.variant={config.model.variant!r} is unknown for {config.model.family}; known: {sorted(variants)}")
+    return variants[config.model.variant]
+
+
+def size_config(config, spec: str, devices: Sequence[Any]) -> tuple[Pool, simulator.Sizing]:
+    """`simulator.autosize` for `config`'s `runtime.mode`, applied to `config` in place: role sizes
+    and micro-batch count. The TAG share and prefetch stay as configured (-1: chosen every iteration
+    from measured costs, which track the real devices better than a prediction).
+
+    `spec`: a pool (`Pool.parse`, e.g. 'h100:8') or 'local' for `devices` (the run's devices:
+    their kind and count). The pool must have as many devices as the run.
+    """
+    if plan_lib.mode_flags(config.runtime.mode).colocated:
+        raise ValueError("it sizes the roles of a disaggregated runtime.mode; 'colocated' has one group")
+    if spec == "local":
+        spec = f"{local_kind(devices[0].device_kind)}:{len(devices)}"
+    pool = Pool.parse(spec)
+    if pool.total != len(devices):
+        raise ValueError(f"the pool {spec!r} has {pool.total} devices, this run {len(devices)}")
+    sizing = simulator.autosize(iteration_work(config), pool, mode=config.runtime.mode)
+    overrides = sizing.runtime_overrides()
+    for key in ("rollout_devices", "train_devices", "micro_batches"):
+        config.runtime[key] = overrides[key]
+    return pool, sizing
