@@ -1,7 +1,7 @@
 r"""Simulate the paper's evaluation grid: four models x three testbeds x seven systems.
 
     python launch/reproduce.py --out_dir=/tmp/paper            # tables (markdown) + PNG plots
-    python launch/reproduce.py --readme=README.md             # also rewrite README's section
+    python launch/reproduce.py --readme=benchmarks/README.md  # also rewrite the benchmark log's section
 
 Models: configs/paper/{flux,qwenimage,wan21,hunyuanvideo}.py. Testbeds: configs/paper/testbeds.py
 (16 and 32 H800, and 16 H800 rollout + 16 L40S train with $/hour). Systems: colocated in the

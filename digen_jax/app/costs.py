@@ -11,7 +11,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from digen_jax import flops
-from digen_jax.app import workload as workload_lib
+from digen_jax.app import families
+from digen_jax.app.workload import is_shapes
 from digen_jax.models import FAMILIES
 from digen_jax.rl.timesteps import plan_steps
 from digen_jax.runtime import plan as plan_lib
@@ -22,10 +23,10 @@ from digen_jax.runtime.cost_model import IterationWork, Pool, local_kind
 def sample_flops(config, model_cfg) -> dict[str, int] | None:
     """Exact FLOPs of one RL sample (rollout steps + trained units) of `config` with the transformer
     config `model_cfg`, None for the shapes task."""
-    if workload_lib.is_shapes(config):  # the shapes task: no transformer FLOP model
+    if is_shapes(config):  # the shapes task: no transformer FLOP model
         return None
     family = config.model.family
-    zoo = workload_lib.ZOO[family]
+    zoo = families.ZOO[family]
     s, rl = config.sampling, config.rl
     trained = _trained_steps(config)
     lora_targets = list(rl.lora_targets) if rl.lora_rank else []
@@ -46,14 +47,14 @@ def sample_flops(config, model_cfg) -> dict[str, int] | None:
 
 def iteration_work(config) -> IterationWork:
     """The `IterationWork` of a model-zoo config (configs/{flux,qwenimage,wan21,hunyuanvideo}.py, configs/paper/*)."""
-    if workload_lib.is_shapes(config):
+    if is_shapes(config):
         raise ValueError("the simulator needs a model-zoo config (a `data` section); the shapes task has no FLOP model")
     family = config.model.family
-    if family not in workload_lib.ZOO:
-        raise ValueError(f"model.family={family!r} is unknown; known: {sorted(workload_lib.ZOO)}")
+    if family not in families.ZOO:
+        raise ValueError(f"model.family={family!r} is unknown; known: {sorted(families.ZOO)}")
     model_cfg = _model_config(config)
     s, rl = config.sampling, config.rl
-    frames = s.num_frames if workload_lib.ZOO[family].video else 1
+    frames = s.num_frames if families.ZOO[family].video else 1
     per_sample = sample_flops(config, model_cfg)
     trained = _trained_steps(config)
     terms = flops.model_terms(family, model_cfg, batch=1, height=s.height, width=s.width, frames=frames, text_len=config.data.text_len)
@@ -91,7 +92,7 @@ def _trained_steps(config) -> int:
 def _model_config(config):
     """The transformer config of `config`: its checkpoint's, or the named variant's (no weights read)."""
     if config.model.checkpoint:
-        return workload_lib.model_config(config)
+        return families.model_config(config)
     variants = FAMILIES[config.model.family].variants
     if config.model.variant not in variants:
         raise ValueError(f"model.variant={config.model.variant!r} is unknown for {config.model.family}; known: {sorted(variants)}")
