@@ -279,7 +279,7 @@ def workload(config) -> Workload:
     """The `Workload` of a model-zoo config (configs/{flux,qwenimage,wan21,hunyuanvideo}.py, configs/paper/*)."""
     from digen_jax.app import workload as workload_lib  # the model registry; imported late (heavy)
     from digen_jax.rl.timesteps import plan_steps
-    from digen_jax.app import benchmark
+    from digen_jax.app.bench import system as system_bench
 
     if workload_lib.is_shapes(config):
         raise ValueError("the simulator needs a model-zoo config (a `data` section); the shapes task has no FLOP model")
@@ -292,7 +292,7 @@ def workload(config) -> Workload:
     frames = s.num_frames if zoo.video else 1
     # The benchmark's per-sample count, fed the same fields a built run would carry.
     run_like = types.SimpleNamespace(config=config, workload=types.SimpleNamespace(zoo=zoo, model_cfg=model_cfg))
-    per_sample = benchmark.sample_flops(run_like)
+    per_sample = system_bench.sample_flops(run_like)
     trained = plan_steps(rl, s.num_steps, s.noise_level, 1, 0, np.random.default_rng(0)).trained.shape[1]
     terms = flops.model_terms(family, model_cfg, batch=1, height=s.height, width=s.width, frames=frames, text_len=config.data.text_len)
     params = float(sum(m.layers * m.fan_in * m.fan_out for m in terms.matmuls))
