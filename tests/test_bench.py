@@ -9,6 +9,7 @@ import pytest
 
 from configs.sections import ATTENTION_MLP_TARGETS
 from digen_jax import flops
+from digen_jax.app.bench import peaks, profiler, provenance
 from digen_jax.models import FAMILIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,7 @@ def test_model_mode_writes_every_figure(tmp_path, monkeypatch):
     assert written["device"]["count"] >= 1 and written["device"]["kind"]
     assert written["versions"]["jax"] and written["versions"]["flax"] and "torch" in written["versions"]
     assert set(written["git"]) == {"commit", "dirty"}
-    assert written["source_sha256"] == bench.source_digest() and len(written["source_sha256"]) == 64
+    assert written["source_sha256"] == provenance.source_digest() and len(written["source_sha256"]) == 64
     assert written["peaks"]["datasheet_bf16_flops_per_s"] is None  # a CPU has no datasheet entry
     assert written["peaks"]["measured_matmul"]["flops_per_s"] > 0
     assert written["peer"] is None
@@ -121,11 +122,11 @@ def test_bad_flags_fail_before_device_work():
 
 
 def test_datasheet_peaks():
-    assert bench.datasheet_peak("NVIDIA H100 80GB HBM3") == 989.4e12
-    assert bench.datasheet_peak("NVIDIA H200") == 989.4e12
-    assert bench.datasheet_peak("NVIDIA A100-SXM4-80GB") == 312e12
-    assert bench.datasheet_peak("NVIDIA H100 PCIe") == 756e12
-    assert bench.datasheet_peak("cpu") is None
+    assert peaks.datasheet_peak("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert peaks.datasheet_peak("NVIDIA H200") == 989.4e12
+    assert peaks.datasheet_peak("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peaks.datasheet_peak("NVIDIA H100 PCIe") == 756e12
+    assert peaks.datasheet_peak("cpu") is None
 
 
 def test_help_documents_the_flags():
@@ -230,11 +231,11 @@ def test_profile_sums_device_time_by_kernel(tmp_path):
                {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 9999.0, "name": "PjitFunction(f)"}]
     with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
-    summary = bench.device_time_by_kernel(str(tmp_path))
+    summary = profiler.device_time_by_kernel(str(tmp_path))
     assert summary["device_ms"] == pytest.approx(5.45)
     assert summary["class_ms"] == pytest.approx({"matmul": 4.0, "attention": 0.7, "copy": 0.5, "fusion/other": 0.25})
     assert summary["kernels"][0]["calls"] == 2 and summary["kernels"][0]["class"] == "matmul"
-    assert "error" in bench.device_time_by_kernel(str(tmp_path / "none"))
+    assert "error" in profiler.device_time_by_kernel(str(tmp_path / "none"))
 
 
 def test_memory_fraction_is_set_for_model_mode_only_and_never_overrides_the_user():
@@ -261,11 +262,11 @@ def test_source_digest_names_the_code(tmp_path):
         (tmp_path / top).mkdir()
         (tmp_path / top / "a.py").write_text("x = 1\n")
     (tmp_path / "README.md").write_text("not code")
-    before = bench.source_digest(str(tmp_path))
+    before = provenance.source_digest(str(tmp_path))
     (tmp_path / "README.md").write_text("still not code")
-    assert bench.source_digest(str(tmp_path)) == before
+    assert provenance.source_digest(str(tmp_path)) == before
     (tmp_path / "configs" / "a.py").write_text("x = 2\n")
-    assert bench.source_digest(str(tmp_path)) != before
+    assert provenance.source_digest(str(tmp_path)) != before
 
 
 def test_elastic_warm_up_runs_until_the_split_settles():
@@ -273,7 +274,7 @@ def test_elastic_warm_up_runs_until_the_split_settles():
     prefetch would finish inside the timed iteration), at most MAX_SETTLING_ITERATIONS."""
     from types import SimpleNamespace
 
-    from digen_jax.app import benchmark
+    from digen_jax.app.bench import system
 
     class Executor:
         def __init__(self, split):
@@ -283,8 +284,8 @@ def test_elastic_warm_up_runs_until_the_split_settles():
             return self.split
 
     last = [SimpleNamespace(tag=0, prefetch=3)]
-    assert benchmark._keep_warming(Executor((0, 3)), 1, last, extra=0)
-    assert not benchmark._keep_warming(Executor((0, 3)), 2, last, extra=1)
-    assert benchmark._keep_warming(Executor((0, 2)), 2, last, extra=1)
-    assert benchmark._keep_warming(Executor((1, 3)), 2, last, extra=2)
-    assert not benchmark._keep_warming(Executor((0, 2)), 4, last, extra=benchmark.MAX_SETTLING_ITERATIONS)
+    assert system._keep_warming(Executor((0, 3)), 1, last, extra=0)
+    assert not system._keep_warming(Executor((0, 3)), 2, last, extra=1)
+    assert system._keep_warming(Executor((0, 2)), 2, last, extra=1)
+    assert system._keep_warming(Executor((1, 3)), 2, last, extra=2)
+    assert not system._keep_warming(Executor((0, 2)), 4, last, extra=system.MAX_SETTLING_ITERATIONS)

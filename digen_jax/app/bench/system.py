@@ -1,6 +1,6 @@
-"""System-level benchmark: every schedule mode on the same devices, model and batch.
+"""The system bench (`--mode=system`): every schedule mode on the same devices, model and batch.
 
-One `rl.loop.Run` (model, sampler, trainer, reward) is built once; each mode gets its own
+One `app.loop.Run` (model, sampler, trainer, reward) is built once; each mode gets its own
 `Executor` over it, so every mode starts from the same weights and shares compiled step
 functions where the meshes agree. After `warmup` iterations (compilation, first cost
 measurements for the elastic splits; they finish before the timed ones are planned, so even
@@ -17,19 +17,61 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import json
 import os
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from digen_jax.app import loop
+from digen_jax.app.bench import provenance
+from digen_jax.app.bench.peaks import datasheet_peak, measure_matmul_peak
 from digen_jax.app.costs import sample_flops
 from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.executor import Executor
+
+
+def measure(
+    config,
+    modes: Sequence[str],
+    workdir: str,
+    *,
+    warmups: int,
+    iterations: int,
+    onpolicy_anchors: Sequence[str],
+    matmul_size: int,
+    matmul_chain: int,
+    on_update: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """The system bench's result: provenance, the peak MFU is measured against (the bf16 matmul peak
+    of `matmul_size`, else the datasheet's; 0 skips the measurement) and the `run_modes` figures.
+
+    `on_update` gets the result after every mode, so a run cut short keeps what it measured.
+    """
+    device = jax.devices()[0]
+    matmul = measure_matmul_peak(matmul_size, matmul_chain, 3) if matmul_size else None
+    peak = matmul["flops_per_s"] if matmul else datasheet_peak(device.device_kind)
+    result = {
+        **provenance.run_record("system", used=jax.device_count()),
+        "gpu": device.device_kind,
+        "config": json.loads(config.to_json_best_effort()),
+        "peaks": {"datasheet_bf16_flops_per_s": datasheet_peak(device.device_kind), "measured_matmul": matmul,
+                  "mfu_against": "measured_matmul" if matmul else "datasheet"},
+    }
+
+    def update(figures: dict[str, Any]) -> None:
+        result.update(figures)
+        on_update(result)
+
+    run_modes(
+        config, modes, workdir, warmups=warmups, iterations=iterations, peak_flops=peak,
+        log=lambda m: print(m, flush=True), on_mode=update, onpolicy_anchors=onpolicy_anchors,
+    )
+    return result
 
 
 # Extra warm-up iterations an elastic mode may take for its split to settle.
