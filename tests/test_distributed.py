@@ -625,7 +625,7 @@ def run_checkpoint_worker(workdir: str, cache_dir: str) -> None:
 
 
 def test_two_process_checkpoint_round_trip(tmp_path, pretrained_cache):
-    """Executor.save/restore with the train state on process 1's devices and a prefetched
+    """checkpoints.save and restore with the train state on process 1's devices and a prefetched
     micro-batch on process 0's: both processes get back the saved state, on the train
     shardings, and the micro-batch (the assertions run in the workers)."""
     port = free_port()

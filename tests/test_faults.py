@@ -16,9 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from digen_jax.app import loop, workload
-from digen_jax.app import random_init
-from digen_jax.app import checkpoints
+from digen_jax.app import checkpoints, loop, random_init, workload
 from digen_jax.app.checkpoints import RunStopped, WorkdirLock
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
