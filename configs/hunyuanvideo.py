@@ -83,8 +83,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.lora_rank = 64
     c.rl.lora_alpha = 128.0
     # Factored adapters in rollout: while a sync lands the rollout role holds two weight versions,
-    # and two merged copies next to the frozen base do not fit an 80 GB card (FLUX ran out of
-    # memory that way in the full mode on 4 H100s).
+    # and two merged copies next to the frozen base do not fit an 80 GB card.
     c.rl.lora_merge_for_sampling = False
     # Attention + MLP of the double and single blocks, not the text refiner's.
     c.rl.lora_targets = ATTENTION_MLP_TARGETS["hunyuan_video"]  # regexes searched in each kernel's path

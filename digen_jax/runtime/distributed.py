@@ -555,8 +555,7 @@ def _ppermute_fn(mesh: Mesh, specs: tuple, rounds: tuple):
 def _fence(moved: tuple) -> tuple:
     """Wait until a cross-process move has finished on this process's devices.
 
-    Why (jax 0.10 CPU client over gloo, read from its scheduling rules and seen as hangs of
-    `loop.train` on 2 processes x 4 devices before this wait): a process's pool of executor
+    Why (the jax 0.10 CPU client over gloo, by its scheduling rules): a process's pool of executor
     threads is as large as its device count, because the participants of a collective each
     block a thread until all have joined; so programs that span several local devices run one
     at a time, in dispatch order. A program with one local device (this process's share of a
