@@ -340,7 +340,7 @@ def run_model_jax(setup: dict[str, Any], peaks: dict[str, float | None]) -> dict
     family, fam, cfg = setup["family"], setup["fam"], setup["cfg"]
     module = fam.module_cls(cfg)
     grid = setup["grid"][1:] if family in ("flux", "qwenimage") else None
-    denoise = make_denoiser(family, module, guidance=3.5, image_grid=grid)
+    denoise = make_denoiser(fam, module, guidance=3.5, image_grid=grid)
     example = fam.example_inputs(cfg)
 
     stored = fam.stored_config(cfg)

@@ -16,7 +16,7 @@ from digen_jax.app.errors import ConfigError
 from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, model_config, read_model_json,
                                     latent_shape, vae_config)
 from digen_jax.app.workload import is_shapes, open_cache, shapes_task
-from digen_jax.data.embeddings import FAMILIES as EMBEDDING_FAMILIES
+from digen_jax.data.embeddings import EMBEDDING_LAYOUTS
 from digen_jax.models import FAMILIES
 from digen_jax.models.checkpoints import MODEL_JSON
 from digen_jax.rewards import registry
@@ -184,7 +184,7 @@ def _validate_zoo(config) -> None:
     if zoo.video and (not isinstance(s.num_frames, int) or s.num_frames < 1 or (s.num_frames - 1) % TEMPORAL):
         raise ConfigError(f"sampling.num_frames={s.num_frames!r} must be 4k+1 (1, 5, ..., 33, ..., 81): "
                           "the causal video VAE decodes k+1 latent frames into 4k+1")
-    if s.cfg_scale != 1.0 and EMBEDDING_FAMILIES[c.family]["negative"] is None:
+    if s.cfg_scale != 1.0 and EMBEDDING_LAYOUTS[c.family]["negative"] is None:
         raise ConfigError(f"sampling.cfg_scale={s.cfg_scale}: {c.family} uses embedded guidance (sampling.guidance), "
                           "not true CFG; set sampling.cfg_scale=1")
     positive = (("reward.frame_stride", config.reward.frame_stride), ("model.vae_decode_batch", c.vae_decode_batch))
