@@ -22,7 +22,7 @@ from absl import flags, logging
 from digen_jax import cli
 from digen_jax.data import embeddings, encode
 
-_FAMILY = flags.DEFINE_enum("family", None, sorted(embeddings.FAMILIES), "Model family of the encoders.")
+_FAMILY = flags.DEFINE_enum("family", None, sorted(embeddings.EMBEDDING_LAYOUTS), "Model family of the encoders.")
 _PROMPTS = flags.DEFINE_string("prompts", None, "Prompt file: .txt (one per line) or .jsonl with \"prompt\".")
 _OUT = flags.DEFINE_string("out", None, "Cache directory to create.")
 _ENCODER_DIR = flags.DEFINE_string("encoder_dir", None, "Diffusers pipeline folder with the text encoder(s).")

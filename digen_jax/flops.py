@@ -7,8 +7,9 @@ The AdaLN modulation layers act on one vector per sample and the two streams of 
 double-stream block pass through their own weights; counting per layer and per stream is what
 makes these numbers smaller than the naive 2 P S.
 
-A model at a given input shape is a list of `Matmul` and `Attention` terms (`model_terms`).
-From it:
+A model at a given input shape is a list of `Matmul` and `Attention` terms (`model_terms`),
+built by its family's `Formula` in `FORMULAS` (keyed by the model-family names; this module
+imports no model code, so the simulator can count FLOPs without the model zoo). From it:
 
 * `forward`: one forward pass.
 * `lora_forward`: the forward with LoRA adapters applied factored, 2 n r (in + out) each.
@@ -37,7 +38,6 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.extend
 
-FAMILIES = ("flux", "qwenimage", "wan", "hunyuan_video")
 # What a matmul's input depends on, which decides whether the backward needs its gradient:
 # 'input' a model input (never), 'cond' conditioning derived from parameters outside the
 # scanned blocks (full fine-tuning only), 'trunk' the activations a block stack carries.
@@ -196,17 +196,17 @@ def latent_grid(family: str, cfg: Any, *, height: int, width: int, frames: int =
     Images (flux, qwenimage): (1, H/16, W/16) packed 2x2 latent tokens. Videos (wan,
     hunyuan_video): ((frames - 1)/4 + 1, H/16, W/16) with the (1, 2, 2) patch.
     """
-    _check_family(family)
+    formula = _formula(family)
     if height <= 0 or width <= 0 or height % PIXELS_PER_TOKEN or width % PIXELS_PER_TOKEN:
         raise ValueError(f"height and width must be positive multiples of {PIXELS_PER_TOKEN}, got {height}x{width}")
     rows, cols = height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
-    if family in ("flux", "qwenimage"):
+    if formula.temporal_patch is None:
         if frames != 1:
             raise ValueError(f"{family} generates images: frames must be 1, got {frames}")
         return (1, rows, cols)
     if frames < 1 or (frames - 1) % FRAMES_PER_LATENT:
         raise ValueError(f"frames must be 4k + 1 for {family} (the causal video VAE), got {frames}")
-    patch_t = cfg.patch_size[0] if family == "wan" else cfg.patch_size_t
+    patch_t = formula.temporal_patch(cfg)
     latent_frames = (frames - 1) // FRAMES_PER_LATENT + 1
     if latent_frames % patch_t:
         raise ValueError(f"{latent_frames} latent frames do not divide by the temporal patch {patch_t}")
@@ -220,16 +220,17 @@ def model_terms(family: str, cfg: Any, *, batch: int, height: int, width: int, f
     model computes over padding too). Batch scales every term, including the per-sample
     conditioning matmuls.
     """
-    _check_family(family)
+    formula = _formula(family)
     if batch < 1 or text_len < 1:
         raise ValueError(f"batch and text_len must be >= 1, got batch={batch}, text_len={text_len}")
     grid = latent_grid(family, cfg, height=height, width=width, frames=frames)
-    return _BUILDERS[family](cfg, batch, math.prod(grid), text_len)
+    return formula.terms(cfg, batch, math.prod(grid), text_len)
 
 
-def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"model family must be one of {FAMILIES}, got {family!r}")
+def _formula(family: str) -> Formula:
+    if family not in FORMULAS:
+        raise ValueError(f"model family must be one of {tuple(FORMULAS)}, got {family!r}")
+    return FORMULAS[family]
 
 
 def _embedder(path: str, batch: int, fan_in: int, dim: int) -> list[Matmul]:
@@ -368,11 +369,26 @@ def _hunyuan_video(cfg, batch: int, vid: int, txt: int) -> ModelTerms:
     return ModelTerms(tuple(m), tuple(att), (r, "double_blocks", "single_blocks", "out"))
 
 
-_BUILDERS: dict[str, Callable[..., ModelTerms]] = {
-    "flux": _flux,
-    "qwenimage": _qwenimage,
-    "wan": _wan,
-    "hunyuan_video": _hunyuan_video,
+@dataclasses.dataclass(frozen=True)
+class Formula:
+    """One model family's FLOP formula.
+
+    terms(cfg, batch, tokens, text_len): every matmul and attention of one forward of `batch`
+    samples of `tokens` post-patch latent tokens and `text_len` text positions each.
+    temporal_patch(cfg): for video families, the latent frames one token spans (the config's
+    temporal patch); None for image families (one frame of packed 2x2 tokens).
+    """
+
+    terms: Callable[[Any, int, int, int], ModelTerms]
+    temporal_patch: Callable[[Any], int] | None = None
+
+
+# The FLOP formula of each transformer family, by the family's name (`digen_jax.models.FAMILIES`).
+FORMULAS: dict[str, Formula] = {
+    "flux": Formula(_flux),
+    "qwenimage": Formula(_qwenimage),
+    "wan": Formula(_wan, lambda cfg: cfg.patch_size[0]),
+    "hunyuan_video": Formula(_hunyuan_video, lambda cfg: cfg.patch_size_t),
 }
 
 

@@ -88,7 +88,7 @@ def test_model_mode_unrolled_blocks_time_the_same_program(tmp_path):
     assert unrolled["lora_param_count"] == scanned["lora_param_count"] > 0
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES.keys() & set(flops.FAMILIES)))
+@pytest.mark.parametrize("family", sorted(FAMILIES.keys() & set(flops.FORMULAS)))
 def test_peer_runs_the_diffusers_module(family, tmp_path):
     """The PyTorch peer in-process: the same config and shapes, LoRA on the same layers."""
     frames = ["--frames=5"] if family in ("wan", "hunyuan_video") else []

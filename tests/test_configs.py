@@ -77,7 +77,7 @@ def test_full_size_config_validates_and_fits_its_model(family):
     mask = jax.ShapeDtypeStruct((1, c.data.text_len), jnp.int32) if family in ("qwenimage", "hunyuan_video") else None
     cond = Conditioning(jax.ShapeDtypeStruct((1, c.data.text_len, text_dim), jnp.float32), pooled, mask)
     grid = None if zoo.video else (s.height // 16, s.width // 16)
-    denoiser = make_denoiser(family, fam.module_cls(model_cfg), guidance=s.guidance, image_grid=grid)
+    denoiser = make_denoiser(fam, fam.module_cls(model_cfg), guidance=s.guidance, image_grid=grid)
     latents = jax.ShapeDtypeStruct((1, *shape), jnp.float32)
     velocity = jax.eval_shape(denoiser, params, latents, cond, jax.ShapeDtypeStruct((1,), jnp.float32))
     assert velocity.shape == (1, *shape)

@@ -103,7 +103,7 @@ def _components(family: str) -> dict:
     raise ValueError(family)
 
 
-@pytest.fixture(scope="module", params=sorted(embeddings.FAMILIES))
+@pytest.fixture(scope="module", params=sorted(embeddings.EMBEDDING_LAYOUTS))
 def encoded(request, tmp_path_factory):
     """(family, pipeline, cache) for PROMPTS encoded in batches of 2 (the last one short)."""
     family = request.param
@@ -143,7 +143,7 @@ def test_cache_equals_pipeline_encode_prompt(encoded):
     # Batches of 2 vs one batch of 5: same values up to matmul-blocking rounding.
     np.testing.assert_allclose(got["text"], ref["text"].numpy(), rtol=1e-5, atol=1e-5)
     assert set(got) == {"text", "prompt_ids"} | {k for k in ("pooled", "mask", "lengths")
-                                                  if embeddings.FAMILIES[family][k]}
+                                                  if embeddings.EMBEDDING_LAYOUTS[family][k]}
     if "pooled" in got:
         assert got["pooled"].shape == (n, 16)
         np.testing.assert_allclose(got["pooled"], ref["pooled"].numpy(), rtol=1e-5, atol=1e-5)
@@ -157,7 +157,7 @@ def test_cache_equals_pipeline_encode_prompt(encoded):
         lengths = got["lengths"].tolist()
         assert all(not np.asarray(got["text"][i, length:]).any() and np.asarray(got["text"][i, length - 1]).any()
                    for i, length in enumerate(lengths))
-    negative = embeddings.FAMILIES[family]["negative"]
+    negative = embeddings.EMBEDDING_LAYOUTS[family]["negative"]
     assert cache.has_negative == (negative is not None)
     if negative is not None:
         ref_negative = _reference(pipe, family, [negative])["text"].numpy()
@@ -213,11 +213,11 @@ def test_hunyuan_video_crops_template_prefix(tmp_path):
 def _write_tiny(path, family="flux", dtype="float32", **overrides):
     rng = np.random.default_rng(0)
     arrays = {"text": rng.standard_normal((3, 4, 2)).astype(np.float32)}
-    if embeddings.FAMILIES[family]["pooled"]:
+    if embeddings.EMBEDDING_LAYOUTS[family]["pooled"]:
         arrays["pooled"] = rng.standard_normal((3, 5)).astype(np.float32)
-    if embeddings.FAMILIES[family]["lengths"]:
+    if embeddings.EMBEDDING_LAYOUTS[family]["lengths"]:
         arrays["lengths"] = np.array([4, 2, 1], np.int32)
-    if embeddings.FAMILIES[family]["mask"]:
+    if embeddings.EMBEDDING_LAYOUTS[family]["mask"]:
         arrays["mask"] = np.arange(4) < arrays["lengths"][:, None]
     arrays.update(overrides)
     write_cache(str(path), family, prompts=["a", "b", "c"], dtype=dtype, **arrays)

@@ -29,7 +29,7 @@ def make_params(seed=0):
 
 def make_sampler(spec=SamplerSpec(), negative=None):
     sigmas = diffusion.sigma_ladder("flux", STEPS, image_seq_len=LATENT_SHAPE[0]).sigmas
-    denoiser = make_denoiser("flux", flux.FluxTransformer(CFG), guidance=3.5, image_grid=(RES // 2, RES // 2))
+    denoiser = make_denoiser(flux.FAMILY, flux.FluxTransformer(CFG), guidance=3.5, image_grid=(RES // 2, RES // 2))
     return Sampler(denoiser, spec, sigmas, negative)
 
 

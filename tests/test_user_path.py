@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from digen_jax.data import write_cache
-from digen_jax.data.embeddings import FAMILIES as CACHE_FAMILIES
+from digen_jax.data.embeddings import EMBEDDING_LAYOUTS
 from digen_jax.models import FAMILIES, load_checkpoint
 from digen_jax.models.conversion import POLICY_FIELDS
 from digen_jax.app import loop, workload
@@ -68,7 +68,7 @@ def diffusers_model(name: str, seed: int):
 
 def random_cache(path: str, family: str, text_dim: int, pooled_dim: int | None, text_len: int = 8) -> str:
     """A cache holding what `family`'s encoders store, random values, as the library writes it."""
-    spec, rng = CACHE_FAMILIES[family], np.random.default_rng(3)
+    spec, rng = EMBEDDING_LAYOUTS[family], np.random.default_rng(3)
     n = len(PROMPTS)
     lengths = rng.integers(1, text_len + 1, n).astype(np.int32)
     mask = np.arange(text_len)[None] < lengths[:, None]

@@ -1,45 +1,84 @@
-"""The model-zoo table: how a run drives each transformer family, and what it derives from a config.
+"""The model-zoo table: every piece of each transformer family, in one row, and what a run
+derives from a config against it.
 
-`ZOO` holds, per family, its released variants, the VAE families it decodes with, the config
-fields its conditioning must match and whether it makes video; `model_config`, `vae_config`,
-`latent_shape` and `decoder` read a config against it without touching weights. The models
-themselves (`digen_jax.models`), their denoiser conventions (`rl.rollout.make_denoiser`), FLOP
-formulas (`digen_jax.flops`) and embedding layouts (`data.embeddings`) are keyed by the same
-family names; docs/models.md lists what a new family adds in each.
+`ZOO` holds one `ZooFamily` row per family; `model_config`, `vae_config`, `latent_shape` and
+`decoder` read a config against it without touching weights. A new family provides:
+
+* its model file in `digen_jax/models/` (flax module, config, weight rules, variants) and its
+  `ModelFamily` there, with `denoiser_inputs`: how the transformer is called as a denoiser
+  (timestep scale, embedded guidance, position ids, masks), registered in `models.FAMILIES`;
+* a VAE: a converted-VAE `ModelFamily` in `models.FAMILIES` and a decode function for the row;
+* its FLOP formula in `digen_jax.flops.FORMULAS` (flops imports no model code);
+* its prompt-embedding layout in `data.embeddings.EMBEDDING_LAYOUTS` and its text-encoder
+  pipeline in `data.encode.PIPELINES`;
+* a `ZooFamily` row in `ZOO` below, which references each of these;
+* its LoRA targets in `configs/sections.py` `ATTENTION_MLP_TARGETS` (configs import nothing
+  from the library).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+from typing import Any, Callable, Mapping
 
 import jax
 import ml_collections
 
-from digen_jax import diffusion
+from digen_jax import diffusion, flops
+from digen_jax.data.embeddings import EMBEDDING_LAYOUTS
 from digen_jax.data.encode import PIPELINES
-from digen_jax.models import FAMILIES, vae_flux, vae_hunyuan_video, vae_wan
+from digen_jax.models import (
+    FAMILIES,
+    flux,
+    hunyuan_video,
+    qwenimage,
+    vae_flux,
+    vae_hunyuan_video,
+    vae_wan,
+    wan,
+)
 from digen_jax.models.checkpoints import MODEL_JSON
+from digen_jax.models.conversion import ModelFamily
+
 
 @dataclasses.dataclass(frozen=True)
 class ZooFamily:
-    """How the loop drives one transformer family.
+    """One transformer family as a run drives it.
 
-    full_variant / full_vae_variant: the released model's entries in the transformer and VAE
-    families' `variants` ('tiny' pairs with 'tiny'). vae_families: the converted-VAE families
-    accepted for it (`vae_family`: the one random weights use). text_dim / pooled_dim: the config fields the conditioning must match.
+    transformer: its `ModelFamily` (module, conversion, variants, denoiser convention).
+    full_variant / full_vae_variant: the released model's entries in the transformer's and the
+    VAE's `variants` ('tiny' pairs with 'tiny').
+    vae: the VAE family random weights are drawn for; vae_families: the converted-VAE families
+    accepted for it.
+    decode(params, vae_cfg, latents) -> (B, 3, F, H, W): the VAE decode of unpacked latents,
+    (B, C, H/8, W/8) images or (B, C, T', H/8, W/8) videos, as the family's pipeline decodes.
+    embedding: its prompt-embedding cache layout (`data.embeddings.EMBEDDING_LAYOUTS`).
+    flop_formula: its FLOP formula (`flops.FORMULAS`).
+    text_dim / pooled_dim: the config fields the conditioning must match.
     video: latents (C, T', H/8, W/8) and 4k+1 frames; else packed 2x2 tokens.
     """
 
-    name: str
     title: str  # as the released pipeline folder is usually called
+    transformer: ModelFamily
     full_variant: str
+    vae: ModelFamily
     full_vae_variant: str
     vae_families: tuple[str, ...]
+    decode: Callable[[Any, Any, jax.Array], jax.Array]
+    embedding: Mapping[str, Any]
+    flop_formula: flops.Formula
     text_dim: str
     pooled_dim: str | None
     video: bool
-    vae_family: str  # the VAE family random weights are drawn for
+
+    @property
+    def name(self) -> str:
+        return self.transformer.name
+
+    @property
+    def vae_family(self) -> str:
+        return self.vae.name
 
     @property
     def text_cap(self) -> int:
@@ -49,16 +88,41 @@ class ZooFamily:
         return hard_cap or default_len
 
 
+def _decode_flux(params, vae_cfg, latents):
+    """FLUX's VAE on (B, C, H, W) latents, as one-frame videos."""
+    return vae_flux.decode_latents(vae_cfg, params, latents)[:, :, None]
+
+
+def _decode_qwenimage(params, vae_cfg, latents):
+    """Qwen-Image's (Wan) VAE on (B, C, H, W) latents as one-frame videos."""
+    return vae_wan.decode_latents(params, vae_cfg, latents[:, :, None])
+
+
 ZOO = {
     f.name: f
     for f in (
-        ZooFamily("flux", "FLUX.1-dev", "dev", "flux1", ("vae_flux",), "joint_attention_dim",
-                  "pooled_projection_dim", False, "vae_flux"),
-        ZooFamily("qwenimage", "Qwen-Image", "qwen-image", "wan2.1", ("vae_qwenimage", "vae_wan"),
-                  "joint_attention_dim", None, False, "vae_qwenimage"),
-        ZooFamily("wan", "Wan2.1-T2V-14B", "t2v-14b", "wan2.1", ("vae_wan",), "text_dim", None, True, "vae_wan"),
-        ZooFamily("hunyuan_video", "HunyuanVideo", "t2v", "hunyuan_video", ("vae_hunyuan_video",),
-                  "text_embed_dim", "pooled_projection_dim", True, "vae_hunyuan_video"),
+        ZooFamily(
+            title="FLUX.1-dev", transformer=flux.FAMILY, full_variant="dev",
+            vae=vae_flux.FAMILY, full_vae_variant="flux1", vae_families=("vae_flux",), decode=_decode_flux,
+            embedding=EMBEDDING_LAYOUTS["flux"], flop_formula=flops.FORMULAS["flux"],
+            text_dim="joint_attention_dim", pooled_dim="pooled_projection_dim", video=False),
+        ZooFamily(
+            title="Qwen-Image", transformer=qwenimage.FAMILY, full_variant="qwen-image",
+            vae=vae_wan.QWEN_FAMILY, full_vae_variant="wan2.1", vae_families=("vae_qwenimage", "vae_wan"),
+            decode=_decode_qwenimage,
+            embedding=EMBEDDING_LAYOUTS["qwenimage"], flop_formula=flops.FORMULAS["qwenimage"],
+            text_dim="joint_attention_dim", pooled_dim=None, video=False),
+        ZooFamily(
+            title="Wan2.1-T2V-14B", transformer=wan.FAMILY, full_variant="t2v-14b",
+            vae=vae_wan.FAMILY, full_vae_variant="wan2.1", vae_families=("vae_wan",), decode=vae_wan.decode_latents,
+            embedding=EMBEDDING_LAYOUTS["wan"], flop_formula=flops.FORMULAS["wan"],
+            text_dim="text_dim", pooled_dim=None, video=True),
+        ZooFamily(
+            title="HunyuanVideo", transformer=hunyuan_video.FAMILY, full_variant="t2v",
+            vae=vae_hunyuan_video.FAMILY, full_vae_variant="hunyuan_video", vae_families=("vae_hunyuan_video",),
+            decode=vae_hunyuan_video.decode_latents,
+            embedding=EMBEDDING_LAYOUTS["hunyuan_video"], flop_formula=flops.FORMULAS["hunyuan_video"],
+            text_dim="text_embed_dim", pooled_dim="pooled_projection_dim", video=True),
     )
 }
 # Config keys that shorten a random-weight transformer (block stacks by their config field names).
@@ -121,8 +185,7 @@ def vae_config(config: ml_collections.ConfigDict):
     """The VAE decoder's config without reading any weights."""
     c, zoo = config.model, ZOO[config.model.family]
     if c.random_init:
-        family = FAMILIES[zoo.vae_family]
-        return family.variants["tiny" if c.variant == "tiny" else zoo.full_vae_variant]
+        return zoo.vae.variants["tiny" if c.variant == "tiny" else zoo.full_vae_variant]
     meta = read_model_json(c.vae_checkpoint)
     return FAMILIES[meta["family"]].config_from_diffusers(meta["config"])
 
@@ -137,12 +200,10 @@ def latent_shape(config: ml_collections.ConfigDict, vae_cfg) -> tuple[int, ...]:
 
 
 def decoder(family: str, vae_cfg, height: int, width: int):
-    """`decode(params, latents) -> (B, 3, F, H, W)` in nominal [-1, 1], as the family's pipeline decodes."""
+    """`decode(params, latents) -> (B, 3, F, H, W)` in nominal [-1, 1], as the family's pipeline
+    decodes: the row's `decode`, after unpacking packed image tokens."""
+    zoo = ZOO[family]
+    if zoo.video:
+        return lambda p, x: zoo.decode(p, vae_cfg, x)
     unpack = lambda x: diffusion.unpack_latents(x, *diffusion.latent_size(height, width))  # noqa: E731
-    if family == "flux":
-        return lambda p, x: vae_flux.decode_latents(vae_cfg, p, unpack(x))[:, :, None]
-    if family == "qwenimage":
-        return lambda p, x: vae_wan.decode_latents(p, vae_cfg, unpack(x)[:, :, None])
-    if family == "wan":
-        return lambda p, x: vae_wan.decode_latents(p, vae_cfg, x)
-    return lambda p, x: vae_hunyuan_video.decode_latents(p, vae_cfg, x)
+    return lambda p, x: zoo.decode(p, vae_cfg, unpack(x))

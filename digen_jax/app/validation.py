@@ -16,7 +16,6 @@ from digen_jax.app.errors import ConfigError
 from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, model_config, read_model_json,
                                     latent_shape, vae_config)
 from digen_jax.app.workload import is_shapes, open_cache, shapes_task
-from digen_jax.data.embeddings import FAMILIES as EMBEDDING_FAMILIES
 from digen_jax.models import FAMILIES
 from digen_jax.models.checkpoints import MODEL_JSON
 from digen_jax.rewards import registry
@@ -164,15 +163,15 @@ def _validate_zoo(config) -> None:
     if c.family not in ZOO:
         raise ConfigError(f"model.family={c.family!r} is unknown; known: {sorted(ZOO)}")
     zoo = ZOO[c.family]
-    if c.random_init and c.variant not in FAMILIES[c.family].variants:
+    if c.random_init and c.variant not in zoo.transformer.variants:
         raise ConfigError(f"model.variant={c.variant!r} is unknown for {c.family}; "
-                          f"known: {sorted(FAMILIES[c.family].variants)}")
+                          f"known: {sorted(zoo.transformer.variants)}")
     for key in DEPTH_KEYS:
         depth = c.get(key, 0)
         if depth and not c.random_init:
             raise ConfigError(f"model.{key}={depth} shortens random-weight models only (model.random_init=True); "
                               "a converted checkpoint has its own depth")
-        if depth and not hasattr(FAMILIES[c.family].variants[c.variant], key):
+        if depth and not hasattr(zoo.transformer.variants[c.variant], key):
             raise ConfigError(f"model.{key}={depth}: {c.family} has no {key}")
         if not isinstance(depth, int) or depth < 0:
             raise ConfigError(f"model.{key} must be an integer >= 0 (0: the variant's depth), got {depth!r}")
@@ -184,7 +183,7 @@ def _validate_zoo(config) -> None:
     if zoo.video and (not isinstance(s.num_frames, int) or s.num_frames < 1 or (s.num_frames - 1) % TEMPORAL):
         raise ConfigError(f"sampling.num_frames={s.num_frames!r} must be 4k+1 (1, 5, ..., 33, ..., 81): "
                           "the causal video VAE decodes k+1 latent frames into 4k+1")
-    if s.cfg_scale != 1.0 and EMBEDDING_FAMILIES[c.family]["negative"] is None:
+    if s.cfg_scale != 1.0 and zoo.embedding["negative"] is None:
         raise ConfigError(f"sampling.cfg_scale={s.cfg_scale}: {c.family} uses embedded guidance (sampling.guidance), "
                           "not true CFG; set sampling.cfg_scale=1")
     positive = (("reward.frame_stride", config.reward.frame_stride), ("model.vae_decode_batch", c.vae_decode_batch))

@@ -142,7 +142,7 @@ class ShapesWorkload(_Workload):
         self.latent_shape = ((res // 2) ** 2, 12)
         sigmas = diffusion.sigma_ladder(s.ladder, s.num_steps, image_seq_len=self.latent_shape[0]).sigmas
         module = self.family.module_cls(self.model_cfg)
-        denoiser = make_denoiser(config.model.family, module, guidance=s.guidance, image_grid=(res // 2, res // 2))
+        denoiser = make_denoiser(self.family, module, guidance=s.guidance, image_grid=(res // 2, res // 2))
         self.sampler = Sampler(denoiser, SamplerSpec(s.sde_type, s.cfg_scale, s.cfg_rescale), sigmas)
 
     def _base_model(self):
@@ -211,7 +211,7 @@ class ModelZooWorkload(_Workload):
         image_grid = None if self.zoo.video else (s.height // SIDE_MULTIPLE, s.width // SIDE_MULTIPLE)
         seq_len = None if self.zoo.video else self.latent_shape[0]
         ladder = diffusion.sigma_ladder(s.ladder, s.num_steps, image_seq_len=seq_len, **s.ladder_options.to_dict())
-        denoiser = make_denoiser(c.family, self.family.module_cls(self.model_cfg), guidance=s.guidance,
+        denoiser = make_denoiser(self.family, self.family.module_cls(self.model_cfg), guidance=s.guidance,
                                  image_grid=image_grid)
         negative = self.task.negative() if s.cfg_scale != 1.0 else None
         self.sampler = Sampler(denoiser, SamplerSpec(s.sde_type, s.cfg_scale, s.cfg_rescale), ladder.sigmas,
@@ -223,14 +223,14 @@ class ModelZooWorkload(_Workload):
     def _transformer(self):
         c = self.config.model
         if c.random_init:
-            family, cfg = FAMILIES[c.family], model_config(self.config)
+            family, cfg = self.zoo.transformer, model_config(self.config)
             return family, cfg, random_init.random_params(family, cfg, self.config.seed + 4)
         return load_checkpoint(c.checkpoint, **policy(self.config))
 
     def _vae(self):
         c = self.config.model
         if c.random_init:
-            family, cfg = FAMILIES[self.zoo.vae_family], vae_config(self.config)
+            family, cfg = self.zoo.vae, vae_config(self.config)
             return cfg, random_init.random_params(family, cfg, self.config.seed + 5)
         _, cfg, params = load_checkpoint(c.vae_checkpoint)
         return cfg, params

@@ -52,7 +52,7 @@ VERSION = 1
 DTYPES = ("float32", "float16", "bfloat16")
 
 # Which arrays each family stores, and its true-CFG default negative prompt (None: no true CFG).
-FAMILIES = {
+EMBEDDING_LAYOUTS = {
     "flux": {"pooled": True, "mask": False, "lengths": False, "negative": None},
     "qwenimage": {"pooled": False, "mask": True, "lengths": True, "negative": " "},
     "wan": {"pooled": False, "mask": False, "lengths": True, "negative": ""},
@@ -66,9 +66,9 @@ _HOW_TO_CREATE = (
 
 
 def _check_family(family: str) -> dict:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; expected one of {sorted(FAMILIES)}")
-    return FAMILIES[family]
+    if family not in EMBEDDING_LAYOUTS:
+        raise ValueError(f"unknown model family {family!r}; expected one of {sorted(EMBEDDING_LAYOUTS)}")
+    return EMBEDDING_LAYOUTS[family]
 
 
 def _storage_dtype(dtype: str) -> np.dtype:
@@ -122,7 +122,7 @@ class CacheWriter:
 
         Args:
           path: the cache directory; must not already hold a cache (meta.json).
-          family: one of FAMILIES.
+          family: one of EMBEDDING_LAYOUTS.
           prompts: the N prompt strings, in row order.
           text_len, text_dim, pooled_dim: L, D and P (P only for families with a pooled vector).
           dtype: 'float32', 'float16' or 'bfloat16', the stored dtype of text and pooled arrays.
@@ -302,7 +302,7 @@ class EmbeddingCache:
         if missing:
             raise ValueError(f"corrupt cache {path}: meta.json lacks {missing}")
         family = meta["family"]
-        if family not in FAMILIES or meta["dtype"] not in DTYPES:
+        if family not in EMBEDDING_LAYOUTS or meta["dtype"] not in DTYPES:
             raise ValueError(f"corrupt cache {path}: unknown family {family!r} or dtype {meta['dtype']!r}")
         if expect_family is not None and family != expect_family:
             raise ValueError(

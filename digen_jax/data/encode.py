@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 from absl import logging
 
-from digen_jax.data.embeddings import DTYPES, FAMILIES, CacheWriter
+from digen_jax.data.embeddings import DTYPES, EMBEDDING_LAYOUTS, CacheWriter
 
 # family -> (diffusers pipeline class, {text-encoder subfolder: default transformers class},
 #            tokenizer subfolders, default max_sequence_length, hard cap of max_sequence_length).
@@ -31,7 +31,7 @@ PIPELINES = {
     "hunyuan_video": ("HunyuanVideoPipeline", {"text_encoder": "LlamaModel", "text_encoder_2": "CLIPTextModel"},
                       ("tokenizer", "tokenizer_2"), 256, None),
 }
-# Sentinel for "the family's default negative prompt" (FAMILIES[family]["negative"]).
+# Sentinel for "the family's default negative prompt" (EMBEDDING_LAYOUTS[family]["negative"]).
 FAMILY_DEFAULT = object()
 
 
@@ -181,7 +181,7 @@ def encode_to_cache(pipe, family: str, prompts: Sequence[str], out: str, *, prom
     if cap is not None and max_len > cap:
         raise ValueError(f"max_sequence_length for {family} can be at most {cap}, got {max_len}")
     if negative_prompt is FAMILY_DEFAULT:
-        negative_prompt = FAMILIES[family]["negative"]
+        negative_prompt = EMBEDDING_LAYOUTS[family]["negative"]
     prompts = list(prompts)
     encode = lambda batch: encode_batch(pipe, family, batch, max_sequence_length=max_len, device=device)  # noqa: E731
     start_time = time.time()

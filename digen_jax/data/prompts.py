@@ -9,7 +9,7 @@ Both offer the interface the training loop draws prompts through (the same one
 * ``negative()``: the same triple for the true-CFG negative prompt (one row), or None;
 * ``prompt_text(ids)`` / ``prompt_metadata(ids)``: what rewards read.
 
-Which arrays a family has follows :data:`digen_jax.data.embeddings.FAMILIES`.
+Which arrays a family has follows :data:`digen_jax.data.embeddings.EMBEDDING_LAYOUTS`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax.data.embeddings import FAMILIES, EmbeddingCache
+from digen_jax.data.embeddings import EMBEDDING_LAYOUTS, EmbeddingCache
 
 class CachedPrompts:
     """Prompts of an :class:`EmbeddingCache`; a prompt id is a row index of the cache."""
@@ -64,7 +64,7 @@ class RandomPrompts:
 
     def __init__(self, family: str, *, num_prompts: int, text_len: int, text_dim: int,
                  pooled_dim: int | None, seed: int):
-        spec = FAMILIES[family]
+        spec = EMBEDDING_LAYOUTS[family]
         self.family, self.num_prompts = family, num_prompts
         self.text_len, self.text_dim, self.pooled_dim = text_len, text_dim, pooled_dim
         self._key = jax.random.key(seed)

@@ -12,6 +12,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from digen_jax.models import flux
+
 # FLUX and Qwen-Image VAEs downsample by 8; packing then needs even latent sides, hence 16 px.
 VAE_SCALE_FACTOR = 8
 
@@ -99,11 +101,8 @@ def flux_image_ids(latent_h: int, latent_w: int, dtype: jnp.dtype = jnp.float32)
 
     Row ``i * (W/2) + j`` is ``[0, i, j]``: axis 0 is unused for images, axes 1/2 are the token's
     row and column on the packed grid, in token order (as ``FluxPipeline._prepare_latent_image_ids``
-    builds them from the halved latent size). ``latent_h``/``latent_w`` are unpacked latent sides.
+    builds them from the halved latent size). ``latent_h``/``latent_w`` are unpacked latent sides;
+    the ids are ``models.flux.image_ids`` of the packed grid.
     """
     _check_even(latent_h, latent_w)
-    rows, cols = jnp.meshgrid(
-        jnp.arange(latent_h // 2), jnp.arange(latent_w // 2), indexing="ij"
-    )
-    ids = jnp.stack([jnp.zeros_like(rows), rows, cols], axis=-1)
-    return ids.reshape(-1, 3).astype(dtype)
+    return flux.image_ids(latent_h // 2, latent_w // 2, dtype)

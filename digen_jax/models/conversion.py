@@ -69,6 +69,11 @@ class ModelFamily:
     # State-dict key prefixes the port deliberately does not take (e.g. a VAE's encoder when
     # only decoding is ported); any other unknown key is an error.
     ignored_prefixes: tuple[str, ...] = ()
+    # How a transformer that denoises is called (`rl.rollout.make_denoiser`):
+    # denoiser_inputs(cfg, *, guidance, image_grid) -> inputs(latents, cond, sigma), the module's
+    # keyword arguments at noise level sigma in [0, 1] for a conditioning with `text`, `pooled` and
+    # `mask`. None for the models that do not denoise (VAEs, CLIP).
+    denoiser_inputs: Callable[..., Callable[..., dict]] | None = None
 
     def config_from_diffusers(self, diffusers_config: Mapping[str, Any], **policy) -> Any:
         """Build the family config from a diffusers `config.json` dict plus policy overrides.

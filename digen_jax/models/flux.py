@@ -355,6 +355,39 @@ def mmdit_block_rules() -> list[WeightRule]:
     return rules
 
 
+def image_ids(rows: int, cols: int, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Rotary position ids of a `rows` x `cols` grid of packed image tokens, shape (rows * cols, 3).
+
+    Row ``i * cols + j`` is ``[0, i, j]``: axis 0 is unused for images, axes 1/2 are the token's
+    row and column, in token order.
+    """
+    r, c = jnp.meshgrid(jnp.arange(rows), jnp.arange(cols), indexing="ij")
+    ids = jnp.stack([jnp.zeros_like(r), r, c], axis=-1)
+    return ids.reshape(-1, 3).astype(dtype)
+
+
+def denoiser_inputs(cfg: FluxConfig, *, guidance: float, image_grid: tuple[int, int] | None):
+    """FLUX as a denoiser (`ModelFamily.denoiser_inputs`): packed (B, S, C) tokens on the
+    `image_grid` (rows, cols) grid, sigma as the timestep, the raw `guidance` scale embedded
+    (guidance-distilled variants), zero text position ids."""
+    if image_grid is None:
+        raise ValueError("a flux denoiser needs image_grid, the (rows, cols) grid of packed tokens")
+
+    def inputs(latents, cond, sigma):
+        embedded_guidance = jnp.full((latents.shape[0],), guidance, jnp.float32)
+        return dict(
+            hidden_states=latents,
+            encoder_hidden_states=cond.text,
+            pooled_projections=cond.pooled,
+            timestep=sigma,
+            img_ids=image_ids(*image_grid),
+            txt_ids=jnp.zeros((cond.text.shape[1], 3)),
+            guidance=embedded_guidance if cfg.guidance_embeds else None,
+        )
+
+    return inputs
+
+
 FAMILY = ModelFamily(
     name="flux",
     diffusers_class="FluxTransformer2DModel",
@@ -363,4 +396,5 @@ FAMILY = ModelFamily(
     weight_rules=weight_rules,
     example_inputs=example_inputs,
     variants=VARIANTS,
+    denoiser_inputs=denoiser_inputs,
 )

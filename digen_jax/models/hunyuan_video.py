@@ -471,6 +471,26 @@ def weight_rules(cfg: HunyuanVideoConfig) -> list[WeightRule]:
     return rules
 
 
+def denoiser_inputs(cfg: HunyuanVideoConfig, *, guidance: float, image_grid: tuple[int, int] | None):
+    """HunyuanVideo as a denoiser (`ModelFamily.denoiser_inputs`): (B, C, T, H, W) latents,
+    sigma * 1000 as the timestep, the text mask and pooled vector, the `guidance` scale * 1000
+    embedded (guidance-distilled variants); `image_grid` is unused."""
+    del image_grid
+
+    def inputs(latents, cond, sigma):
+        embedded_guidance = jnp.full((latents.shape[0],), guidance, jnp.float32)
+        return dict(
+            hidden_states=latents,
+            timestep=sigma * 1000.0,
+            encoder_hidden_states=cond.text,
+            encoder_attention_mask=cond.mask,
+            pooled_projections=cond.pooled,
+            guidance=embedded_guidance * 1000.0 if cfg.guidance_embeds else None,
+        )
+
+    return inputs
+
+
 FAMILY = ModelFamily(
     name="hunyuan_video",
     diffusers_class="HunyuanVideoTransformer3DModel",
@@ -479,4 +499,5 @@ FAMILY = ModelFamily(
     weight_rules=weight_rules,
     example_inputs=example_inputs,
     variants=VARIANTS,
+    denoiser_inputs=denoiser_inputs,
 )

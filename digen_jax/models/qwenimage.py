@@ -373,6 +373,26 @@ def weight_rules(cfg: QwenImageConfig) -> list[WeightRule]:
     return rules
 
 
+def denoiser_inputs(cfg: QwenImageConfig, *, guidance: float, image_grid: tuple[int, int] | None):
+    """Qwen-Image as a denoiser (`ModelFamily.denoiser_inputs`): packed (B, S, C) tokens on the
+    `image_grid` (rows, cols) grid, sigma as the timestep, the text mask; no embedded guidance
+    (the model uses true CFG), so `guidance` is unused."""
+    del cfg, guidance
+    if image_grid is None:
+        raise ValueError("a qwenimage denoiser needs image_grid, the (rows, cols) grid of packed tokens")
+
+    def inputs(latents, cond, sigma):
+        return dict(
+            hidden_states=latents,
+            encoder_hidden_states=cond.text,
+            encoder_hidden_states_mask=cond.mask,
+            timestep=sigma,
+            img_shapes=[[(1, *image_grid)]] * latents.shape[0],
+        )
+
+    return inputs
+
+
 FAMILY = ModelFamily(
     name="qwenimage",
     diffusers_class="QwenImageTransformer2DModel",
@@ -381,4 +401,5 @@ FAMILY = ModelFamily(
     weight_rules=weight_rules,
     example_inputs=example_inputs,
     variants=VARIANTS,
+    denoiser_inputs=denoiser_inputs,
 )

@@ -396,6 +396,18 @@ def weight_rules(cfg: WanConfig) -> list[WeightRule]:
     return rules
 
 
+def denoiser_inputs(cfg: WanConfig, *, guidance: float, image_grid: tuple[int, int] | None):
+    """Wan as a denoiser (`ModelFamily.denoiser_inputs`): (B, C, T, H, W) latents, sigma * 1000 as
+    the timestep, no text mask; no embedded guidance (the model uses true CFG), so `guidance` and
+    `image_grid` are unused."""
+    del cfg, guidance, image_grid
+
+    def inputs(latents, cond, sigma):
+        return dict(hidden_states=latents, timestep=sigma * 1000.0, encoder_hidden_states=cond.text)
+
+    return inputs
+
+
 FAMILY = ModelFamily(
     name="wan",
     diffusers_class="WanTransformer3DModel",
@@ -404,4 +416,5 @@ FAMILY = ModelFamily(
     weight_rules=weight_rules,
     example_inputs=example_inputs,
     variants=VARIANTS,
+    denoiser_inputs=denoiser_inputs,
 )

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from digen_jax import diffusion
+from digen_jax.models.conversion import ModelFamily
 from digen_jax.rl import lora
 
 SDE_TYPES = ("sde", "cps", "wan", "dance")
@@ -51,58 +52,23 @@ class Conditioning:
 Denoiser = Callable[[Any, jax.Array, Conditioning, jax.Array], jax.Array]
 
 
-def make_denoiser(family: str, module, *, guidance: float = 0.0, image_grid: tuple[int, int] | None = None) -> Denoiser:
-    """A transformer of `family` as a denoiser of latents at noise level sigma in [0, 1].
+def make_denoiser(family: ModelFamily, module, *, guidance: float = 0.0,
+                  image_grid: tuple[int, int] | None = None) -> Denoiser:
+    """A transformer of `family` (`module`, one built from its config) as a denoiser of latents at
+    noise level sigma in [0, 1].
 
-    Latent layouts: packed (B, S, C) tokens for 'flux' and 'qwenimage' (`image_grid` is the
-    (rows, cols) token grid), (B, C, T, H, W) for 'wan' and 'hunyuan_video'. Each family gets
-    the timestep and guidance in its own convention (docs/models.md section 2): FLUX and
-    Qwen-Image take sigma, Wan and HunyuanVideo sigma * 1000; FLUX embeds the raw guidance
-    scale, HunyuanVideo the scale * 1000; Qwen-Image and Wan use true CFG instead.
+    The family's `denoiser_inputs` is how its transformer is called (docs/models.md section 2): the
+    latent layout, the timestep and embedded-guidance conventions, position ids and masks.
+    Image families take packed (B, S, C) tokens on the `image_grid` (rows, cols) token grid,
+    video families (B, C, T, H, W) latents; `guidance` is the embedded guidance scale of
+    guidance-distilled models.
     """
-    cfg = module.cfg
-    if family in ("flux", "qwenimage") and image_grid is None:
-        raise ValueError(f"a {family} denoiser needs image_grid, the (rows, cols) grid of packed tokens")
-    if family not in ("flux", "qwenimage", "wan", "hunyuan_video"):
-        raise ValueError(f"no denoiser for model family {family!r}")
-
-    def run(params, **inputs):
-        return module.apply(lora.model_variables(params), **inputs)
+    if family.denoiser_inputs is None:
+        raise ValueError(f"no denoiser for model family {family.name!r}")
+    inputs = family.denoiser_inputs(module.cfg, guidance=guidance, image_grid=image_grid)
 
     def denoise(params, latents, cond, sigma):
-        batch = latents.shape[0]
-        embedded_guidance = jnp.full((batch,), guidance, jnp.float32)
-        if family == "flux":
-            return run(
-                params,
-                hidden_states=latents,
-                encoder_hidden_states=cond.text,
-                pooled_projections=cond.pooled,
-                timestep=sigma,
-                img_ids=diffusion.flux_image_ids(2 * image_grid[0], 2 * image_grid[1]),
-                txt_ids=jnp.zeros((cond.text.shape[1], 3)),
-                guidance=embedded_guidance if cfg.guidance_embeds else None,
-            )
-        if family == "qwenimage":
-            return run(
-                params,
-                hidden_states=latents,
-                encoder_hidden_states=cond.text,
-                encoder_hidden_states_mask=cond.mask,
-                timestep=sigma,
-                img_shapes=[[(1, *image_grid)]] * batch,
-            )
-        if family == "wan":
-            return run(params, hidden_states=latents, timestep=sigma * 1000.0, encoder_hidden_states=cond.text)
-        return run(
-            params,
-            hidden_states=latents,
-            timestep=sigma * 1000.0,
-            encoder_hidden_states=cond.text,
-            encoder_attention_mask=cond.mask,
-            pooled_projections=cond.pooled,
-            guidance=embedded_guidance * 1000.0 if cfg.guidance_embeds else None,
-        )
+        return module.apply(lora.model_variables(params), **inputs(latents, cond, sigma))
 
     return denoise
 

@@ -186,12 +186,13 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
     from digen_jax import flops
     from digen_jax.models import layers
     from digen_jax.rl import lora
+    from digen_jax.app.families import ZOO
     from digen_jax.rl.rollout import make_denoiser
 
     family, fam, cfg = prepared["family"], prepared["fam"], prepared["cfg"]
     module = fam.module_cls(cfg)
-    grid = prepared["grid"][1:] if family in ("flux", "qwenimage") else None
-    denoise = make_denoiser(family, module, guidance=3.5, image_grid=grid)
+    grid = None if ZOO[family].video else prepared["grid"][1:]  # image families: the packed token grid
+    denoise = make_denoiser(fam, module, guidance=3.5, image_grid=grid)
     example = fam.example_inputs(cfg)
 
     stored = fam.stored_config(cfg)
