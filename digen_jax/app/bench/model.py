@@ -153,21 +153,23 @@ def _jax_inputs(bench: ModelBench, prepared: dict[str, Any], key):
     import jax
     import jax.numpy as jnp
 
+    from digen_jax import flops
+    from digen_jax.app.families import ZOO
     from digen_jax.rl.rollout import Conditioning
 
     family, cfg, batch, text_len = prepared["family"], prepared["cfg"], bench.batch, prepared["text_len"]
+    zoo = ZOO[family]
     frames, rows, cols = prepared["grid"]
     k_lat, k_txt, k_pool, k_sigma = jax.random.split(key, 4)
-    if family in ("flux", "qwenimage"):
-        latent_shape = (batch, rows * cols, cfg.in_channels)
-        text_dim = cfg.joint_attention_dim
-    else:
-        pt = cfg.patch_size[0] if family == "wan" else cfg.patch_size_t
+    if zoo.video:
+        pt = flops.FORMULAS[family].temporal_patch(cfg)
         latent_shape = (batch, cfg.in_channels, frames * pt, 2 * rows, 2 * cols)
-        text_dim = cfg.text_dim if family == "wan" else cfg.text_embed_dim
+    else:
+        latent_shape = (batch, rows * cols, cfg.in_channels)
+    text_dim = getattr(cfg, zoo.text_dim)
     pooled = None
-    if family in ("flux", "hunyuan_video"):
-        pooled = jax.random.normal(k_pool, (batch, cfg.pooled_projection_dim), jnp.float32)
+    if zoo.pooled_dim:
+        pooled = jax.random.normal(k_pool, (batch, getattr(cfg, zoo.pooled_dim)), jnp.float32)
     # HunyuanVideo requires its text mask; Qwen-Image's pipeline passes none when all are valid.
     mask = jnp.ones((batch, text_len), jnp.int32) if family == "hunyuan_video" else None
     cond = Conditioning(jax.random.normal(k_txt, (batch, text_len, text_dim), jnp.float32), pooled, mask)
