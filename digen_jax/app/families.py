@@ -141,11 +141,10 @@ def attention_impl(config: ml_collections.ConfigDict) -> str:
     """`model.attention_impl`, where `auto` also steers clear of cuDNN attention in FSDP programs
     on several GPUs.
 
-    On the lent H100s (jax 0.11.2, NCCL 2.28.9) a program that all-gathers or all-reduces
-    sharded weights per layer and runs cuDNN's fused attention deadlocked at its first run: one
-    device's thread never joined the collective's rendezvous. The same programs with XLA's
-    attention ran every mode, as did cuDNN attention with replicated weights and a plain FSDP
-    scan without attention (README "Training shards"). An explicit 'cudnn' is kept as asked.
+    A program that all-gathers or all-reduces sharded weights per layer and runs cuDNN's fused
+    attention can deadlock on H100s at its first run (jax 0.11.2, NCCL 2.28.9; cause unknown);
+    the same programs with XLA's attention run (docs/known_issues.md "Training shards: FSDP and
+    cuDNN attention"). An explicit 'cudnn' is kept as asked.
     """
     impl = config.model.attention_impl
     sharding = config.get("sharding")
