@@ -2,6 +2,8 @@
 import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -237,3 +239,38 @@ def test_lora_kl_and_off_policy_updates_run_in_the_loop(cache_dir, tmp_path):
     # while the second update's samples carry behaviour->proximal importance weights != 1.
     assert all(abs(r["ratio_mean"] - 1) < 1e-5 for r in rows)
     assert all(abs(r["is_weight_mean"] - 1) > 1e-7 for r in rows)
+
+
+def _overrides(config) -> list[str]:
+    """`--config.a.b=v` flags that turn configs/tiny.py into `config` (the keys small_config sets)."""
+    keys = ("pretrain.steps", "pretrain.batch_size", "pretrain.cache_dir", "task.resolution", "sampling.num_steps",
+            "rl.prompts_per_iteration", "rl.group_size", "rl.micro_batch_size", "rl.num_updates_per_batch",
+            "runtime.micro_batches", "rl.learning_rate", "train.eval_prompts")
+    return [f"--config.{key}={config[key.split('.')[0]][key.split('.')[1]]}" for key in keys]
+
+
+def test_sample_script_restores_the_latest_state_and_checks_its_config(cache_dir, tmp_path):
+    """launch/sample.py as a user runs it on a training workdir: the latest checkpoint's weights
+    (read without an executor), its samples scored; a config that trains another state is refused."""
+    config = small_config(cache_dir, iterations=2, checkpoint_every=2)
+    workdir = str(tmp_path / "run")
+    final = loop.train(config, workdir, log=lambda _: None)
+    run = loop.Run(config, workdir, log=lambda _: None)
+    restored = checkpoints.read_state(run.checkpoints, run.state, config)
+    assert int(restored.version) == int(final.version) == 2
+    jax.tree.map(np.testing.assert_array_equal, restored.trainable, jax.device_get(final.trainable))
+    other = small_config(cache_dir, iterations=2, checkpoint_every=2)
+    other.rl.lora_rank = 4
+    with pytest.raises(checkpoints.RunStopped, match=r"rl\.lora_rank"):
+        checkpoints.read_state(run.checkpoints, run.state, other)
+    run.checkpoints.close()
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run([sys.executable, "launch/sample.py", "--config=configs/tiny.py", f"--workdir={workdir}",
+                             *_overrides(config)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(os.path.join(workdir, "samples.json")) as f:
+        samples = json.load(f)
+    assert samples["version"] == 2 and len(samples["samples"]) == config.train.eval_prompts
+    assert f"policy version 2: mean reward {samples['reward_mean']:.3f}" in result.stdout
