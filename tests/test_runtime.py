@@ -17,7 +17,8 @@ from digen_jax.app import loop
 from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.executor import Executor, validate_runtime_config
+from digen_jax.runtime.executor import Executor
+from digen_jax.runtime.runtime_config import validate_runtime_config
 from digen_jax.runtime.trace import read_trace
 
 PIPELINED = ("disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss")

@@ -24,7 +24,7 @@ from digen_jax.rl import losses
 from digen_jax.rl.rollout import SamplerSpec
 from digen_jax.rl.timesteps import plan_steps, validate_step_selection
 from digen_jax.rl.trainer import ONPOLICY_ANCHORS
-from digen_jax.runtime.executor import validate_runtime_config
+from digen_jax.runtime.runtime_config import validate_runtime_config
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:

@@ -1,0 +1,60 @@
+"""Checks of a config's `runtime` section against the planner's modes, the batch and the devices,
+before any compute: each failure a ValueError naming the key."""
+from __future__ import annotations
+
+import numpy as np
+
+from digen_jax.rl.timesteps import plan_steps
+from digen_jax.runtime import plan as plan_lib
+
+
+def validate_runtime_config(config, num_devices: int) -> None:
+    """Reject a bad `runtime` section before any compute, naming the key."""
+    rt, rl = config.runtime, config.rl
+    flags = plan_lib.mode_flags(rt.mode)
+    if rt.micro_batches < 1 or rl.prompts_per_iteration % rt.micro_batches:
+        raise ValueError(
+            f"runtime.micro_batches={rt.micro_batches} must divide rl.prompts_per_iteration={rl.prompts_per_iteration}"
+            " (micro-batches hold whole groups)"
+        )
+    if rt.staleness < 0:
+        raise ValueError(f"runtime.staleness must be >= 0, got {rt.staleness}")
+    if not flags.colocated and rl.num_updates_per_batch != 1:
+        raise ValueError(
+            f"rl.num_updates_per_batch must be 1 in runtime.mode={rt.mode!r} (one update per iteration), got "
+            f"{rl.num_updates_per_batch}: set --config.rl.num_updates_per_batch=1"
+        )
+    if flags.colocated and rt.micro_batches % rl.num_updates_per_batch:
+        raise ValueError(
+            f"rl.num_updates_per_batch={rl.num_updates_per_batch} must divide runtime.micro_batches={rt.micro_batches}"
+        )
+    for key in ("tag_microbatches", "prefetch_microbatches"):
+        value = rt[key]
+        if value > rt.micro_batches:
+            raise ValueError(f"runtime.{key}={value} exceeds runtime.micro_batches={rt.micro_batches}")
+    # The micro-batches prefetched in one iteration are carried into the next, whose trainer
+    # rollouts come from the rest (`plan.plan_iteration`); -1 (elastic) is chosen to fit.
+    tag = rt.tag_microbatches if flags.tag else 0
+    prefetch = rt.prefetch_microbatches if flags.tcss and rt.staleness > 0 else 0
+    if tag >= 0 and prefetch >= 0 and tag + prefetch > rt.micro_batches:
+        raise ValueError(
+            f"runtime.tag_microbatches={tag} + runtime.prefetch_microbatches={prefetch} exceed runtime.micro_batches="
+            f"{rt.micro_batches}: the next iteration's prefetched micro-batches leave only "
+            f"{rt.micro_batches - prefetch} for its trainer rollouts (lower one, or use -1 to choose from measured costs)"
+        )
+    batch = rl.prompts_per_iteration * rl.group_size
+    trained = plan_steps(rl, config.sampling.num_steps, 1.0, 1, 0, np.random.default_rng(0)).trained.shape[1]
+    units = batch // rt.micro_batches * trained
+    if (flags.colocated or flags.tsp) and units % rl.micro_batch_size:
+        raise ValueError(
+            f"rl.micro_batch_size={rl.micro_batch_size} must divide the {units} training units of a micro-batch "
+            f"(runtime.micro_batches={rt.micro_batches})"
+        )
+    for key in ("rollout_devices", "train_devices", "reward_devices"):
+        if rt[key] < 0:
+            raise ValueError(f"runtime.{key} must be >= 0, got {rt[key]}")
+    wanted = rt.rollout_devices + rt.train_devices + rt.reward_devices
+    if not flags.colocated and wanted > num_devices:
+        raise ValueError(
+            f"runtime.rollout_devices + train_devices + reward_devices = {wanted} exceeds the {num_devices} devices"
+        )
