@@ -162,11 +162,20 @@ def run_system() -> dict[str, Any]:
 
     The JSON (and the traces) are written after every mode, so a run cut short keeps what it measured.
     """
-    from digen_jax.app.bench import system  # imports jax
+    from digen_jax.runtime.distributed import initialize
+
+    # Several processes (`--config.runtime.distributed=True`): each runs this same bench, process 0
+    # writes the JSON and the traces.
+    initialize(_CONFIG.value)
+    import jax
+
+    from digen_jax.app.bench import system
 
     runs = len(_MODES.value) * max(1, len(_ANCHORS.value))
 
     def write(result: dict[str, Any]) -> None:
+        if jax.process_index() != 0:
+            return
         path = _OUT.value or default_out(result)
         _write_result(result, path)
         print(f"wrote {path} ({len(result['modes'])} of {runs} runs)", flush=True)
@@ -214,10 +223,15 @@ def set_memory_fraction(environ=os.environ) -> str | None:
     return environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
-def run_from_flags() -> tuple[dict[str, Any], str]:
-    """Run the bench the parsed flags ask for and write its JSON; returns (result, path)."""
+def run_from_flags() -> tuple[dict[str, Any], str | None]:
+    """Run the bench the parsed flags ask for and write its JSON; returns (result, path), the path
+    None on processes other than 0 of a multi-process run."""
     set_memory_fraction()  # before JAX first touches a device
     result = BENCHES[_MODE.value]()
+    import jax  # loaded by the bench
+
+    if jax.process_index() != 0:  # process 0 writes a multi-process run's result
+        return result, None
     path = _OUT.value or default_out(result)
     _write_result(result, path)
     return result, path
@@ -232,7 +246,8 @@ def main(argv):
         run_peer(_PEER_WORKER.value)
         return 0
     result, path = run_from_flags()
-    print(f"wrote {path}")
+    if path is not None:
+        print(f"wrote {path}")
     failed = [w for w, e in result.get("results", {}).items() if "error" in e]
     return 1 if failed else 0
 

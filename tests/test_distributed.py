@@ -673,6 +673,37 @@ def test_two_process_elastic_split_is_process_0s(tmp_path, pretrained_cache):
     assert "own split (0, 1), planned split (2, 0)" in outputs[1]
 
 
+
+def test_system_bench_runs_as_two_processes(tmp_path, pretrained_cache):
+    """`launch/bench.py --mode=system` as each process of a 2-process run launches it (the env of
+    a SLURM step, `--config.runtime.distributed=True`): both exit cleanly, process 0 alone writes
+    the JSON, and it holds the mode measured over the 8 devices of both processes."""
+    config_file = tmp_path / "config.py"
+    config_file.write_text(
+        "from tests.test_distributed import loop_config\n\n\n"
+        "def get_config():\n"
+        f"    c = loop_config({str(pretrained_cache)!r}, 'disagg_sync')\n"
+        "    c.runtime.distributed = True\n"
+        "    return c\n"
+    )
+    out = tmp_path / "system.json"
+    port = free_port()
+    args = [sys.executable, os.path.join(REPO_ROOT, "launch", "bench.py"), "--mode=system", f"--config={config_file}",
+            "--modes=gap", "--warmup_iterations=0", "--iterations=1", "--matmul_size=0",
+            f"--workdir={tmp_path / 'work'}", f"--out={out}"]
+    procs = [subprocess.Popen(args, env=worker_env(4, **slurm_step_env(pid, port)), cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in range(2)]
+    try:
+        outputs = [p.communicate(timeout=LOOP_TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-4000:] + outputs[1][-4000:]
+    assert f"wrote {out}" in outputs[0] and "wrote" not in outputs[1]
+    result = json.loads(out.read_text())
+    assert list(result["modes"]) == ["gap"] and result["num_devices"] == 8
+    assert all(record["samples_per_s"] > 0 for record in result["modes"].values())
+
 if __name__ == "__main__":
     # A hung worker prints where every thread waits before the test kills it.
     faulthandler.dump_traceback_later((WORKER_TIMEOUT_S if sys.argv[1] == "transfers" else LOOP_TIMEOUT_S) - 10)
