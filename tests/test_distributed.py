@@ -205,6 +205,84 @@ def test_to_every_process_in_one_process_is_free():
     assert distributed.to_every_process(tree) is tree
 
 
+def test_put_own_copy_places_like_device_put():
+    """Host arrays, uncommitted and committed arrays each process holds whole, placed from this
+    process's copy: the shardings and bits of `jax.device_put`; a whole array already on a
+    destination device is that device's shard, not a second copy."""
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices[4:]), ("data",))
+    tree = {
+        "host": np.arange(32, dtype=np.float32).reshape(8, 4) - 7.5,
+        "uncommitted": jnp.arange(24, dtype=jnp.int32).reshape(2, 12),
+        "committed": (jax.device_put(jnp.float32(-0.0), devices[0]), jax.device_put(jnp.ones((4, 4), jnp.bfloat16), devices[5])),
+    }
+    shardings = {"host": NamedSharding(mesh, P("data")), "uncommitted": NamedSharding(mesh, P(None, "data")),
+                 "committed": NamedSharding(mesh, P())}
+    assert distributed.own_copy_everywhere(tree)
+    placed, reference = distributed.put_own_copy(tree, shardings), jax.device_put(tree, shardings)
+    for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(reference)):
+        assert got.sharding == want.sharding and got.dtype == want.dtype
+        assert np.array_equal(got, want) and np.array_equal(np.signbit(np.asarray(got, np.float32)), np.signbit(np.asarray(want, np.float32)))
+    on_device = tree["committed"][1]
+    [shard] = [s for s in placed["committed"][1].addressable_shards if s.device == devices[5]]
+    assert shard.data.unsafe_buffer_pointer() == on_device.unsafe_buffer_pointer()
+
+
+def test_crossing_bytes_counts_one_copy_of_what_lives_elsewhere():
+    devices = jax.devices()
+    src, dst = Mesh(np.array(devices[:4]), ("data",)), Mesh(np.array(devices[4:]), ("data",))
+    tree = {
+        "moves": jax.device_put(jnp.zeros((8, 3), jnp.float32), NamedSharding(src, P("data"))),
+        "keys": jax.device_put(jax.random.split(jax.random.key(0), 4), NamedSharding(src, P("data"))),
+        "stays": jax.device_put(jnp.zeros((5,), jnp.int32), NamedSharding(dst, P())),
+        "host_derived": jnp.zeros((7,), jnp.float32),  # uncommitted: every process places its own copy
+    }
+    assert distributed.crossing_bytes(tree, dst) == 8 * 3 * 4 + 4 * 2 * 4
+    assert distributed.crossing_bytes(tree, src) == 5 * 4
+
+
+def piece_leaves(src_mesh):
+    """Leaves of 1152, 96, 288, 4 and 4096 bytes: a tree above a 1 KiB piece bound."""
+    fsdp = NamedSharding(src_mesh, P(src_mesh.axis_names[0]))
+    return [
+        jax.device_put(jnp.arange(288.0, dtype=jnp.float32).reshape(24, 12) - 100.5, fsdp),
+        jax.device_put(jnp.arange(24, dtype=jnp.int32).reshape(4, 6), fsdp),
+        jax.device_put(jnp.linspace(-1.0, 1.0, 144).astype(jnp.bfloat16).reshape(12, 12), NamedSharding(src_mesh, P())),
+        jax.device_put(jnp.float32(-0.0), NamedSharding(src_mesh, P())),
+        jax.device_put(jnp.arange(1024.0, dtype=jnp.float32).reshape(4, 256), fsdp),
+    ]
+
+
+@pytest.mark.parametrize("n_src,n_dst", [(4, 4), (4, 2)])
+def test_moves_in_pieces_keep_every_bit(monkeypatch, n_src, n_dst):
+    """A move of a tree above the piece bound runs one program per piece (consecutive leaves of
+    at most the bound together, a larger leaf alone), each finished before the next: the same
+    bits as one program for the whole tree."""
+    devices = jax.devices()
+    src_mesh = Mesh(np.array(devices[:n_src]), ("fsdp",))
+    dst_ids = tuple(d.id for d in devices[n_src:n_src + n_dst])
+    move = distributed._move_same_layout if n_src == n_dst else distributed._move_replicated
+    leaves = piece_leaves(src_mesh)
+    whole = move(src_mesh, dst_ids, leaves)
+    fenced = []
+    fence = distributed._fence
+    monkeypatch.setattr(distributed, "_fence", lambda moved: fenced.append(len(moved)) or fence(moved))
+    monkeypatch.setattr(distributed, "TRANSFER_PIECE_BYTES", 1024)
+    pieces, moved = [], [None] * len(leaves)
+    for piece, arrays in distributed._move_in_pieces(move, src_mesh, dst_ids, leaves):
+        assert len(fenced) == len(pieces) + 1  # this piece's program finished before the next is issued
+        pieces.append(piece)
+        for j, y in zip(piece, arrays):
+            moved[j] = y
+    assert pieces == [[0], [1, 2, 3], [4]] and fenced == [1, 3, 1]
+    for x, y, ref in zip(leaves, moved, whole):
+        assert y.sharding == ref.sharding and y.shape == x.shape and y.dtype == x.dtype
+        got, sent = np.asarray(y, np.float32), np.asarray(x, np.float32)
+        assert np.array_equal(got, sent) and np.array_equal(np.signbit(got), np.signbit(sent))
+    monkeypatch.setattr(distributed, "TRANSFER_PIECE_BYTES", 1 << 20)  # within the bound: one program
+    assert [piece for piece, _ in distributed._move_in_pieces(move, src_mesh, dst_ids, leaves)] == [[0, 1, 2, 3, 4]]
+
+
 @pytest.mark.parametrize("n_src,n_dst", [(4, 4), (3, 5), (4, 2)])
 def test_collective_paths_keep_every_bit(n_src, n_dst):
     """The cross-process paths, run inside one process: 2-D meshes, scalars, -0.0, any sizes."""
