@@ -4,10 +4,11 @@ The 2-process tests start two local processes (a simulated SLURM step with a loo
 coordinator, 4 fake CPU devices each): rollout on process 0's devices, training on process
 1's. One drives the transfers and a gradient step by hand; another runs the training loop
 (`loop.train` through the executor, evaluating every iteration) and compares it with a
-1-process run bit for bit; the others check checkpoints and the elastic split. Run directly,
-this file is the worker: `python tests/test_distributed.py transfers OUT_DIR`,
-`python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, or `checkpoint`/`split` with
-WORKDIR CACHE_DIR.
+1-process run bit for bit; the others check checkpoints, the elastic split, and the frozen
+base placed from each process's own copy. Run directly, this file is the worker:
+`python tests/test_distributed.py transfers OUT_DIR`,
+`python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, or `checkpoint`/`split`/`frozen`
+with WORKDIR CACHE_DIR.
 """
 import concurrent.futures
 import faulthandler
@@ -751,6 +752,101 @@ def test_two_process_elastic_split_is_process_0s(tmp_path, pretrained_cache):
     assert "own split (0, 1), planned split (2, 0)" in outputs[1]
 
 
+def run_frozen_worker(workdir: str, cache_dir: str) -> None:
+    """One process of the 2-process placement test (LoRA, rollout on process 0's devices, training
+    on process 1's): asserts that the frozen base and decoder weights are placed from each
+    process's own copy with no cross-process move, that the train role's base moved in pieces
+    or in one program lands bit for bit as the rollout's own copy, and that one iteration's
+    transfer figures are the bytes shapes and dtypes give."""
+    assert distributed.initialize().num_processes == 2
+    jax.config.update("jax_default_matmul_precision", "highest")
+    config = loop_config(cache_dir, "disagg_sync")
+    config.rl.update(lora_rank=2, lora_merge_for_sampling=False)
+    config.train.update(eval_every=0)
+    moves = []  # the bytes of every cross-process move program, on this process
+    for name in ("_move_same_layout", "_move_replicated"):
+        def counting(src_mesh, dst_ids, leaves, move=getattr(distributed, name)):
+            moves.append(sum(x.nbytes for x in leaves))
+            return move(src_mesh, dst_ids, leaves)
+
+        setattr(distributed, name, counting)
+    run = loop.Run(config, workdir, log=stage)
+    base = [np.asarray(leaf) for leaf in jax.tree.leaves(run.workload.base_params)]  # this process's own copy
+    executor = Executor(run, log=stage)
+    weights = executor.weights
+    assert moves == [] and run.workload.base_params is None, moves
+
+    def local_bits_equal(tree, want) -> bool:
+        """Every shard of `tree` this process holds equals its slice of the host arrays `want`."""
+        return all(np.array_equal(np.asarray(shard.data), np.asarray(w)[shard.index])
+                   for leaf, w in zip(jax.tree.leaves(tree), want) for shard in leaf.addressable_shards)
+
+    mine = set(jax.local_devices())
+    for role, tree in (("train", run.trainer.frozen), ("rollout", weights.frozen_on_rollout)):
+        shardings = jax.tree.leaves(weights.sharding[role])
+        assert all(leaf.sharding == s for leaf, s in zip(jax.tree.leaves(tree), shardings))
+        assert all(bool(leaf.addressable_shards) == (leaf.sharding.device_set <= mine) for leaf in jax.tree.leaves(tree))
+        assert local_bits_equal(tree, base), role
+    stage("frozen base placed on both roles without a cross-process move")
+
+    # The train role's base moved to the rollout role: in pieces of at most its largest leaf,
+    # and in one program; both are, bit for bit, the rollout role's own copy.
+    sizes = [leaf.nbytes for leaf in jax.tree.leaves(run.trainer.frozen)]
+    default_bound = distributed.TRANSFER_PIECE_BYTES
+    pieced, whole, pieces = {}, {}, {}
+    for bound, out in ((max(sizes), pieced), (sum(sizes), whole)):
+        distributed.TRANSFER_PIECE_BYTES = bound
+        moves.clear()
+        out["tree"] = distributed.transfer(run.trainer.frozen, weights.sharding["rollout"])
+        pieces[bound] = list(moves)
+    distributed.TRANSFER_PIECE_BYTES = default_bound
+    assert len(pieces[sum(sizes)]) == 1 and len(pieces[max(sizes)]) > 1, pieces
+    assert all(size <= max(sizes) for size in pieces[max(sizes)]) and sum(pieces[max(sizes)]) == sum(sizes)
+    own = [np.asarray(shard.data) for leaf in jax.tree.leaves(weights.frozen_on_rollout) for shard in leaf.addressable_shards]
+    for out in (pieced, whole):
+        got = [np.asarray(shard.data) for leaf in jax.tree.leaves(out["tree"]) for shard in leaf.addressable_shards]
+        assert len(got) == len(own) and all(np.array_equal(a, b) for a, b in zip(got, own))
+    stage(f"the train role's base moved in {len(pieces[max(sizes)])} pieces and in one program: the rollout's own copy")
+
+    # Decoder weights every process holds on the host: placed on every group from its own copy.
+    decoder = {"kernel": np.arange(48, dtype=np.float32).reshape(6, 8) - 3.5, "scale": np.float32(-0.0)}
+    moves.clear()
+    weights.place_decoders(decoder)
+    assert moves == [] and set(weights.decoders) == {"rollout", "train"}
+    for group, tree in weights.decoders.items():
+        assert all(leaf.sharding == mesh_lib.replicated(executor.meshes.for_group(group)) for leaf in jax.tree.leaves(tree))
+        assert local_bits_equal(tree, jax.tree.leaves(decoder)), group
+    stage("decoder weights placed without a cross-process move")
+
+    plan, _ = executor.iteration(0)
+    figures = executor.timing(0, plan)
+    steps, latent = config.sampling.num_steps, int(np.prod(run.latent_shape))
+    per_sample = (2 * steps + 1) * latent * 4 + steps * 4 + 2 * 4  # latents and means, log-probs (fp32), a key's 2 words
+    samples = config.rl.prompts_per_iteration * config.rl.group_size
+    adapters = sum(leaf.nbytes for leaf in jax.tree.leaves(run.state.trainable))
+    assert figures["trajectory_bytes"] == samples * per_sample and figures["trajectory_s"] > 0, figures
+    assert figures["sync_bytes"] == adapters and figures["sync_s"] > 0, figures
+    executor.close()
+    stage(f"transfer figures: trajectories {figures['trajectory_bytes']} bytes, sync {figures['sync_bytes']} bytes")
+
+
+def test_two_process_frozen_base_placed_from_own_copies(tmp_path, pretrained_cache):
+    """LoRA with rollout on process 0's devices and training on process 1's: the frozen base and
+    the decoder weights reach every role from each process's own copy, with no cross-process
+    move, bit for bit what the train role's base moved in pieces (or in one program) gives; one
+    iteration's trajectory and sync bytes are those of their shapes (asserted in the workers)."""
+    port = free_port()
+    outputs = run_workers(
+        *[(("frozen", str(tmp_path), str(pretrained_cache)), worker_env(4, **slurm_step_env(pid, port))) for pid in range(2)],
+        timeout_s=LOOP_TIMEOUT_S,
+    )
+    for out in outputs:
+        assert "frozen base placed on both roles without a cross-process move" in out
+        assert "pieces and in one program: the rollout's own copy" in out
+        assert "decoder weights placed without a cross-process move" in out
+        assert "transfer figures: trajectories" in out
+
+
 if __name__ == "__main__":
     # A hung worker prints where every thread waits before the test kills it.
     faulthandler.dump_traceback_later((WORKER_TIMEOUT_S if sys.argv[1] == "transfers" else LOOP_TIMEOUT_S) - 10)
@@ -760,5 +856,7 @@ if __name__ == "__main__":
         run_checkpoint_worker(*sys.argv[2:])
     elif sys.argv[1] == "split":
         run_split_worker(*sys.argv[2:])
+    elif sys.argv[1] == "frozen":
+        run_frozen_worker(*sys.argv[2:])
     else:
         run_loop_worker(*sys.argv[2:])

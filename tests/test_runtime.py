@@ -317,6 +317,26 @@ def test_transfer_metrics_are_the_bytes_that_crossed(runs, mode):
         assert after["ts"] >= before["ts"] + before["dur"] - 0.01  # microseconds, rounded
 
 
+def test_metrics_rows_carry_the_transfer_figures(runs, cache_dir, tmp_path):
+    """metrics.jsonl of a disaggregated run with trainer rollouts: each row's trajectory bytes are
+    those of the micro-batches the rollout role generated (the trainer's own are not moved), its
+    sync bytes the trainable tree's, the last row's too (read after the run's last sync).
+    The `runs` fixture's programs, loaded from the session's compilation cache."""
+    config = runtime_config(cache_dir, "gap+tsp+tag")
+    config.train.iterations = ITERATIONS
+    loop.train(config, str(tmp_path), log=lambda _: None)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps, latent = config.sampling.num_steps, int(np.prod(runs["run"].latent_shape))
+    per_sample = (2 * steps + 1) * latent * 4 + steps * 4 + 2 * 4  # as in test_transfer_metrics_are_the_bytes_that_crossed
+    samples = config.rl.prompts_per_iteration * config.rl.group_size
+    from_rollout = samples * (config.runtime.micro_batches - config.runtime.tag_microbatches) // config.runtime.micro_batches
+    trainable = sum(leaf.nbytes for leaf in jax.tree.leaves(runs["initial"]))
+    assert [r["step"] for r in rows] == list(range(1, ITERATIONS + 1))
+    for row in rows:
+        assert row["trajectory_bytes"] == from_rollout * per_sample and row["trajectory_s"] > 0, row
+        assert row["sync_bytes"] == trainable and row["sync_s"] > 0, row
+
+
 def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path, monkeypatch):
     """LoRA, disaggregated, one process: the frozen base lies on the train mesh and once on the
     rollout role, bit for bit the run's base, the run's own copy dropped; the rollout's copy is
