@@ -215,7 +215,8 @@ def test_put_own_copy_places_like_device_put():
     tree = {
         "host": np.arange(32, dtype=np.float32).reshape(8, 4) - 7.5,
         "uncommitted": jnp.arange(24, dtype=jnp.int32).reshape(2, 12),
-        "committed": (jax.device_put(jnp.float32(-0.0), devices[0]), jax.device_put(jnp.ones((4, 4), jnp.bfloat16), devices[5])),
+        "committed": (jax.device_put(jnp.float32(-0.0), devices[0]),
+                      jax.device_put(jnp.ones((4, 4), jnp.bfloat16), devices[5])),
     }
     shardings = {"host": NamedSharding(mesh, P("data")), "uncommitted": NamedSharding(mesh, P(None, "data")),
                  "committed": NamedSharding(mesh, P())}
@@ -223,7 +224,8 @@ def test_put_own_copy_places_like_device_put():
     placed, reference = distributed.put_own_copy(tree, shardings), jax.device_put(tree, shardings)
     for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(reference)):
         assert got.sharding == want.sharding and got.dtype == want.dtype
-        assert np.array_equal(got, want) and np.array_equal(np.signbit(np.asarray(got, np.float32)), np.signbit(np.asarray(want, np.float32)))
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want))
     on_device = tree["committed"][1]
     [shard] = [s for s in placed["committed"][1].addressable_shards if s.device == devices[5]]
     assert shard.data.unsafe_buffer_pointer() == on_device.unsafe_buffer_pointer()

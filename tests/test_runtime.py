@@ -182,8 +182,8 @@ def runs(cache_dir, compile_cache, tmp_path_factory):
                 after_first = jax.device_get(executor.state.trainable)
         timings = [executor.timing(k, p) for k, p in enumerate(plans)]
         executor.close()
-        out[mode] = dict(executor=executor, after_first=after_first, metrics=metrics, timings=timings, trace=read_trace(trace_path),
-                         trace_path=trace_path)
+        out[mode] = dict(executor=executor, after_first=after_first, metrics=metrics, timings=timings,
+                         trace=read_trace(trace_path), trace_path=trace_path)
     return out
 
 
@@ -289,7 +289,8 @@ def test_transfer_metrics_are_the_bytes_that_crossed(runs, mode):
     # A sample's latents (steps + 1) and means (steps), fp32; its fp32 log-probs; its key's two uint32 words.
     per_sample = (2 * steps + 1) * latent * 4 + steps * 4 + 2 * 4
     trainable = sum(leaf.nbytes for leaf in jax.tree.leaves(runs["initial"]))
-    rolled_on = {(e["args"]["iteration"], e["args"]["microbatch"]): e["args"]["group"] for e in events if e["args"]["kind"] == "rollout"}
+    rolled_on = {(e["args"]["iteration"], e["args"]["microbatch"]): e["args"]["group"]
+                 for e in events if e["args"]["kind"] == "rollout"}
     moves = read_trace(result["trace_path"], kinds=(TRAJECTORY,))
     assert not [e for e in events if e["args"]["kind"] == TRAJECTORY]
     assert all(e["args"]["group"] == "link" for e in moves) and len({e["tid"] for e in moves}) <= 1
