@@ -4,10 +4,11 @@ The 2-process tests start two local processes (a simulated SLURM step with a loo
 coordinator, 4 fake CPU devices each): rollout on process 0's devices, training on process
 1's. One drives the transfers and a gradient step by hand; another runs the training loop
 (`loop.train` through the executor, evaluating every iteration) and compares it with a
-1-process run bit for bit; the others check checkpoints and the elastic split. Run directly,
-this file is the worker: `python tests/test_distributed.py transfers OUT_DIR`,
-`python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, or `checkpoint`/`split` with
-WORKDIR CACHE_DIR.
+1-process run bit for bit; the others check checkpoints, the elastic split, and the frozen
+base placed from each process's own copy. Run directly, this file is the worker:
+`python tests/test_distributed.py transfers OUT_DIR`,
+`python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, or `checkpoint`/`split`/`frozen`
+with WORKDIR CACHE_DIR.
 """
 import concurrent.futures
 import faulthandler
@@ -203,6 +204,86 @@ def test_to_every_process_in_one_process_is_free():
     x = jax.device_put(jnp.arange(8.0), NamedSharding(Mesh(np.array(jax.devices()[:4]), ("data",)), P("data")))
     tree = {"pixels": x, "version": jnp.int32(2)}
     assert distributed.to_every_process(tree) is tree
+
+
+def test_put_own_copy_places_like_device_put():
+    """Host arrays, uncommitted and committed arrays each process holds whole, placed from this
+    process's copy: the shardings and bits of `jax.device_put`; a whole array already on a
+    destination device is that device's shard, not a second copy."""
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices[4:]), ("data",))
+    tree = {
+        "host": np.arange(32, dtype=np.float32).reshape(8, 4) - 7.5,
+        "uncommitted": jnp.arange(24, dtype=jnp.int32).reshape(2, 12),
+        "committed": (jax.device_put(jnp.float32(-0.0), devices[0]),
+                      jax.device_put(jnp.ones((4, 4), jnp.bfloat16), devices[5])),
+    }
+    shardings = {"host": NamedSharding(mesh, P("data")), "uncommitted": NamedSharding(mesh, P(None, "data")),
+                 "committed": NamedSharding(mesh, P())}
+    assert distributed.own_copy_everywhere(tree)
+    placed, reference = distributed.put_own_copy(tree, shardings), jax.device_put(tree, shardings)
+    for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(reference)):
+        assert got.sharding == want.sharding and got.dtype == want.dtype
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want))
+    on_device = tree["committed"][1]
+    [shard] = [s for s in placed["committed"][1].addressable_shards if s.device == devices[5]]
+    assert shard.data.unsafe_buffer_pointer() == on_device.unsafe_buffer_pointer()
+
+
+def test_crossing_bytes_counts_one_copy_of_what_lives_elsewhere():
+    devices = jax.devices()
+    src, dst = Mesh(np.array(devices[:4]), ("data",)), Mesh(np.array(devices[4:]), ("data",))
+    tree = {
+        "moves": jax.device_put(jnp.zeros((8, 3), jnp.float32), NamedSharding(src, P("data"))),
+        "keys": jax.device_put(jax.random.split(jax.random.key(0), 4), NamedSharding(src, P("data"))),
+        "stays": jax.device_put(jnp.zeros((5,), jnp.int32), NamedSharding(dst, P())),
+        "host_derived": jnp.zeros((7,), jnp.float32),  # uncommitted: every process places its own copy
+    }
+    assert distributed.crossing_bytes(tree, dst) == 8 * 3 * 4 + 4 * 2 * 4
+    assert distributed.crossing_bytes(tree, src) == 5 * 4
+
+
+def piece_leaves(src_mesh):
+    """Leaves of 1152, 96, 288, 4 and 4096 bytes: a tree above a 1 KiB piece bound."""
+    fsdp = NamedSharding(src_mesh, P(src_mesh.axis_names[0]))
+    return [
+        jax.device_put(jnp.arange(288.0, dtype=jnp.float32).reshape(24, 12) - 100.5, fsdp),
+        jax.device_put(jnp.arange(24, dtype=jnp.int32).reshape(4, 6), fsdp),
+        jax.device_put(jnp.linspace(-1.0, 1.0, 144).astype(jnp.bfloat16).reshape(12, 12), NamedSharding(src_mesh, P())),
+        jax.device_put(jnp.float32(-0.0), NamedSharding(src_mesh, P())),
+        jax.device_put(jnp.arange(1024.0, dtype=jnp.float32).reshape(4, 256), fsdp),
+    ]
+
+
+@pytest.mark.parametrize("n_src,n_dst", [(4, 4), (4, 2)])
+def test_moves_in_pieces_keep_every_bit(monkeypatch, n_src, n_dst):
+    """A move of a tree above the piece bound runs one program per piece (consecutive leaves of
+    at most the bound together, a larger leaf alone), each finished before the next: the same
+    bits as one program for the whole tree."""
+    devices = jax.devices()
+    src_mesh = Mesh(np.array(devices[:n_src]), ("fsdp",))
+    dst_ids = tuple(d.id for d in devices[n_src:n_src + n_dst])
+    move = distributed._move_same_layout if n_src == n_dst else distributed._move_replicated
+    leaves = piece_leaves(src_mesh)
+    whole = move(src_mesh, dst_ids, leaves)
+    fenced = []
+    fence = distributed._fence
+    monkeypatch.setattr(distributed, "_fence", lambda moved: fenced.append(len(moved)) or fence(moved))
+    monkeypatch.setattr(distributed, "TRANSFER_PIECE_BYTES", 1024)
+    pieces, moved = [], [None] * len(leaves)
+    for piece, arrays in distributed._move_in_pieces(move, src_mesh, dst_ids, leaves):
+        assert len(fenced) == len(pieces) + 1  # this piece's program finished before the next is issued
+        pieces.append(piece)
+        for j, y in zip(piece, arrays):
+            moved[j] = y
+    assert pieces == [[0], [1, 2, 3], [4]] and fenced == [1, 3, 1]
+    for x, y, ref in zip(leaves, moved, whole):
+        assert y.sharding == ref.sharding and y.shape == x.shape and y.dtype == x.dtype
+        got, sent = np.asarray(y, np.float32), np.asarray(x, np.float32)
+        assert np.array_equal(got, sent) and np.array_equal(np.signbit(got), np.signbit(sent))
+    monkeypatch.setattr(distributed, "TRANSFER_PIECE_BYTES", 1 << 20)  # within the bound: one program
+    assert [piece for piece, _ in distributed._move_in_pieces(move, src_mesh, dst_ids, leaves)] == [[0, 1, 2, 3, 4]]
 
 
 @pytest.mark.parametrize("n_src,n_dst", [(4, 4), (3, 5), (4, 2)])
@@ -673,7 +754,6 @@ def test_two_process_elastic_split_is_process_0s(tmp_path, pretrained_cache):
     assert "own split (0, 1), planned split (2, 0)" in outputs[1]
 
 
-
 def test_system_bench_runs_as_two_processes(tmp_path, pretrained_cache):
     """`launch/bench.py --mode=system` as each process of a 2-process run launches it (the env of
     a SLURM step, `--config.runtime.distributed=True`): both exit cleanly, process 0 alone writes
@@ -704,6 +784,102 @@ def test_system_bench_runs_as_two_processes(tmp_path, pretrained_cache):
     assert list(result["modes"]) == ["gap"] and result["num_devices"] == 8
     assert all(record["samples_per_s"] > 0 for record in result["modes"].values())
 
+
+def run_frozen_worker(workdir: str, cache_dir: str) -> None:
+    """One process of the 2-process placement test (LoRA, rollout on process 0's devices, training
+    on process 1's): asserts that the frozen base and decoder weights are placed from each
+    process's own copy with no cross-process move, that the train role's base moved in pieces
+    or in one program lands bit for bit as the rollout's own copy, and that one iteration's
+    transfer figures are the bytes shapes and dtypes give."""
+    assert distributed.initialize().num_processes == 2
+    jax.config.update("jax_default_matmul_precision", "highest")
+    config = loop_config(cache_dir, "disagg_sync")
+    config.rl.update(lora_rank=2, lora_merge_for_sampling=False)
+    config.train.update(eval_every=0)
+    moves = []  # the bytes of every cross-process move program, on this process
+    for name in ("_move_same_layout", "_move_replicated"):
+        def counting(src_mesh, dst_ids, leaves, move=getattr(distributed, name)):
+            moves.append(sum(x.nbytes for x in leaves))
+            return move(src_mesh, dst_ids, leaves)
+
+        setattr(distributed, name, counting)
+    run = loop.Run(config, workdir, log=stage)
+    base = [np.asarray(leaf) for leaf in jax.tree.leaves(run.workload.base_params)]  # this process's own copy
+    executor = Executor(run, log=stage)
+    weights = executor.weights
+    assert moves == [] and run.workload.base_params is None, moves
+
+    def local_bits_equal(tree, want) -> bool:
+        """Every shard of `tree` this process holds equals its slice of the host arrays `want`."""
+        return all(np.array_equal(np.asarray(shard.data), np.asarray(w)[shard.index])
+                   for leaf, w in zip(jax.tree.leaves(tree), want) for shard in leaf.addressable_shards)
+
+    mine = set(jax.local_devices())
+    for role, tree in (("train", run.trainer.frozen), ("rollout", weights.frozen_on_rollout)):
+        shardings = jax.tree.leaves(weights.sharding[role])
+        assert all(leaf.sharding == s for leaf, s in zip(jax.tree.leaves(tree), shardings))
+        assert all(bool(leaf.addressable_shards) == (leaf.sharding.device_set <= mine) for leaf in jax.tree.leaves(tree))
+        assert local_bits_equal(tree, base), role
+    stage("frozen base placed on both roles without a cross-process move")
+
+    # The train role's base moved to the rollout role: in pieces of at most its largest leaf,
+    # and in one program; both are, bit for bit, the rollout role's own copy.
+    sizes = [leaf.nbytes for leaf in jax.tree.leaves(run.trainer.frozen)]
+    default_bound = distributed.TRANSFER_PIECE_BYTES
+    pieced, whole, pieces = {}, {}, {}
+    for bound, out in ((max(sizes), pieced), (sum(sizes), whole)):
+        distributed.TRANSFER_PIECE_BYTES = bound
+        moves.clear()
+        out["tree"] = distributed.transfer(run.trainer.frozen, weights.sharding["rollout"])
+        pieces[bound] = list(moves)
+    distributed.TRANSFER_PIECE_BYTES = default_bound
+    assert len(pieces[sum(sizes)]) == 1 and len(pieces[max(sizes)]) > 1, pieces
+    assert all(size <= max(sizes) for size in pieces[max(sizes)]) and sum(pieces[max(sizes)]) == sum(sizes)
+    own = [np.asarray(shard.data) for leaf in jax.tree.leaves(weights.frozen_on_rollout) for shard in leaf.addressable_shards]
+    for out in (pieced, whole):
+        got = [np.asarray(shard.data) for leaf in jax.tree.leaves(out["tree"]) for shard in leaf.addressable_shards]
+        assert len(got) == len(own) and all(np.array_equal(a, b) for a, b in zip(got, own))
+    stage(f"the train role's base moved in {len(pieces[max(sizes)])} pieces and in one program: the rollout's own copy")
+
+    # Decoder weights every process holds on the host: placed on every group from its own copy.
+    decoder = {"kernel": np.arange(48, dtype=np.float32).reshape(6, 8) - 3.5, "scale": np.float32(-0.0)}
+    moves.clear()
+    weights.place_decoders(decoder)
+    assert moves == [] and set(weights.decoders) == {"rollout", "train"}
+    for group, tree in weights.decoders.items():
+        assert all(leaf.sharding == mesh_lib.replicated(executor.meshes.for_group(group)) for leaf in jax.tree.leaves(tree))
+        assert local_bits_equal(tree, jax.tree.leaves(decoder)), group
+    stage("decoder weights placed without a cross-process move")
+
+    plan, _ = executor.iteration(0)
+    figures = executor.timing(0, plan)
+    steps, latent = config.sampling.num_steps, int(np.prod(run.latent_shape))
+    per_sample = (2 * steps + 1) * latent * 4 + steps * 4 + 2 * 4  # latents and means, log-probs (fp32), a key's 2 words
+    samples = config.rl.prompts_per_iteration * config.rl.group_size
+    adapters = sum(leaf.nbytes for leaf in jax.tree.leaves(run.state.trainable))
+    assert figures["trajectory_bytes"] == samples * per_sample and figures["trajectory_s"] > 0, figures
+    assert figures["sync_bytes"] == adapters and figures["sync_s"] > 0, figures
+    executor.close()
+    stage(f"transfer figures: trajectories {figures['trajectory_bytes']} bytes, sync {figures['sync_bytes']} bytes")
+
+
+def test_two_process_frozen_base_placed_from_own_copies(tmp_path, pretrained_cache):
+    """LoRA with rollout on process 0's devices and training on process 1's: the frozen base and
+    the decoder weights reach every role from each process's own copy, with no cross-process
+    move, bit for bit what the train role's base moved in pieces (or in one program) gives; one
+    iteration's trajectory and sync bytes are those of their shapes (asserted in the workers)."""
+    port = free_port()
+    outputs = run_workers(
+        *[(("frozen", str(tmp_path), str(pretrained_cache)), worker_env(4, **slurm_step_env(pid, port))) for pid in range(2)],
+        timeout_s=LOOP_TIMEOUT_S,
+    )
+    for out in outputs:
+        assert "frozen base placed on both roles without a cross-process move" in out
+        assert "pieces and in one program: the rollout's own copy" in out
+        assert "decoder weights placed without a cross-process move" in out
+        assert "transfer figures: trajectories" in out
+
+
 if __name__ == "__main__":
     # A hung worker prints where every thread waits before the test kills it.
     faulthandler.dump_traceback_later((WORKER_TIMEOUT_S if sys.argv[1] == "transfers" else LOOP_TIMEOUT_S) - 10)
@@ -713,5 +889,7 @@ if __name__ == "__main__":
         run_checkpoint_worker(*sys.argv[2:])
     elif sys.argv[1] == "split":
         run_split_worker(*sys.argv[2:])
+    elif sys.argv[1] == "frozen":
+        run_frozen_worker(*sys.argv[2:])
     else:
         run_loop_worker(*sys.argv[2:])

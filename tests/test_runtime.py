@@ -14,12 +14,14 @@ import pytest
 
 from configs import tiny
 from digen_jax.app import loop
+from digen_jax.runtime import distributed
 from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime import weight_sync
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.runtime_config import validate_runtime_config
-from digen_jax.runtime.trace import read_trace
+from digen_jax.runtime.trace import TRAJECTORY, read_trace
 
 PIPELINED = ("disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss")
 
@@ -180,7 +182,8 @@ def runs(cache_dir, compile_cache, tmp_path_factory):
                 after_first = jax.device_get(executor.state.trainable)
         timings = [executor.timing(k, p) for k, p in enumerate(plans)]
         executor.close()
-        out[mode] = dict(executor=executor, after_first=after_first, metrics=metrics, timings=timings, trace=read_trace(trace_path))
+        out[mode] = dict(executor=executor, after_first=after_first, metrics=metrics, timings=timings,
+                         trace=read_trace(trace_path), trace_path=trace_path)
     return out
 
 
@@ -271,6 +274,97 @@ def test_lag0_units_are_anchored_on_the_trainers_first_pass(runs, mode):
         assert int(m["lag0_units"]) == units_per_iteration - stale, (k, m["lag0_units"])
         assert m["logp_diff_max"] == 0 and m["logp_diff_mean"] == 0
         assert 0 <= m["rollout_logp_gap_max"] < 1e-5  # fp32: the rollout's log-probs to rounding
+
+
+@pytest.mark.parametrize("mode", plan_lib.MODES)
+def test_transfer_metrics_are_the_bytes_that_crossed(runs, mode):
+    """Per iteration: the bytes of the weight sync carrying its update (here full fine-tuning: the
+    whole trainable tree) and of the trajectories it trained that crossed from the rollout role
+    to the trainer (not the trainer's own rollouts; nothing when colocated), as shapes and
+    dtypes give them, with their times; each move is an event on the trace's link track, whose
+    events never overlap, and `read_trace` returns the moves only when asked."""
+    result = runs[mode]
+    events, timings, colocated = result["trace"], result["timings"], mode == plan_lib.COLOCATED
+    steps, latent = result["executor"].config.sampling.num_steps, int(np.prod(runs["run"].latent_shape))
+    # A sample's latents (steps + 1) and means (steps), fp32; its fp32 log-probs; its key's two uint32 words.
+    per_sample = (2 * steps + 1) * latent * 4 + steps * 4 + 2 * 4
+    trainable = sum(leaf.nbytes for leaf in jax.tree.leaves(runs["initial"]))
+    rolled_on = {(e["args"]["iteration"], e["args"]["microbatch"]): e["args"]["group"]
+                 for e in events if e["args"]["kind"] == "rollout"}
+    moves = read_trace(result["trace_path"], kinds=(TRAJECTORY,))
+    assert not [e for e in events if e["args"]["kind"] == TRAJECTORY]
+    assert all(e["args"]["group"] == "link" for e in moves) and len({e["tid"] for e in moves}) <= 1
+    for k, t in enumerate(timings):
+        trained = {e["args"]["microbatch"]: len(e["args"]["sample_ids"]) for e in events
+                   if e["args"]["kind"] == "train" and e["args"]["iteration"] == k}
+        crossed = {m: n for m, n in trained.items() if rolled_on[(k, m)] == "rollout"}
+        assert t["trajectory_bytes"] == sum(crossed.values()) * per_sample, (k, t)
+        assert bool(crossed) != colocated
+        assert (t["trajectory_s"] > 0) == bool(crossed) and t["sync_s"] >= 0
+        # The last iteration's sync may not have been dispatched when its figures were read (the
+        # training loop reads them after `drain`).
+        synced = (0,) if colocated else (trainable,) if k < len(timings) - 1 else (0, trainable)
+        assert t["sync_bytes"] in synced and (t["sync_bytes"] > 0) == (t["sync_s"] > 0)
+        mine = [e for e in moves if e["args"]["iteration"] == k]
+        assert sorted(e["args"]["microbatch"] for e in mine) == sorted(crossed)
+        assert sum(e["args"]["bytes"] for e in mine) == t["trajectory_bytes"]
+        if "tag" in mode:  # the trainer's own rollouts were trained without a move
+            assert set(crossed) < set(trained)
+    if colocated:
+        assert not moves and all(t["trajectory_bytes"] == t["trajectory_s"] == 0 for t in timings)
+    link = sorted((e for e in result["executor"].tracer.events if e["args"]["group"] == "link"), key=lambda e: e["ts"])
+    assert {e["args"]["kind"] for e in link} == (set() if colocated else {"sync", TRAJECTORY})
+    for before, after in zip(link, link[1:]):
+        assert after["ts"] >= before["ts"] + before["dur"] - 0.01  # microseconds, rounded
+
+
+def test_metrics_rows_carry_the_transfer_figures(runs, cache_dir, tmp_path):
+    """metrics.jsonl of a disaggregated run with trainer rollouts: each row's trajectory bytes are
+    those of the micro-batches the rollout role generated (the trainer's own are not moved), its
+    sync bytes the trainable tree's, the last row's too (read after the run's last sync).
+    The `runs` fixture's programs, loaded from the session's compilation cache."""
+    config = runtime_config(cache_dir, "gap+tsp+tag")
+    config.train.iterations = ITERATIONS
+    loop.train(config, str(tmp_path), log=lambda _: None)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps, latent = config.sampling.num_steps, int(np.prod(runs["run"].latent_shape))
+    per_sample = (2 * steps + 1) * latent * 4 + steps * 4 + 2 * 4  # as in test_transfer_metrics_are_the_bytes_that_crossed
+    samples = config.rl.prompts_per_iteration * config.rl.group_size
+    from_rollout = samples * (config.runtime.micro_batches - config.runtime.tag_microbatches) // config.runtime.micro_batches
+    trainable = sum(leaf.nbytes for leaf in jax.tree.leaves(runs["initial"]))
+    assert [r["step"] for r in rows] == list(range(1, ITERATIONS + 1))
+    for row in rows:
+        assert row["trajectory_bytes"] == from_rollout * per_sample and row["trajectory_s"] > 0, row
+        assert row["sync_bytes"] == trainable and row["sync_s"] > 0, row
+
+
+def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path, monkeypatch):
+    """LoRA, disaggregated, one process: the frozen base lies on the train mesh and once on the
+    rollout role, bit for bit the run's base, the run's own copy dropped; the rollout's copy is
+    made from the train mesh's as it always was, with no move program and no own-copy check."""
+    config = runtime_config(cache_dir, "gap")
+    config.rl.update(lora_rank=2, lora_merge_for_sampling=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cross-process step in a one-process run")
+
+    for name in ("_move_same_layout", "_move_replicated"):
+        monkeypatch.setattr(distributed, name, refuse)
+    monkeypatch.setattr(weight_sync, "own_copy_everywhere", refuse)
+    moved = []
+    transfer = weight_sync.transfer
+    monkeypatch.setattr(weight_sync, "transfer", lambda tree, shardings: moved.append(tree) or transfer(tree, shardings))
+    run = loop.Run(config, str(tmp_path), log=lambda _: None)
+    base = jax.device_get(run.workload.base_params)
+    executor = Executor(run, config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    weights = executor.weights
+    assert run.workload.base_params is None  # released once the train mesh holds the base
+    on_train, on_rollout = run.trainer.frozen, weights.frozen_on_rollout
+    assert [tree is on_train for tree in moved] == [True]  # the rollout's copy, from the train mesh's
+    for role, tree in (("train", on_train), ("rollout", on_rollout)):
+        assert jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding == s, tree, weights.sharding[role])) == [True] * len(jax.tree.leaves(base))
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(tree)), jax.tree.leaves(base)))
+    executor.close()
 
 
 def test_bf16_rollout_log_probs_differ_and_the_trainer_anchor_removes_the_gap(cache_dir, tmp_path):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import flax
 import jax
@@ -172,10 +172,11 @@ class Trainer:
         compiled programs (and the same reduction order) as the live one."""
         self.apply_update = jax.jit(self._apply_update, donate_argnums=(0,), out_shardings=(state_sharding, None))
 
-    def place_frozen(self, sharding: Any) -> None:
-        """Move the frozen weights (if any) onto `sharding` (the train role's parameter shardings)."""
+    def place_frozen(self, sharding: Any, put: Callable[[Any, Any], Any] = jax.device_put) -> None:
+        """Move the frozen weights (if any) onto `sharding` (the train role's parameter shardings)
+        with `put` (a `jax.device_put`-like placement)."""
         if self.frozen is not None:
-            self.frozen = jax.device_put(self.frozen, sharding)
+            self.frozen = put(self.frozen, sharding)
 
     def grad_fn(self, trainable, units: "TrainUnits", on_policy: bool = False):
         """((loss, metrics), gradients w.r.t. `trainable`) of a batch of units; `on_policy`: the

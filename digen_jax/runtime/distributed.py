@@ -8,7 +8,9 @@ Every process runs the same program (multi-controller JAX, docs/design.md sectio
 * `role_devices` cuts the global device list into contiguous role lists (rollout, train,
   optionally reward); on several hosts a role is either inside one host or whole hosts.
 * `transfer` moves a pytree of arrays from one role's devices to another role's shardings
-  (weight sync trainer -> rollout, trajectories rollout -> trainer).
+  (weight sync trainer -> rollout, trajectories rollout -> trainer). What every process holds
+  whole already (the frozen base and the decoder weights, built alike by every process) is
+  not moved: `put_own_copy` places each process's own copy on its own devices.
 * `to_every_process` gives every process a copy it can read on the host. Host work then
   runs alike on every process instead of being exchanged: each process scores the rewards
   of a micro-batch from its own copy of the decoded pixels (the pixels cross to each
@@ -36,14 +38,19 @@ What moves data across processes (measured with jax 0.10.2 on CPU, 2 processes x
   inside its role and every destination device receives the whole array
   (ceil(n_dst / n_src) ppermute rounds), then slices its shard: correct for any sizes, but
   it costs n_dst copies of the array between roles and a full replica per source device.
-* Memory: during the call each side holds one extra buffer per shard (the zero receive
-  buffers on the destination, ppermute's zero output on the source). All leaves of one
-  source mesh move in one jitted call (compiled once per tree layout), so dispatch stays
-  cheap for trees of many leaves. Measured on the 2-core CPU machine under load (gloo over
-  loopback, 64 MiB in 16 leaves, timed on the receiving process): 4 -> 4 devices FSDP ->
-  FSDP 130-150 ms, FSDP -> replicated (move, then all-gather) about 300 ms, 4 -> 2 devices
-  replicated 180-230 ms; an in-process device_put of the same tree between two 2-device
-  meshes 30 ms.
+* Memory: during a move each side holds one extra buffer per shard it moves (the zero
+  receive buffers on the destination, ppermute's zero output on the source; with unequal
+  sizes also the source's replica). So the leaves of one source mesh move in pieces of
+  consecutive leaves of at most `TRANSFER_PIECE_BYTES` together (a larger leaf alone), one
+  jitted call each (compiled once per piece layout), each waited for (`_fence`) before the
+  next: a device needs the data it holds or receives plus the buffers of one piece (and,
+  where the destination's layout differs, the piece as moved until its reshard), not a
+  second copy of the whole tree. A tree within the bound (LoRA adapters, a micro-batch's
+  trajectories) moves in one call, so dispatch stays cheap for trees of many leaves.
+  Measured on the 2-core CPU machine under load (gloo over loopback, 64 MiB in 16 leaves,
+  timed on the receiving process): 4 -> 4 devices FSDP -> FSDP 130-150 ms, FSDP ->
+  replicated (move, then all-gather) about 300 ms, 4 -> 2 devices replicated 180-230 ms; an
+  in-process device_put of the same tree between two 2-device meshes 30 ms.
 """
 from __future__ import annotations
 
@@ -56,6 +63,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Environment variables for explicit (non-SLURM) launches; JAX_COORDINATOR_ADDRESS,
@@ -67,6 +75,11 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
 _SLURM_REQUIRED = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 _TRANSFER_AXIS = "_transfer"
+# Most bytes (of whole arrays, summed over the leaves) one cross-process move program carries:
+# the bound on its extra buffers per device. Above the fp32 LoRA adapters of every model-zoo
+# config (1.6 GiB for Qwen-Image's rank 64), which then still move in one program. Read at
+# each call, so tests can lower it.
+TRANSFER_PIECE_BYTES = 2 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,9 +395,7 @@ def transfer(tree, dst_shardings):
     own destination devices, and nothing crosses between processes.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    is_sharding = lambda s: isinstance(s, jax.sharding.Sharding)  # noqa: E731
-    per_leaf = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), dst_shardings, tree, is_leaf=is_sharding)
-    dst = jax.tree.leaves(per_leaf)
+    dst = _per_leaf(tree, dst_shardings)
     out: list = [None] * len(leaves)
     local: list[int] = []  # leaves a plain device_put moves
     # Leaves that cross processes, grouped by (source mesh, destination devices, equal sizes).
@@ -413,14 +424,77 @@ def transfer(tree, dst_shardings):
             out[i] = y
     for (mesh, dst_ids, same_size), index in groups.items():
         move = _move_same_layout if same_size else _move_replicated
-        moved = move(mesh, dst_ids, [_key_bits(leaves[i]) for i in index])
-        for i, y in zip(index, moved):
-            # Then a reshard inside the destination devices (none where the layouts agree).
-            if _is_key(leaves[i]):
-                out[i] = _wrap_key_fn(jax.random.key_impl(leaves[i]), dst[i])(y)
-            else:
-                out[i] = y if y.sharding == dst[i] else jax.device_put(y, dst[i])
+        for piece, moved in _move_in_pieces(move, mesh, dst_ids, [_key_bits(leaves[i]) for i in index]):
+            for i, y in zip([index[j] for j in piece], moved):
+                # Then a reshard inside the destination devices (none where the layouts agree),
+                # issued before the next piece moves.
+                if _is_key(leaves[i]):
+                    out[i] = _wrap_key_fn(jax.random.key_impl(leaves[i]), dst[i])(y)
+                else:
+                    out[i] = y if y.sharding == dst[i] else jax.device_put(y, dst[i])
     return jax.tree.unflatten(treedef, out)
+
+
+def _move_in_pieces(move, src_mesh: Mesh, dst_ids: tuple, leaves: list):
+    """`move` (`_move_same_layout` or `_move_replicated`) of `leaves` piece by piece
+    (`_pieces`): yields each piece's positions in `leaves` and its moved arrays, once the
+    piece's program has finished (`_fence`) and before the next is issued."""
+    for piece in _pieces(leaves):
+        yield piece, move(src_mesh, dst_ids, [leaves[j] for j in piece])
+
+
+def _pieces(leaves: Sequence) -> list[list[int]]:
+    """Positions of `leaves` in runs of consecutive leaves of at most `TRANSFER_PIECE_BYTES`
+    together (a larger leaf alone). From shapes and dtypes: every process cuts alike."""
+    pieces: list[list[int]] = []
+    size = 0
+    for i, x in enumerate(leaves):
+        if not pieces or size + x.nbytes > TRANSFER_PIECE_BYTES:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(i)
+        size += x.nbytes
+    return pieces
+
+
+def crossing_bytes(tree, mesh: Mesh) -> int:
+    """Bytes `transfer` carries between device sets to put `tree` on `mesh`: one copy of each
+    committed leaf that lives on other devices (uncommitted leaves are values every process
+    places from its own copy). From shapes and dtypes: it waits for no device."""
+    devices = set(mesh.devices.flat)
+    return sum(int(x.nbytes) for x in jax.tree.leaves(tree)
+               if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != devices)
+
+
+def own_copy_everywhere(tree) -> bool:
+    """Whether every process holds every leaf of `tree` whole itself (a host array, or an array
+    on its own devices), so that `put_own_copy` can place it without moving anything between
+    processes. Several processes: every process must call it at the same point (one small
+    all-gather of the answers), and all get the same answer."""
+    mine = all(isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array) and x.is_fully_addressable)
+               for x in jax.tree.leaves(tree))
+    if jax.process_count() == 1:
+        return mine
+    return bool(np.all(multihost_utils.process_allgather(np.int32(mine))))
+
+
+def put_own_copy(tree, dst_shardings):
+    """`tree`, which every process holds whole and alike (`own_copy_everywhere`: weights every
+    process builds from the same checkpoint or seed), onto `dst_shardings` (a sharding, or a
+    tree prefix of shardings): each process places the slices of its own destination devices
+    from its own copy. Nothing crosses between processes and no program spans them; an array
+    already on a destination device that takes it whole is that device's shard as it is (no
+    second copy there). Dispatched asynchronously."""
+    leaves, treedef = jax.tree.flatten(tree)
+    dst = _per_leaf(tree, dst_shardings)
+    return jax.tree.unflatten(treedef, [_put_own_copy(x, s) for x, s in zip(leaves, dst)])
+
+
+def _per_leaf(tree, dst_shardings) -> list:
+    """The sharding of every leaf of `tree` from a sharding or a tree prefix of shardings."""
+    is_sharding = lambda s: isinstance(s, jax.sharding.Sharding)  # noqa: E731
+    per_leaf = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), dst_shardings, tree, is_leaf=is_sharding)
+    return jax.tree.leaves(per_leaf)
 
 
 def to_every_process(tree):
@@ -457,9 +531,9 @@ def to_every_process(tree):
     return jax.tree.unflatten(treedef, out)
 
 
-def _put_own_copy(x: jax.Array, sharding) -> jax.Array:
-    """`x` (a value every process holds alike) on `sharding`: each process places the slices
-    of its own devices from its own copy."""
+def _put_own_copy(x, sharding) -> jax.Array:
+    """`x` (a value every process holds alike: an array, or a host array) on `sharding`: each
+    process places the slices of its own devices from its own copy."""
     indices = sharding.addressable_devices_indices_map(x.shape)
     shards = [jax.device_put(x[index], device) for device, index in indices.items()]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards, dtype=x.dtype)
@@ -498,7 +572,7 @@ def _from_rows(y, shape) -> jax.Array:
     return y.reshape(shape) if len(shape) == 0 else y
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)  # one entry per piece layout of every tree that moves
 def _zeros_fn(shardings: tuple, shapes: tuple, dtypes: tuple):
     return jax.jit(
         lambda: tuple(jax.numpy.zeros(s, d) for s, d in zip(shapes, dtypes)), out_shardings=shardings
@@ -531,7 +605,7 @@ def _dst_part(y, sharding: NamedSharding, shape) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, sharding, buffers, dtype=y.dtype)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)  # one entry per piece layout of every tree that moves
 def _ppermute_fn(mesh: Mesh, specs: tuple, rounds: tuple):
     """jit(shard_map) running each round's (source, destination) pairs along the transfer
     axis; every destination receives in exactly one round, the other devices end with zeros."""

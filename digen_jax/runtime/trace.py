@@ -9,6 +9,10 @@ the weight sync, a sync for the update). Without the last term a task's duration
 include the wait for another group, and the measured costs that choose the elastic splits
 would be wrong. The dispatching thread never waits on a device here.
 
+Besides the plan's tasks, the `link` track carries the trajectory moves (`TRAJECTORY`): a
+micro-batch rolled out on another role crossing to the trainer, timed like a task of the
+`link` group, with its bytes in `args.bytes` (sync tasks carry theirs too).
+
 `trace.json` is a Chrome trace (JSON array format, opens in Perfetto or chrome://tracing).
 Events are appended as they complete, one per line, and the closing bracket is left out
 (the format allows it), so the trace of a killed run is still readable (`read_trace`). A
@@ -30,6 +34,8 @@ import jax
 from digen_jax.runtime.plan import GROUPS, Task
 
 _THREAD_IDS = {g: i for i, g in enumerate(GROUPS)}
+TASK_KINDS = ("rollout", "reward", "train", "update", "sync")  # the plan's tasks (plan.Task.kind)
+TRAJECTORY = "trajectory"  # the kind of a trajectory move's event: not a plan task
 _DEP_WAIT_S = 60.0  # bound on waiting for a dependency's stamp (a failed task never gets one)
 
 
@@ -214,10 +220,12 @@ class Tracer:
             self._file = None
 
 
-def read_trace(path: str, *, superseded: bool = False, phases: tuple[str, ...] = ("X",)) -> list[dict]:
+def read_trace(path: str, *, superseded: bool = False, phases: tuple[str, ...] = ("X",),
+               kinds: tuple[str, ...] = TASK_KINDS) -> list[dict]:
     """Events of a trace written by `Tracer` (tolerates a missing bracket and a cut last line):
     task events, without those a resumed run superseded (`Tracer.resume`) unless `superseded`;
-    `phases` picks other event types (`("i",)`: the resume markers)."""
+    `phases` picks other event types (`("i",)`: the resume markers), `kinds` other kinds of
+    events (`(TRAJECTORY,)`: the trajectory moves)."""
     events = []
     with open(path) as f:
         for line in f:
@@ -228,7 +236,12 @@ def read_trace(path: str, *, superseded: bool = False, phases: tuple[str, ...] =
                 events.append(json.loads(line))
             except json.JSONDecodeError:
                 continue  # a line cut by a kill
-    return [e for e in events if e.get("ph") in phases and (superseded or not e.get("args", {}).get("superseded"))]
+    def wanted(e: dict) -> bool:
+        args = e.get("args", {})
+        return (e.get("ph") in phases and (superseded or not args.get("superseded"))
+                and ("kind" not in args or args["kind"] in kinds))
+
+    return [e for e in events if wanted(e)]
 
 
 def group_busy(events: Iterable[dict], window: tuple[float, float]) -> dict[str, float]:
@@ -243,9 +256,11 @@ def group_busy(events: Iterable[dict], window: tuple[float, float]) -> dict[str,
 
 
 def iteration_summary(events: Sequence[dict], iteration: int, window: tuple[float, float], device_groups: Sequence[str]) -> dict:
-    """bubble_frac per device group, staleness histogram and weight-sync time of one iteration,
-    and dispatch_frac per device group: host time spent in its tasks' dispatch calls over their
-    device time (near 0 when dispatch is asynchronous, near 1 when each call waits for its work)."""
+    """bubble_frac per device group, staleness histogram, weight-sync and trajectory-move time
+    and bytes of one iteration, and dispatch_frac per device group: host time spent in its tasks'
+    dispatch calls over their device time (near 0 when dispatch is asynchronous, near 1 when
+    each call waits for its work). The syncs counted are those carrying the iteration's update
+    (iteration + 1), the trajectory moves those of the micro-batches it trained."""
     span = max(window[1] - window[0], 1e-12)
     busy = group_busy(events, window)
     dispatch, device = dict.fromkeys(device_groups, 0.0), dict.fromkeys(device_groups, 0.0)
@@ -259,11 +274,15 @@ def iteration_summary(events: Sequence[dict], iteration: int, window: tuple[floa
     for e in trained:
         lag = str(e["args"]["version"] - e["args"]["sample_version"])
         staleness[lag] = staleness.get(lag, 0) + len(e["args"].get("sample_ids", ()))  # trained samples
-    syncs = [e["dur"] / 1e6 for e in events if e["args"]["kind"] == "sync" and e["args"]["iteration"] == iteration + 1]
+    syncs = [e for e in events if e["args"]["kind"] == "sync" and e["args"]["iteration"] == iteration + 1]
+    moves = [e for e in events if e["args"]["kind"] == TRAJECTORY and e["args"]["iteration"] == iteration]
     return {
         "bubble_frac": {g: max(0.0, 1.0 - busy.get(g, 0.0) / span) for g in device_groups},
         "dispatch_frac": {g: dispatch[g] / device[g] if device[g] else 0.0 for g in device_groups},
         "staleness_hist": staleness,
         "staleness_max": max((int(s) for s in staleness), default=0),
-        "sync_s": sum(syncs),
+        "sync_s": sum(e["dur"] / 1e6 for e in syncs),
+        "sync_bytes": sum(e["args"].get("bytes", 0) for e in syncs),
+        "trajectory_bytes": sum(e["args"].get("bytes", 0) for e in moves),
+        "trajectory_s": sum(e["dur"] / 1e6 for e in moves),
     }

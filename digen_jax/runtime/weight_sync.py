@@ -5,6 +5,12 @@ reference, the frozen base. The rollout role samples with its own copy: with LoR
 adapters cross at each sync (onto a frozen base placed there once); full fine-tuning moves the
 whole trainable tree (sharded by `sharding.rollout_rules`). Colocated runs sample with the train
 state where it lives. Decoders (VAE weights) are replicated on every group that decodes.
+
+Several processes: every process builds the same frozen base and decoder weights (same
+checkpoint, seed and pretraining cache), so each places its own copy on its own devices of
+every role (`distributed.put_own_copy`); nothing crosses between processes for them, and a
+role receiving the 20B base needs it once per card, not the buffers of a move. What lives on
+one role only (the trainable weights at each sync) moves with `distributed.transfer`.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import jax.numpy as jnp
 from digen_jax.rl import lora
 from digen_jax.rl.trainer import Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
-from digen_jax.runtime.distributed import transfer
+from digen_jax.runtime.distributed import own_copy_everywhere, put_own_copy, transfer
 
 
 class RoleWeights:
@@ -52,23 +58,42 @@ class RoleWeights:
             nonfinite_streak=mesh_lib.replicated(train_mesh),
         )
 
-    def place_frozen_on_train(self) -> None:
-        """The trainer's frozen base (if any) onto the train mesh."""
-        self.trainer.place_frozen(self.sharding["train"])
+    def own_frozen(self) -> Any:
+        """This process's own copy of the frozen base, before `place_frozen_on_train` places it,
+        when the run spans several processes and every one holds the whole base itself; else
+        None (one process, no frozen base, or a base already placed). Every process calls it
+        at the same point (`distributed.own_copy_everywhere`)."""
+        frozen = self.trainer.frozen
+        if jax.process_count() == 1 or frozen is None or not own_copy_everywhere(frozen):
+            return None
+        return frozen
 
-    def place_frozen_on_rollout(self) -> None:
-        """Disaggregated with LoRA: the frozen base, once, onto the rollout role (syncs carry adapters only)."""
+    def place_frozen_on_train(self, own: Any = None) -> None:
+        """The trainer's frozen base (if any) onto the train mesh; with `own` (`own_frozen`) each
+        process places its own devices' part from its own copy."""
+        self.trainer.place_frozen(self.sharding["train"], put=jax.device_put if own is None else put_own_copy)
+
+    def place_frozen_on_rollout(self, own: Any = None) -> None:
+        """Disaggregated with LoRA: the frozen base, once, onto the rollout role (syncs carry
+        adapters only). From `own` (`own_frozen`) each process places its own devices' part and
+        nothing crosses between processes; otherwise it moves from the train mesh."""
         if self.lora_scale is not None and not self.meshes.colocated:
-            self.frozen_on_rollout = transfer(self.trainer.frozen, self.sharding["rollout"])
+            if own is None:
+                self.frozen_on_rollout = transfer(self.trainer.frozen, self.sharding["rollout"])
+            else:
+                self.frozen_on_rollout = put_own_copy(own, self.sharding["rollout"])
 
     def place_decoders(self, decoder_params: Any) -> None:
-        """The decoder's weights replicated on every group that decodes (none in pixel space)."""
+        """The decoder's weights replicated on every group that decodes (none in pixel space).
+        Several processes that each hold them whole place their own copies; nothing moves."""
         meshes = self.meshes
         groups = {"shared": meshes.train} if meshes.colocated else {"rollout": meshes.rollout, "train": meshes.train}
         if meshes.reward is not None:
             groups["reward"] = meshes.reward
         if decoder_params is not None:
-            self.decoders = {g: transfer(decoder_params, mesh_lib.replicated(m)) for g, m in groups.items()}
+            own = jax.process_count() > 1 and own_copy_everywhere(decoder_params)
+            put = put_own_copy if own else transfer
+            self.decoders = {g: put(decoder_params, mesh_lib.replicated(m)) for g, m in groups.items()}
 
     def for_sampling(self, trainable, frozen):
         """Sampling weights from trainable (+ frozen base for LoRA) where they live."""
