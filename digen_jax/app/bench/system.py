@@ -134,7 +134,7 @@ def run_modes(
             run.trainer = Trainer(run.sampler, run.trainer.frozen, run.trainer.optimizer,
                                   dataclasses.replace(run.trainer.cfg, onpolicy_anchor=anchor))
         trace_path = os.path.join(workdir, f"trace_{name.replace('+', '_').replace(' ', '_').replace('=', '_')}.json")
-        if os.path.exists(trace_path):
+        if jax.process_index() == 0 and os.path.exists(trace_path):  # its writer: processes may share the workdir
             os.remove(trace_path)
         executor = Executor(run, config=mode_config, trace_path=trace_path, log=log)
         warmup, settling = warmups, bool(warmups and executor.elastic_split)
