@@ -13,6 +13,7 @@ import concurrent.futures
 import faulthandler
 import json
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -673,6 +674,176 @@ def test_two_process_elastic_split_is_process_0s(tmp_path, pretrained_cache):
     assert "own split (0, 1), planned split (2, 0)" in outputs[1]
 
 
+# ---------------------------------------------------------------------------- a process that dies
+
+PEER_TIMEOUT_S = 20  # the runs' runtime.peer_timeout_s: the survivor of a killed process stops within it
+STALL_ENV = "DIGEN_TEST_STALL_IN"  # set for a killed run: the iteration in which process 1 stalls
+
+
+def start_worker(args: tuple[str, ...], env: dict, output: str, stdin=None) -> subprocess.Popen:
+    """This file run as a worker in the background, its stdout and stderr into the file `output`."""
+    with open(output, "w") as out:
+        return subprocess.Popen([sys.executable, __file__, *args], env=env, stdin=stdin, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout_s: float, output: str) -> None:
+    """Poll `condition()` until it holds; fail if `proc` ends or `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the worker {'exited' if proc.poll() is not None else 'did not get there'}:\n"
+                        f"{open(output).read()[-8000:]}")
+        time.sleep(0.1)
+
+
+def run_sleep_worker(peer_timeout_s: str) -> None:
+    """One process that joins a 2-process run with a peer timeout, then idles until it is killed."""
+    assert distributed.initialize({"runtime": {"distributed": True, "peer_timeout_s": float(peer_timeout_s)}}).num_processes == 2
+    stage(f"process {jax.process_index()} joined")
+    time.sleep(LOOP_TIMEOUT_S)
+
+
+def test_a_dead_process_stops_the_others(tmp_path):
+    """SIGKILL one process of an idle 2-process run: the other exits non-zero within the peer
+    timeout. A non-coordinator's death ends the other with the watchdog's line naming it; process
+    0's ends the others at once (JAX's coordination service lives in it)."""
+    timeout_s = 6
+    ports, runs = free_ports(2), []
+    for victim, port in zip((1, 0), ports):
+        outputs = [str(tmp_path / f"victim{victim}_process{pid}.txt") for pid in range(2)]
+        procs = [start_worker(("sleep", str(timeout_s)), worker_env(1, **slurm_step_env(pid, port)), out)
+                 for pid, out in enumerate(outputs)]
+        runs.append((victim, procs, outputs))
+    try:
+        for victim, procs, outputs in runs:
+            wait_for(lambda: f"process {victim} joined" in open(outputs[victim]).read(), procs[victim], WORKER_TIMEOUT_S,
+                     outputs[victim])
+            procs[victim].kill()
+            killed = time.monotonic()
+            survivor = procs[1 - victim]
+            try:
+                survivor.wait(timeout_s + 10)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"process {1 - victim} outlived process {victim} by {timeout_s + 10} s")
+            stopped_s, out = time.monotonic() - killed, open(outputs[1 - victim]).read()
+            assert survivor.returncode != 0 and stopped_s < timeout_s + 2, (survivor.returncode, stopped_s, out[-3000:])
+            if victim == 1:
+                assert survivor.returncode == 1
+                assert out.rstrip().splitlines()[-1].startswith("stopped: lost process 1 of 2 (host "), out[-3000:]
+    finally:
+        for _, procs, _ in runs:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+
+
+def run_train_worker(*argv: str) -> None:
+    """One process of `launch/train.py argv`. With STALL_ENV set, process 1 stalls in the first
+    training task of that iteration (its checkpoint is being written) until its stdin closes."""
+    stall_in = int(os.environ.get(STALL_ENV, -1))
+    if stall_in >= 0 and os.environ["SLURM_PROCID"] == "1":
+        train = Executor._train
+
+        def train_then_stall(self, task, mb, acc):
+            train(self, task, mb, acc)
+            if task.iteration == stall_in:
+                print("STALLED", flush=True)
+                sys.stdin.read()  # returns when the test closes the pipe
+                os._exit(1)
+
+        Executor._train = train_then_stall
+    sys.argv = [os.path.join(REPO_ROOT, "launch", "train.py"), *argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+TRAIN_CONFIG = """
+from tests.test_distributed import loop_config
+
+
+def get_config():
+    config = loop_config({cache_dir!r}, "disagg_sync")
+    config.train.checkpoint_every = 1
+    return config
+"""
+
+
+def test_sigkill_of_a_process_stops_the_run_and_a_rerun_resumes(tmp_path, pretrained_cache):
+    """`launch/train.py` on 2 processes with runtime.peer_timeout_s=20: process 1 (the trainer) is
+    SIGKILLed in iteration 2, after checkpoint 1; process 0 exits with status 1 within the
+    timeout and a last line naming process 1. The same command then resumes both from
+    checkpoint 1, and the run ends with the metrics and weights of an uninterrupted 1-process
+    run (`run_loop_worker`'s reference), every sample rolled out and trained once."""
+    cache_dir, single, multi, mode = pretrained_cache, tmp_path / "single", tmp_path / "multi", "disagg_sync"
+    config_file = tmp_path / "config.py"
+    config_file.write_text(TRAIN_CONFIG.format(cache_dir=str(cache_dir)))
+    command = ("train", f"--config={config_file}", f"--workdir={multi}", "--config.runtime.distributed=True",
+               f"--config.runtime.peer_timeout_s={PEER_TIMEOUT_S}")
+    ports = free_ports(3)
+    compiled = dict(JAX_DEFAULT_MATMUL_PRECISION="highest", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "compiled"),
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    outputs = [str(tmp_path / name) for name in ("reference.txt", "process0.txt", "process1.txt")]
+    procs = [start_worker(("loop", str(single), str(cache_dir), mode), worker_env(8, JAX_COORDINATOR_PORT=str(ports[0])),
+                          outputs[0])]
+    procs += [start_worker(command, worker_env(4, **slurm_step_env(pid, ports[1]), **compiled, **{STALL_ENV: "1"}),
+                           outputs[1 + pid], stdin=subprocess.PIPE) for pid in range(2)]
+    reference, survivor, victim = procs
+    try:
+        checkpoint = multi / "checkpoints" / "1"
+        wait_for(lambda: "STALLED" in open(outputs[2]).read() and checkpoint.exists(), victim, LOOP_TIMEOUT_S, outputs[2])
+        victim.kill()
+        killed = time.monotonic()
+        try:
+            survivor.wait(PEER_TIMEOUT_S + 20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process 0 outlived process 1 by {PEER_TIMEOUT_S + 20} s:\n{open(outputs[1]).read()[-8000:]}")
+        stopped_s, out = time.monotonic() - killed, open(outputs[1]).read()
+        stage(f"process 0 stopped {stopped_s:.1f} s after process 1 was killed")
+        assert survivor.returncode == 1 and stopped_s < PEER_TIMEOUT_S + 2, (survivor.returncode, stopped_s, out[-3000:])
+        assert out.rstrip().splitlines()[-1].startswith("stopped: lost process 1 of 2 (host "), out[-3000:]
+        assert not (multi / "checkpoints" / "2").exists(), "the run finished before it was killed"
+    finally:
+        for proc in (survivor, victim):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+    # The same command again: both processes resume from checkpoint 1.
+    resumed = run_workers(*[(command, worker_env(4, **slurm_step_env(pid, ports[2]), **compiled)) for pid in range(2)],
+                          timeout_s=LOOP_TIMEOUT_S)
+    for out in resumed:
+        assert "resumed from checkpoint 1 (policy version 1, 0 prefetched micro-batches)" in out
+        assert "training 1 iterations of 16 samples (from iteration 1)" in out
+    try:
+        reference.wait(LOOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        reference.kill()
+    assert reference.returncode == 0, open(outputs[0]).read()[-8000:]
+
+    rows = [json.loads(line) for line in open(multi / "metrics.jsonl")]
+    reference_rows = [json.loads(line) for line in open(single / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row, ref in zip(rows, reference_rows):
+        for key in ("reward_mean", "reward_std", "grad_norm", "loss", "version"):
+            assert row[key] == ref[key], key
+        assert row["eval_reward_mean"] == pytest.approx(ref["eval_reward_mean"], rel=1e-6, abs=1e-7)
+    config = loop_config(str(cache_dir), mode)
+    run = loop.Run(config, str(multi), log=stage)
+    trained = checkpoints.read_state(run.checkpoints, run.state, config)
+    run.checkpoints.close()
+    with np.load(single / "trained.npz") as want:
+        assert int(trained.version) == int(want["version"]) == 2
+        leaves = jax.tree.leaves(jax.device_get(trained.trainable))
+        assert len(leaves) == len(want.files) - 1
+        assert all(np.array_equal(leaf, want[f"arr_{i}"]) for i, leaf in enumerate(leaves))
+    # Nothing lost or done twice: the killed run's tasks past checkpoint 1 are superseded.
+    events = read_trace(str(multi / "trace.json"))
+    for kind in ("rollout", "train"):
+        ids = [sid for e in events if e["args"]["kind"] == kind for sid in e["args"]["sample_ids"]]
+        assert sorted(ids) == list(range(2 * 16)), kind
+
+
 if __name__ == "__main__":
     # A hung worker prints where every thread waits before the test kills it.
     faulthandler.dump_traceback_later((WORKER_TIMEOUT_S if sys.argv[1] == "transfers" else LOOP_TIMEOUT_S) - 10)
@@ -682,5 +853,9 @@ if __name__ == "__main__":
         run_checkpoint_worker(*sys.argv[2:])
     elif sys.argv[1] == "split":
         run_split_worker(*sys.argv[2:])
+    elif sys.argv[1] == "sleep":
+        run_sleep_worker(*sys.argv[2:])
+    elif sys.argv[1] == "train":
+        run_train_worker(*sys.argv[2:])
     else:
         run_loop_worker(*sys.argv[2:])
