@@ -4,10 +4,11 @@ The 2-process tests start two local processes (a simulated SLURM step with a loo
 coordinator, 4 fake CPU devices each): rollout on process 0's devices, training on process
 1's. One drives the transfers and a gradient step by hand; another runs the training loop
 (`loop.train` through the executor, evaluating every iteration) and compares it with a
-1-process run bit for bit; the others check checkpoints and the elastic split. Run directly,
-this file is the worker: `python tests/test_distributed.py transfers OUT_DIR`,
-`python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, or `checkpoint`/`split` with
-WORKDIR CACHE_DIR.
+1-process run bit for bit; the others check checkpoints and the elastic split, and that a
+killed process stops the others (the peer watchdog) and a rerun resumes. Run directly, this
+file is the worker: `python tests/test_distributed.py transfers OUT_DIR`,
+`python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, `checkpoint`/`split` with
+WORKDIR CACHE_DIR, `sleep PEER_TIMEOUT_S`, or `train LAUNCH_TRAIN_ARGS...` (launch/train.py).
 """
 import concurrent.futures
 import faulthandler
@@ -34,6 +35,7 @@ from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, Trajectory, initial_noise
 from digen_jax.runtime import distributed
 from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.runtime import peer_watchdog
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import DistributedSettings, ProcessLayout, resolve_settings, role_devices
 from digen_jax.runtime.executor import Executor
@@ -180,6 +182,70 @@ def test_single_process_initialize_is_a_no_op():
 def test_unknown_config_key():
     with pytest.raises(ValueError, match=r"unknown keys runtime.distributed.\['port'\]"):
         DistributedSettings.from_config({"runtime": {"distributed": {"port": 1}}})
+
+
+class FakeStore:
+    """The key-value part of a `jax.distributed` client, in memory; `answers=False`: unreachable."""
+
+    def __init__(self):
+        self.values, self.answers = {}, True
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self._check()
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        self._check()
+        return [(k, v) for k, v in sorted(self.values.items()) if k.startswith(prefix)]
+
+    def _check(self):
+        if not self.answers:
+            raise RuntimeError("UNAVAILABLE: failed to connect to all addresses\nmore detail")
+
+
+@pytest.mark.parametrize("silent", ["process 2", "coordinator"])
+def test_peer_watchdog_names_what_went_silent(monkeypatch, silent):
+    """Process 1 of 3 watches with a 1 s timeout: while processes 0 and 2 beat (written here)
+    nothing happens; then process 2 stops beating, or the store stops answering, and the watchdog
+    reports it, naming the process and its host, 0.6 to 1 timeout later (plus scheduling slack)."""
+    store = FakeStore()
+    monkeypatch.setattr(peer_watchdog.global_state, "client", store)
+    reports = []
+    watchdog = peer_watchdog.PeerWatchdog(store, 1, 3, 1.0, "10.0.0.1:1234", on_lost=reports.append)
+
+    def beat(processes, count):
+        for process in processes:
+            store.values[f"{peer_watchdog.HEARTBEAT_KEY}{process}"] = f"{count} node{process}"
+
+    try:
+        for count in range(30):  # 1.5 timeouts of healthy beats, 20 a second
+            beat((0, 2), count)
+            time.sleep(0.05)
+        assert not reports and min(watchdog.counts().values()) >= 20
+        assert store.values[f"{peer_watchdog.HEARTBEAT_KEY}1"].endswith(f" {socket.gethostname()}")
+        start = time.monotonic()
+        store.answers = silent != "coordinator"
+        while not reports and time.monotonic() - start < 3:
+            count += 1
+            beat((0,), count)
+            time.sleep(0.05)
+        assert 0.5 < time.monotonic() - start < 1.5 and len(reports) == 1
+        if silent == "coordinator":
+            assert reports[0].startswith("lost the coordinator, process 0 of 3 (host node0): its key-value store at "
+                                         "10.0.0.1:1234 has not answered for ")
+            assert "(runtime.peer_timeout_s=1; UNAVAILABLE: failed to connect to all addresses)" in reports[0]
+        else:
+            assert reports[0].startswith("lost process 2 of 3 (host node2): no heartbeat for ")
+        assert not watchdog.alive()
+    finally:
+        watchdog.close()
+
+
+def test_peer_timeout_must_be_positive():
+    for bad in (0, -1.0, "20", True, float("nan")):
+        with pytest.raises(ValueError, match="runtime.peer_timeout_s must be a number of seconds > 0"):
+            peer_watchdog.check_timeout(bad)
+    assert peer_watchdog.jax_heartbeat_timeout_s(20) == 100 and peer_watchdog.jax_heartbeat_timeout_s(120) == 240
 
 
 # ---------------------------------------------------------------------------- transfers in one process

@@ -271,7 +271,7 @@ def initialize(config_or_settings=None, env: Mapping[str, str] | None = None) ->
 
     Call before any other JAX work. A single process returns without touching
     `jax.distributed`. On CPU, collectives across processes go over gloo. Several processes
-    also start the peer watchdog (`peer_watchdog`): a process that dies or hangs ends every
+    also start the peer watchdog (`peer_watchdog`): a process that dies or freezes ends every
     other one within `runtime.peer_timeout_s` (of a config; else `peer_watchdog.PEER_TIMEOUT_S`).
     """
     if isinstance(config_or_settings, DistributedSettings):
@@ -304,7 +304,7 @@ def initialize(config_or_settings=None, env: Mapping[str, str] | None = None) ->
             # JAX's own detection of a silent process (an abort with a stack dump) only backs up the watchdog's.
             heartbeat_timeout_seconds=peer_watchdog.jax_heartbeat_timeout_s(peer_timeout_s),
         )
-    peer_watchdog.start(peer_timeout_s, layout.coordinator_address)
+    peer_watchdog.start(layout.process_id, layout.num_processes, peer_timeout_s, layout.coordinator_address)
     return layout
 
 

@@ -25,9 +25,11 @@ release the GIL, so a healthy process keeps beating through them.
 watchdog speaks first (`jax_heartbeat_timeout_s`).
 
 Process 0 also runs the coordination service: when it dies, JAX terminates every other process
-at once (its error polling sees the service go; exit status 134, JAX's own message). The
-watchdog covers a coordinator that stops answering without closing its connections (a lost
-host or network).
+at once (its error polling sees the service go: SIGABRT, with JAX's own message and a C++ stack
+dump). jaxlib's hook for that moment, `missed_heartbeat_callback`, is no way out: in jaxlib
+0.10.2 a Python callback there ends the process with std::bad_cast when called. The watchdog
+covers a coordinator that stops answering without closing its connections (a lost host or
+network).
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ def jax_heartbeat_timeout_s(timeout_s: float) -> int:
 
 
 def check_timeout(timeout_s) -> float:
+    """`runtime.peer_timeout_s` as seconds, or a ValueError naming the key."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ValueError(f"runtime.peer_timeout_s must be a number of seconds > 0, got {timeout_s!r}")
     return float(timeout_s)
@@ -100,10 +103,8 @@ class PeerWatchdog:
         self._hosts = {process_id: socket.gethostname()}
         self._failure = ""  # why the last read failed
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=target, name=f"peer-watchdog-{name}", daemon=True)
-                         for name, target in (("beat", self._beat), ("judge", self._judge))]
-        for thread in self._threads:
-            thread.start()
+        for name, target in (("beat", self._beat), ("judge", self._judge)):
+            threading.Thread(target=target, name=f"peer-watchdog-{name}", daemon=True).start()
 
     def alive(self) -> bool:
         """Whether it still watches (it ends with `jax.distributed.shutdown` or `close`)."""
@@ -143,9 +144,9 @@ class PeerWatchdog:
                 self._on_lost(message)
                 return
 
-    def lost(self, now: float | None = None) -> str | None:
+    def lost(self) -> str | None:
         """The message naming a lost process (the coordinator first), or None while all answer."""
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         rerun = "rerun the same command on every process to resume from the last checkpoint"
         with self._lock:
             if now - self._contact > self.silence_s:
@@ -158,7 +159,7 @@ class PeerWatchdog:
                 if silent > self.silence_s:
                     host = f" (host {self._hosts[process]})" if process in self._hosts else ""
                     return (f"lost process {process} of {self._num}{host}: no heartbeat for {silent:.0f} s "
-                            f"(runtime.peer_timeout_s={self.timeout_s:g}); it died, hangs or lost its network; {rerun}")
+                            f"(runtime.peer_timeout_s={self.timeout_s:g}); it died, froze or lost its network; {rerun}")
         return None
 
     def counts(self) -> dict[int, int]:
@@ -170,12 +171,11 @@ class PeerWatchdog:
 _watchdog: PeerWatchdog | None = None
 
 
-def start(timeout_s: float, coordinator_address: str) -> PeerWatchdog:
+def start(process_id: int, num_processes: int, timeout_s: float, coordinator_address: str) -> PeerWatchdog:
     """Watch the other processes of the initialised `jax.distributed` run (once per run)."""
     global _watchdog
     if _watchdog is None or not _watchdog.alive():
-        _watchdog = PeerWatchdog(global_state.client, global_state.process_id, global_state.num_processes,
-                                 timeout_s, coordinator_address)
+        _watchdog = PeerWatchdog(global_state.client, process_id, num_processes, timeout_s, coordinator_address)
     return _watchdog
 
 
