@@ -769,7 +769,8 @@ def wait_for(condition, proc: subprocess.Popen, timeout_s: float, output: str) -
 
 def run_sleep_worker(peer_timeout_s: str) -> None:
     """One process that joins a 2-process run with a peer timeout, then idles until it is killed."""
-    assert distributed.initialize({"runtime": {"distributed": True, "peer_timeout_s": float(peer_timeout_s)}}).num_processes == 2
+    config = {"runtime": {"distributed": True, "peer_timeout_s": float(peer_timeout_s)}}
+    assert distributed.initialize(config).num_processes == 2
     stage(f"process {jax.process_index()} joined")
     time.sleep(LOOP_TIMEOUT_S)
 

@@ -284,7 +284,9 @@ def initialize(config_or_settings=None, env: Mapping[str, str] | None = None) ->
     layout = resolve_settings(settings, os.environ if env is None else env)
     if layout.num_processes == 1:
         return layout
-    peer_timeout_s = peer_watchdog.check_timeout(peer_watchdog.PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
+    peer_timeout_s = peer_watchdog.check_timeout(
+        peer_watchdog.PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s
+    )
     if jax.distributed.is_initialized():
         if (jax.process_count(), jax.process_index()) != (layout.num_processes, layout.process_id):
             raise ValueError(
