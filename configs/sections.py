@@ -25,6 +25,9 @@ def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_colle
             reward_workers=2,  # host threads scoring micro-batches
             trace=True,  # WORKDIR/trace.json (Chrome trace)
             distributed=False,  # jax.distributed.initialize() (SLURM auto-detection); see launch/slurm/
+            # Several processes: when one dies or freezes, every other one stops (exit status 1,
+            # a line naming it) within this many seconds (digen_jax/runtime/peer_watchdog.py).
+            peer_timeout_s=120.0,
         )
     )
 

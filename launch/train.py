@@ -31,6 +31,7 @@ import sys
 
 import ml_collections
 from absl import flags, logging
+from jax.errors import JaxRuntimeError
 from ml_collections import config_flags
 
 from digen_jax import cli, xla_flags
@@ -40,6 +41,7 @@ from digen_jax.app.loop import train
 from digen_jax.app.validation import validate_config
 from digen_jax.app.checkpoints import RunStopped
 from digen_jax.runtime.distributed import initialize
+from digen_jax.runtime.peer_watchdog import await_verdict
 
 with cli.config_override_errors():
     _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
@@ -117,6 +119,13 @@ def main(argv):
         if _TRACEBACK.value:
             raise
         sys.exit(f"stopped: {e}")
+    except JaxRuntimeError:
+        # In a multi-process run a failed collective usually means that another process died: the
+        # peer watchdog then ends this one with a "stopped: ..." line naming it (docs/design.md
+        # section 9). Otherwise, or with --traceback, the error itself.
+        if not _TRACEBACK.value:
+            await_verdict()
+        raise
 
 
 if __name__ == "__main__":

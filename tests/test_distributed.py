@@ -4,16 +4,18 @@ The 2-process tests start two local processes (a simulated SLURM step with a loo
 coordinator, 4 fake CPU devices each): rollout on process 0's devices, training on process
 1's. One drives the transfers and a gradient step by hand; another runs the training loop
 (`loop.train` through the executor, evaluating every iteration) and compares it with a
-1-process run bit for bit; the others check checkpoints, the elastic split, and the frozen
-base placed from each process's own copy. Run directly, this file is the worker:
-`python tests/test_distributed.py transfers OUT_DIR`,
-`python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, or `checkpoint`/`split`/`frozen`
-with WORKDIR CACHE_DIR.
+1-process run bit for bit; the others check checkpoints, the elastic split, the frozen base
+placed from each process's own copy, the system bench run as two processes, and that a killed
+process stops the others (the peer watchdog) and a rerun resumes. Run directly, this file is
+the worker: `python tests/test_distributed.py transfers OUT_DIR`,
+`python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, `checkpoint`/`split`/`frozen`
+with WORKDIR CACHE_DIR, `sleep PEER_TIMEOUT_S`, or `train LAUNCH_TRAIN_ARGS...` (launch/train.py).
 """
 import concurrent.futures
 import faulthandler
 import json
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, Trajectory, initial_noise
 from digen_jax.runtime import distributed
 from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.runtime import peer_watchdog
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import DistributedSettings, ProcessLayout, resolve_settings, role_devices
 from digen_jax.runtime.executor import Executor
@@ -180,6 +183,70 @@ def test_single_process_initialize_is_a_no_op():
 def test_unknown_config_key():
     with pytest.raises(ValueError, match=r"unknown keys runtime.distributed.\['port'\]"):
         DistributedSettings.from_config({"runtime": {"distributed": {"port": 1}}})
+
+
+class FakeStore:
+    """The key-value part of a `jax.distributed` client, in memory; `answers=False`: unreachable."""
+
+    def __init__(self):
+        self.values, self.answers = {}, True
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self._check()
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        self._check()
+        return [(k, v) for k, v in sorted(self.values.items()) if k.startswith(prefix)]
+
+    def _check(self):
+        if not self.answers:
+            raise RuntimeError("UNAVAILABLE: failed to connect to all addresses\nmore detail")
+
+
+@pytest.mark.parametrize("silent", ["process 2", "coordinator"])
+def test_peer_watchdog_names_what_went_silent(monkeypatch, silent):
+    """Process 1 of 3 watches with a 1 s timeout: while processes 0 and 2 beat (written here)
+    nothing happens; then process 2 stops beating, or the store stops answering, and the watchdog
+    reports it, naming the process and its host, 0.6 to 1 timeout later (plus scheduling slack)."""
+    store = FakeStore()
+    monkeypatch.setattr(peer_watchdog.global_state, "client", store)
+    reports = []
+    watchdog = peer_watchdog.PeerWatchdog(store, 1, 3, 1.0, "10.0.0.1:1234", on_lost=reports.append)
+
+    def beat(processes, count):
+        for process in processes:
+            store.values[f"{peer_watchdog.HEARTBEAT_KEY}{process}"] = f"{count} node{process}"
+
+    try:
+        for count in range(30):  # 1.5 timeouts of healthy beats, 20 a second
+            beat((0, 2), count)
+            time.sleep(0.05)
+        assert not reports and min(watchdog.counts().values()) >= 20
+        assert store.values[f"{peer_watchdog.HEARTBEAT_KEY}1"].endswith(f" {socket.gethostname()}")
+        start = time.monotonic()
+        store.answers = silent != "coordinator"
+        while not reports and time.monotonic() - start < 3:
+            count += 1
+            beat((0,), count)
+            time.sleep(0.05)
+        assert 0.5 < time.monotonic() - start < 1.5 and len(reports) == 1
+        if silent == "coordinator":
+            assert reports[0].startswith("lost the coordinator, process 0 of 3 (host node0): its key-value store at "
+                                         "10.0.0.1:1234 has not answered for ")
+            assert "(runtime.peer_timeout_s=1; UNAVAILABLE: failed to connect to all addresses)" in reports[0]
+        else:
+            assert reports[0].startswith("lost process 2 of 3 (host node2): no heartbeat for ")
+        assert not watchdog.alive()
+    finally:
+        watchdog.close()
+
+
+def test_peer_timeout_must_be_positive():
+    for bad in (0, -1.0, "20", True, float("nan")):
+        with pytest.raises(ValueError, match="runtime.peer_timeout_s must be a number of seconds > 0"):
+            peer_watchdog.check_timeout(bad)
+    assert peer_watchdog.jax_heartbeat_timeout_s(20) == 100 and peer_watchdog.jax_heartbeat_timeout_s(120) == 240
 
 
 # ---------------------------------------------------------------------------- transfers in one process
@@ -880,6 +947,183 @@ def test_two_process_frozen_base_placed_from_own_copies(tmp_path, pretrained_cac
         assert "transfer figures: trajectories" in out
 
 
+# ---------------------------------------------------------------------------- a process that dies
+
+PEER_TIMEOUT_S = 20  # the runs' runtime.peer_timeout_s: the survivor of a killed process stops within it
+STALL_ENV = "DIGEN_TEST_STALL_IN"  # set for a killed run: the iteration in which process 1 stalls
+
+
+def start_worker(args: tuple[str, ...], env: dict, output: str, stdin=None, niceness: int = 0) -> subprocess.Popen:
+    """This file run as a worker in the background, its stdout and stderr into the file `output`
+    (`niceness` added to its CPU niceness)."""
+    with open(output, "w") as out:
+        proc = subprocess.Popen([sys.executable, __file__, *args], env=env, stdin=stdin, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+    if niceness:
+        os.setpriority(os.PRIO_PROCESS, proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + niceness)
+    return proc
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout_s: float, output: str) -> None:
+    """Poll `condition()` until it holds; fail if `proc` ends or `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the worker {'exited' if proc.poll() is not None else 'did not get there'}:\n"
+                        f"{open(output).read()[-8000:]}")
+        time.sleep(0.1)
+
+
+def run_sleep_worker(peer_timeout_s: str) -> None:
+    """One process that joins a 2-process run with a peer timeout, then idles until it is killed."""
+    config = {"runtime": {"distributed": True, "peer_timeout_s": float(peer_timeout_s)}}
+    assert distributed.initialize(config).num_processes == 2
+    stage(f"process {jax.process_index()} joined")
+    time.sleep(LOOP_TIMEOUT_S)
+
+
+def test_a_dead_process_stops_the_others(tmp_path):
+    """SIGKILL one process of an idle 2-process run: the other exits non-zero within the peer
+    timeout. A non-coordinator's death ends the other with the watchdog's line naming it; process
+    0's ends the others at once (JAX's coordination service lives in it)."""
+    timeout_s = 6
+    ports, runs = free_ports(2), []
+    for victim, port in zip((1, 0), ports):
+        outputs = [str(tmp_path / f"victim{victim}_process{pid}.txt") for pid in range(2)]
+        procs = [start_worker(("sleep", str(timeout_s)), worker_env(1, **slurm_step_env(pid, port)), out)
+                 for pid, out in enumerate(outputs)]
+        runs.append((victim, procs, outputs))
+    try:
+        for victim, procs, outputs in runs:
+            wait_for(lambda: f"process {victim} joined" in open(outputs[victim]).read(), procs[victim], WORKER_TIMEOUT_S,
+                     outputs[victim])
+            procs[victim].kill()
+            killed = time.monotonic()
+            survivor = procs[1 - victim]
+            try:
+                survivor.wait(timeout_s + 10)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"process {1 - victim} outlived process {victim} by {timeout_s + 10} s")
+            stopped_s, out = time.monotonic() - killed, open(outputs[1 - victim]).read()
+            assert survivor.returncode != 0 and stopped_s < timeout_s + 2, (survivor.returncode, stopped_s, out[-3000:])
+            if victim == 1:
+                assert survivor.returncode == 1
+                assert out.rstrip().splitlines()[-1].startswith("stopped: lost process 1 of 2 (host "), out[-3000:]
+    finally:
+        for _, procs, _ in runs:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+
+
+def run_train_worker(*argv: str) -> None:
+    """One process of `launch/train.py argv`. With STALL_ENV set, process 1 stalls after its first
+    training task of that iteration (while the checkpoint before it is written) until its stdin closes."""
+    stall_in = int(os.environ.get(STALL_ENV, -1))
+    if stall_in >= 0 and os.environ["SLURM_PROCID"] == "1":
+        train = Executor._train
+
+        def train_then_stall(self, task, mb, acc):
+            train(self, task, mb, acc)
+            if task.iteration == stall_in:
+                print("STALLED", flush=True)
+                sys.stdin.read()  # returns when the test closes the pipe
+                os._exit(1)
+
+        Executor._train = train_then_stall
+    sys.argv = [os.path.join(REPO_ROOT, "launch", "train.py"), *argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+TRAIN_CONFIG = """
+from tests.test_distributed import loop_config
+
+
+def get_config():
+    config = loop_config({cache_dir!r}, "disagg_sync")
+    config.train.checkpoint_every = 1
+    return config
+"""
+
+
+def test_sigkill_of_a_process_stops_the_run_and_a_rerun_resumes(tmp_path, pretrained_cache):
+    """`launch/train.py` on 2 processes with runtime.peer_timeout_s=20: process 1 (the trainer) is
+    SIGKILLed in iteration 2, after checkpoint 1; process 0 exits with status 1 within the
+    timeout and a last line naming process 1. The same command then resumes both from
+    checkpoint 1, and the run ends with the metrics and weights of an uninterrupted 1-process
+    run (`run_loop_worker`'s reference), every sample rolled out and trained once."""
+    cache_dir, single, multi, mode = pretrained_cache, tmp_path / "single", tmp_path / "multi", "disagg_sync"
+    config_file = tmp_path / "config.py"
+    config_file.write_text(TRAIN_CONFIG.format(cache_dir=str(cache_dir)))
+    command = ("train", f"--config={config_file}", f"--workdir={multi}", "--config.runtime.distributed=True",
+               f"--config.runtime.peer_timeout_s={PEER_TIMEOUT_S}")
+    ports = free_ports(3)
+    compiled = dict(JAX_DEFAULT_MATMUL_PRECISION="highest", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "compiled"),
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    outputs = [str(tmp_path / name) for name in ("reference.txt", "process0.txt", "process1.txt")]
+    # The reference at the lowest CPU priority: it soaks up what the 2-process runs leave idle
+    # (their waits for each other and for the killed process), off their critical path.
+    procs = [start_worker(("loop", str(single), str(cache_dir), mode), worker_env(8, JAX_COORDINATOR_PORT=str(ports[0])),
+                          outputs[0], niceness=19)]
+    procs += [start_worker(command, worker_env(4, **slurm_step_env(pid, ports[1]), **compiled, **{STALL_ENV: "1"}),
+                           outputs[1 + pid], stdin=subprocess.PIPE) for pid in range(2)]
+    reference, survivor, victim = procs
+    try:
+        checkpoint = multi / "checkpoints" / "1"
+        wait_for(lambda: "STALLED" in open(outputs[2]).read() and checkpoint.exists(), victim, LOOP_TIMEOUT_S, outputs[2])
+        victim.kill()
+        killed = time.monotonic()
+        try:
+            survivor.wait(PEER_TIMEOUT_S + 20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process 0 outlived process 1 by {PEER_TIMEOUT_S + 20} s:\n{open(outputs[1]).read()[-8000:]}")
+        stopped_s, out = time.monotonic() - killed, open(outputs[1]).read()
+        stage(f"process 0 stopped {stopped_s:.1f} s after process 1 was killed")
+        assert survivor.returncode == 1 and stopped_s < PEER_TIMEOUT_S + 2, (survivor.returncode, stopped_s, out[-3000:])
+        assert out.rstrip().splitlines()[-1].startswith("stopped: lost process 1 of 2 (host "), out[-3000:]
+        assert not (multi / "checkpoints" / "2").exists(), "the run finished before it was killed"
+    finally:
+        for proc in (survivor, victim):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+    # The same command again: both processes resume from checkpoint 1.
+    resumed = run_workers(*[(command, worker_env(4, **slurm_step_env(pid, ports[2]), **compiled)) for pid in range(2)],
+                          timeout_s=LOOP_TIMEOUT_S)
+    for out in resumed:
+        assert "resumed from checkpoint 1 (policy version 1, 0 prefetched micro-batches)" in out
+        assert "training 1 iterations of 16 samples (from iteration 1)" in out
+    try:
+        reference.wait(LOOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        reference.kill()
+    assert reference.returncode == 0, open(outputs[0]).read()[-8000:]
+
+    rows = [json.loads(line) for line in open(multi / "metrics.jsonl")]
+    reference_rows = [json.loads(line) for line in open(single / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row, ref in zip(rows, reference_rows):
+        for key in ("reward_mean", "reward_std", "grad_norm", "loss", "version"):
+            assert row[key] == ref[key], key
+        assert row["eval_reward_mean"] == pytest.approx(ref["eval_reward_mean"], rel=1e-6, abs=1e-7)
+    config = loop_config(str(cache_dir), mode)
+    run = loop.Run(config, str(multi), log=stage)
+    trained = checkpoints.read_state(run.checkpoints, run.state, config)
+    run.checkpoints.close()
+    with np.load(single / "trained.npz") as want:
+        assert int(trained.version) == int(want["version"]) == 2
+        leaves = jax.tree.leaves(jax.device_get(trained.trainable))
+        assert len(leaves) == len(want.files) - 1
+        assert all(np.array_equal(leaf, want[f"arr_{i}"]) for i, leaf in enumerate(leaves))
+    # Nothing lost or done twice: the killed run's tasks past checkpoint 1 are superseded.
+    events = read_trace(str(multi / "trace.json"))
+    for kind in ("rollout", "train"):
+        ids = [sid for e in events if e["args"]["kind"] == kind for sid in e["args"]["sample_ids"]]
+        assert sorted(ids) == list(range(2 * 16)), kind
+
+
 if __name__ == "__main__":
     # A hung worker prints where every thread waits before the test kills it.
     faulthandler.dump_traceback_later((WORKER_TIMEOUT_S if sys.argv[1] == "transfers" else LOOP_TIMEOUT_S) - 10)
@@ -891,5 +1135,9 @@ if __name__ == "__main__":
         run_split_worker(*sys.argv[2:])
     elif sys.argv[1] == "frozen":
         run_frozen_worker(*sys.argv[2:])
+    elif sys.argv[1] == "sleep":
+        run_sleep_worker(*sys.argv[2:])
+    elif sys.argv[1] == "train":
+        run_train_worker(*sys.argv[2:])
     else:
         run_loop_worker(*sys.argv[2:])

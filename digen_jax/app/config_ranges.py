@@ -82,6 +82,7 @@ RANGES: tuple[Range, ...] = (
     _ints("runtime.reward_workers", 1),
     _ints("runtime.tag_microbatches", -1, why="-1: chosen every iteration from measured costs"),
     _ints("runtime.prefetch_microbatches", -1, why="-1: chosen every iteration from measured costs"),
+    _positive("runtime.peer_timeout_s", why="seconds until a silent process stops a multi-process run"),
 )
 
 

@@ -3,8 +3,9 @@
 Every process runs the same program (multi-controller JAX, docs/design.md section 2). Four pieces:
 
 * `initialize` starts `jax.distributed` from explicit settings (config or `JAX_*` env) or from
-  a SLURM step (one task per GPU, or one task per node owning all its GPUs); a single
-  process is a no-op. `resolve_settings` is the pure part, tested without a cluster.
+  a SLURM step (one task per GPU, or one task per node owning all its GPUs), and the peer
+  watchdog (`peer_watchdog`: a dead process ends the others); a single process is a no-op.
+  `resolve_settings` is the pure part, tested without a cluster.
 * `role_devices` cuts the global device list into contiguous role lists (rollout, train,
   optionally reward); on several hosts a role is either inside one host or whole hosts.
 * `transfer` moves a pytree of arrays from one role's devices to another role's shardings
@@ -65,6 +66,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from digen_jax.runtime import peer_watchdog
 
 # Environment variables for explicit (non-SLURM) launches; JAX_COORDINATOR_ADDRESS,
 # JAX_COORDINATOR_PORT and JAX_LOCAL_DEVICE_IDS are the names jax itself reads.
@@ -280,34 +283,43 @@ def initialize(config_or_settings=None, env: Mapping[str, str] | None = None) ->
     """Join the multi-process run described by a config (`runtime.distributed`), settings or env.
 
     Call before any other JAX work. A single process returns without touching
-    `jax.distributed`. On CPU, collectives across processes go over gloo.
+    `jax.distributed`. On CPU, collectives across processes go over gloo. Several processes
+    also start the peer watchdog (`peer_watchdog`): a process that dies or freezes ends every
+    other one within `runtime.peer_timeout_s` (of a config; else `peer_watchdog.PEER_TIMEOUT_S`).
     """
     if isinstance(config_or_settings, DistributedSettings):
-        settings = config_or_settings
+        settings, peer_timeout_s = config_or_settings, None
     elif config_or_settings is None:
-        settings = DistributedSettings()
+        settings, peer_timeout_s = DistributedSettings(), None
     else:
         settings = DistributedSettings.from_config(config_or_settings)
+        peer_timeout_s = _get(_get(config_or_settings, "runtime"), "peer_timeout_s")
     layout = resolve_settings(settings, os.environ if env is None else env)
     if layout.num_processes == 1:
         return layout
+    peer_timeout_s = peer_watchdog.check_timeout(
+        peer_watchdog.PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s
+    )
     if jax.distributed.is_initialized():
         if (jax.process_count(), jax.process_index()) != (layout.num_processes, layout.process_id):
             raise ValueError(
                 f"jax.distributed is already initialised as process {jax.process_index()} of "
                 f"{jax.process_count()}, not {layout.process_id} of {layout.num_processes}"
             )
-        return layout
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=layout.coordinator_address,
-        num_processes=layout.num_processes,
-        process_id=layout.process_id,
-        local_device_ids=list(layout.local_device_ids) if layout.local_device_ids is not None else None,
-        # Everything is resolved above; jax's own detection would pin one GPU per SLURM task.
-        cluster_detection_method="deactivate",
-        initialization_timeout=settings.initialization_timeout,
-    )
+    else:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=layout.coordinator_address,
+            num_processes=layout.num_processes,
+            process_id=layout.process_id,
+            local_device_ids=list(layout.local_device_ids) if layout.local_device_ids is not None else None,
+            # Everything is resolved above; jax's own detection would pin one GPU per SLURM task.
+            cluster_detection_method="deactivate",
+            initialization_timeout=settings.initialization_timeout,
+            # JAX's own detection of a silent process (an abort with a stack dump) only backs up the watchdog's.
+            heartbeat_timeout_seconds=peer_watchdog.jax_heartbeat_timeout_s(peer_timeout_s),
+        )
+    peer_watchdog.start(layout.process_id, layout.num_processes, peer_timeout_s, layout.coordinator_address)
     return layout
 
 
