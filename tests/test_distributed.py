@@ -676,10 +676,9 @@ def pretrained_cache(tmp_path_factory):
     return cache_dir
 
 
-# The pipelined modes pass this test's 2-process run too: 'gap+tsp' hung in 1 of 7 runs until
-# `Executor._train` kept one gradient chunk in flight on CPU, then finished 10 of 10 (and
-# 'gap+tsp+tag+tcss' 6 of 6), 2-3 minutes each on this 2-core machine: too long for the suite,
-# which runs the synchronous mode only.
+# The pipelined modes pass this test's 2-process run too, in 2-3 minutes each on 2 cores: too
+# long for the suite, which runs the synchronous mode here (`test_system_bench_runs_as_two_processes`
+# runs 'gap').
 @pytest.mark.parametrize("mode", ["disagg_sync"])
 def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cache, mode):
     """`loop.train` through the executor with rollout on process 0's devices and training on
