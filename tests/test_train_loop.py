@@ -123,6 +123,14 @@ def test_unsupported_combinations_name_their_keys(cache_dir, overrides, match):
         loop.validate_config(c)
 
 
+def test_role_sizes_that_leave_devices_unused_fail_before_any_compute(cache_dir):
+    """Role sizes are checked against the devices when the config is, not when the meshes are built."""
+    c = small_config(cache_dir)
+    c.runtime.update(mode="gap", micro_batches=4, rollout_devices=2, train_devices=2)
+    with pytest.raises(workload.ConfigError, match=r"runtime\.rollout_devices=2, runtime\.train_devices=2.*but there are 8"):
+        loop.validate_config(c)
+
+
 def test_nonfinite_rewards_skip_updates_then_stop(cache_dir, tmp_path):
     name = "always_nan_for_tests"
     if name not in registry.registered_rewards():

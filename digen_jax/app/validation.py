@@ -24,6 +24,7 @@ from digen_jax.rl import losses
 from digen_jax.rl.rollout import SamplerSpec
 from digen_jax.rl.timesteps import plan_steps, validate_step_selection
 from digen_jax.rl.trainer import ONPOLICY_ANCHORS
+from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.runtime_config import validate_runtime_config
 
 
@@ -65,6 +66,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                           f"{checkpoints.ON_CORRUPT}")
     try:
         validate_runtime_config(config, len(jax.devices()))
+        mesh_lib.build_role_meshes(config.runtime)  # role sizes against the hosts' devices (no compute)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
