@@ -59,12 +59,47 @@ def test_groups_dispatch_concurrently():
     assert trainer_ran.is_set()
 
 
-def test_unthreaded_runs_in_list_order_on_the_calling_thread():
-    p = plan.plan_iteration("gap+tsp+tag+tcss", 1, 4, tag=1, prefetch=1)
-    log, handle = _recording_handler()
-    dispatch.dispatch(p.tasks, handle, threaded=False)
-    assert [key for what, key, _ in log if what == "start"] == [t.key for t in p.tasks if t.kind != "reward"]
-    assert {name for *_, name in log} == {threading.current_thread().name}
+@pytest.mark.parametrize("mode,tag,prefetch", [("gap+tsp+tag+tcss", 1, 1), ("disagg_sync", 0, 0)])
+def test_met_crossings_keep_plan_order_in_every_lane(mode, tag, prefetch):
+    """Tasks whose programs cross processes (trajectories of the rollout group's micro-batches,
+    syncs) are met by the other lane: it handles nothing between the plan's tasks around the
+    crossing while the handler is inside it, so each lane issues its tasks and the crossings in
+    plan order."""
+    p = plan.plan_iteration(mode, 1, 4, carried=prefetch, tag=tag, prefetch=prefetch)
+    rolled_on = {(t.iteration, t.index): t.group for t in p.tasks if t.kind == "rollout"}
+    crosses = {t.key for t in p.tasks if t.kind == "sync"
+               or (t.kind == "train" and rolled_on.get((t.iteration, t.index), "rollout") == "rollout")}
+    other = {"rollout": "train", "train": "rollout"}
+    meets = lambda t: frozenset({other[dispatch.lane(t)]}) if t.key in crosses else frozenset()  # noqa: E731
+    lanes, log, lock = dispatch.Lanes(), [], threading.Lock()
+
+    def handle(task):
+        with lock:
+            log.append(("task", task.key, dispatch.lane(task)))
+        with lanes.crossing(task):
+            if task.key in crosses:
+                with lock:
+                    log.append(("cross", task.key, None))
+                time.sleep(0.002)  # the other lane would run ahead here if it did not meet
+
+    try:
+        lanes.submit(p.tasks, handle, meets)
+        lanes.drain()
+    finally:
+        lanes.close()
+    handled = [t for t in p.tasks if t.kind != "reward"]
+    assert crosses and sorted(k for what, k, _ in log if what == "cross") == sorted(crosses)
+    position = {t.key: i for i, t in enumerate(handled)}
+    at = {(what, key): i for i, (what, key, _) in enumerate(log)}
+    for key in crosses:
+        meeting_lane = other[dispatch.lane(next(t for t in handled if t.key == key))]
+        for t in handled:
+            if dispatch.lane(t) != meeting_lane:
+                continue
+            if position[t.key] < position[key]:
+                assert at[("task", t.key)] < at[("cross", key)], (t.key, key)
+            else:
+                assert at[("task", t.key)] > at[("cross", key)], (t.key, key)
 
 
 def test_a_failing_handler_stops_every_group_and_raises_its_error():

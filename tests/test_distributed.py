@@ -676,10 +676,10 @@ def pretrained_cache(tmp_path_factory):
     return cache_dir
 
 
-# The pipelined modes pass this test's 2-process run too, in 2-3 minutes each on 2 cores: too
-# long for the suite, which runs the synchronous mode here (`test_system_bench_runs_as_two_processes`
+# Every mode passes this test's 2-process run, in 2-3 minutes each on 2 cores: too long for the
+# suite, which runs the mode with every technique here (`test_system_bench_runs_as_two_processes`
 # runs 'gap').
-@pytest.mark.parametrize("mode", ["disagg_sync"])
+@pytest.mark.parametrize("mode", ["gap+tsp+tag+tcss"])
 def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cache, mode):
     """`loop.train` through the executor with rollout on process 0's devices and training on
     process 1's, stopped after iteration 1 and resumed from its checkpoint: the weights after 2

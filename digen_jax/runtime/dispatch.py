@@ -15,12 +15,22 @@ device of a mesh). A task waits until the tasks it depends on in other groups ha
 threads outlive an iteration (`Lanes`): a group that finished its part of iteration k goes
 on with k + 1 while the other still works, so no group waits at an iteration boundary for
 work it does not depend on.
+
+Several processes: a program whose devices belong to several processes (a trajectory or a
+weight sync crossing between roles on different hosts) runs on every one of its devices in
+their stream order, so every device must get such programs in one order, the same on every
+process, or two devices each wait in a different program for the other. Each group's thread
+keeps plan order; a task whose program crosses processes names the other lanes of this
+process whose devices it touches (`meets`), and those lanes stop at the task's place in plan
+order (a meeting) until its handler issued the program (`Lanes.crossing`). So every lane
+issues the crossing programs in plan order, between the same local tasks on every process.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from digen_jax.runtime.plan import Task, TaskKey
 
@@ -43,21 +53,11 @@ def producer(key: TaskKey) -> TaskKey:
     return ("rollout", iteration, index) if kind == "reward" else key
 
 
-def dispatch(tasks: Sequence[Task], handle: Callable[[Task], None], *, threaded: bool = True) -> None:
-    """Call `handle(task)` for every task but rewards: per `lane` in list order, each after the
-    handlers of its dependencies in other lanes returned (dependencies outside `tasks` are done).
-
-    With `threaded` and more than one lane, each lane runs on its own thread (`Lanes`) and this
-    returns once every handler has returned; otherwise the calling thread runs them in list
-    order (as a multi-process run must: cross-process transfers need every process to issue
-    them in the same order). The first error of any handler is raised here, after the other
-    lanes stopped.
-    """
-    tasks = [t for t in tasks if t.kind != "reward"]
-    if not threaded or len({lane(t) for t in tasks}) < 2:
-        for task in tasks:
-            handle(task)
-        return
+def dispatch(tasks: Sequence[Task], handle: Callable[[Task], None]) -> None:
+    """Call `handle(task)` for every task but rewards: per `lane` in list order, each lane on its
+    own thread (`Lanes`), each task after the handlers of its dependencies in other lanes
+    returned (dependencies outside `tasks` are done). Returns once every handler has returned;
+    the first error of any handler is raised here, after the other lanes stopped."""
     lanes = Lanes()
     try:
         lanes.submit(tasks, handle)
@@ -75,6 +75,10 @@ class Lanes:
     waits only for the handlers of its dependencies, in this batch or an earlier one, to
     return (dependencies never submitted count as done). After a handler fails, every lane
     stops and `wait`, `drain` and `submit` raise its error.
+
+    Meetings (several processes, see the module docstring): `submit`'s `meets(task)` names the
+    lanes besides the task's own that stop at the task's place in their queues until its handler
+    left `crossing(task)`, inside which the handler issues the program they share.
     """
 
     def __init__(self):
@@ -82,23 +86,51 @@ class Lanes:
         self._threads: list[threading.Thread] = []
         self._done: dict[TaskKey, threading.Event] = {}
         self._failed: list[BaseException] = []
+        self._meetings: dict[TaskKey, _Meeting] = {}
 
-    def submit(self, tasks: Sequence[Task], handle: Callable[[Task], None]) -> None:
-        """Queue `tasks` (rewards skipped) behind everything submitted before."""
+    def submit(self, tasks: Sequence[Task], handle: Callable[[Task], None],
+               meets: Callable[[Task], frozenset[str]] | None = None) -> None:
+        """Queue `tasks` (rewards skipped) behind everything submitted before; `meets(task)`: the
+        other lanes that meet the task's crossing (default: none)."""
         self._raise_failure()
         tasks = [t for t in tasks if t.kind != "reward"]
         for task in tasks:  # all registered before any runs, so dependencies inside the batch wait
             self._done[task.key] = threading.Event()
-        for task in tasks:
+        for task in tasks:  # in list order: a meeting takes the task's place in plan order in every lane
+            others = sorted((meets(task) if meets else frozenset()) - {lane(task)})
+            if others:
+                meeting = self._meetings[task.key] = _Meeting(len(others))
+                for name in others:
+                    self._queue(name).put((task, meeting))
             self._queue(lane(task)).put((task, handle))
+
+    @contextlib.contextmanager
+    def crossing(self, task: Task) -> Iterator[None]:
+        """Called by `task`'s handler around the programs it shares with the lanes that meet it:
+        enters once every one of them stopped at the task's place, and lets them go on when left
+        (also when the body raised). A no-op for a task nobody meets."""
+        meeting = self._meetings.pop(task.key, None)
+        if meeting is None:
+            yield
+            return
+        try:
+            self._until(meeting.all_arrived)
+            yield
+        finally:
+            meeting.left.set()
 
     def wait(self, keys) -> None:
         """Block until the handlers of the submitted tasks `keys` returned."""
         for key in keys:
             event = self._done.get(tuple(key))
-            while event is not None and not event.wait(_POLL_S):
-                self._raise_failure()
+            if event is not None:
+                self._until(event)
         self._raise_failure()
+
+    def _until(self, event: threading.Event) -> None:
+        """Wait for `event`; raise the first handler error if one fails meanwhile."""
+        while not event.wait(_POLL_S):
+            self._raise_failure()
 
     def drain(self) -> None:
         """Block until every submitted task's handler returned; then forget them."""
@@ -138,6 +170,10 @@ class Lanes:
             if self._failed:
                 continue  # drain the queue without running anything
             try:
+                if isinstance(handle, _Meeting):
+                    handle.arrive()
+                    self._until(handle.left)
+                    continue
                 for dep in task.deps:
                     waited = self._done.get(producer(tuple(dep)))
                     while waited is not None and not waited.wait(_POLL_S):
@@ -149,3 +185,17 @@ class Lanes:
                 self._done[task.key].set()
             except BaseException as e:  # re-raised on the waiting thread
                 self._failed.append(e)
+
+
+class _Meeting:
+    """The lanes that stop at one task's place: they `arrive`, then wait for `left`."""
+
+    def __init__(self, lanes: int):
+        self._count, self._lock = lanes, threading.Lock()
+        self.all_arrived, self.left = threading.Event(), threading.Event()
+
+    def arrive(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count == 0:
+                self.all_arrived.set()

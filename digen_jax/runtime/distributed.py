@@ -55,15 +55,18 @@ What moves data across processes (measured with jax 0.10.2 on CPU, 2 processes x
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import os
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax._src.distributed import global_state
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -541,6 +544,79 @@ def to_every_process(tree):
         for i, y in zip(index, whole):
             out[i] = y.addressable_shards[0].data
     return jax.tree.unflatten(treedef, out)
+
+
+def whole_on_one_process(x: jax.Array) -> tuple[jax.Array | None, int]:
+    """(`x` readable whole on the host of one process, or None on the others; that process).
+
+    `x` as it is when its devices belong to one process; else it is first replicated inside its
+    devices (a collective among their processes: every process calls this, like any program of
+    theirs) and the lowest of those processes reads its own copy."""
+    processes = {d.process_index for d in x.sharding.device_set}
+    owner = min(processes)
+    if len(processes) > 1:
+        x = jax.device_put(x, NamedSharding(x.sharding.mesh, PartitionSpec()))
+        x = x.addressable_shards[0].data if jax.process_index() == owner else x
+    return (x if jax.process_index() == owner else None), owner
+
+
+class SharedValues:
+    """Small host arrays that one process computes and every other one reads (the rewards of a
+    micro-batch), through the coordination service's key-value store of `jax.distributed`.
+
+    No device program is involved, so reading one adds nothing to the order in which the
+    processes issue their cross-process programs (dispatch.py). Names are scoped to this
+    object: every process makes its `SharedValues` at the same point of the run, so the
+    scopes agree. A failure is shared too: a reader gets an error naming the process that
+    failed instead of waiting for a value that never comes.
+    """
+
+    _made = 0  # objects made so far in this process: the scope of the next one
+    _POLL_MS = 2000  # a reader checks this often whether the object was closed
+
+    def __init__(self):
+        SharedValues._made += 1
+        self._scope = f"digen/shared/{SharedValues._made}"
+        self._closed = threading.Event()
+        # Readers wait on threads of their own: a reader that held a thread of the pool that
+        # computes values could wait for a value of another process whose own computing thread
+        # waits the same way for one of this process's.
+        self._readers = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="shared-read")
+
+    @staticmethod
+    def _client():
+        return global_state.client
+
+    def publish(self, name: str, value: np.ndarray) -> None:
+        self._client().key_value_set_bytes(f"{self._scope}/{name}", b"=" + np.ascontiguousarray(value).tobytes())
+
+    def fail(self, name: str, error: BaseException) -> None:
+        message = f"process {jax.process_index()} failed: {type(error).__name__}: {error}"
+        self._client().key_value_set_bytes(f"{self._scope}/{name}", b"!" + message.encode())
+
+    def read_later(self, name: str, dtype) -> concurrent.futures.Future:
+        """The future value `name` (`read` on a reading thread)."""
+        return self._readers.submit(self.read, name, dtype)
+
+    def read(self, name: str, dtype) -> np.ndarray:
+        """The value `name` as a flat array of `dtype`, once published (waits)."""
+        key = f"{self._scope}/{name}"
+        while True:
+            if self._closed.is_set():
+                raise RuntimeError(f"stopped waiting for {name}: the run is closing")
+            try:
+                raw = self._client().blocking_key_value_get_bytes(key, self._POLL_MS)
+                break
+            except Exception as e:  # noqa: BLE001 - a timeout: poll again (anything else shows in the next try)
+                if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
+                    raise
+        if raw[:1] == b"!":
+            raise RuntimeError(f"{name}: {raw[1:].decode()}")
+        return np.frombuffer(raw[1:], dtype=dtype).copy()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._readers.shutdown(wait=True)
 
 
 def _put_own_copy(x, sharding) -> jax.Array:

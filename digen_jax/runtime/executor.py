@@ -52,8 +52,8 @@ from digen_jax.rl.timesteps import plan_steps
 from digen_jax.rl.trainer import LAG0_FIGURES, GradSum, Trainer, TrainState, build_units
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.distributed import crossing_bytes, to_every_process
-from digen_jax.runtime.dispatch import Lanes, dispatch
+from digen_jax.runtime.distributed import SharedValues, crossing_bytes, to_every_process, whole_on_one_process
+from digen_jax.runtime.dispatch import Lanes
 from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, Tracer, iteration_summary
 from digen_jax.runtime.runtime_config import validate_runtime_config
 from digen_jax.runtime.weight_sync import RoleWeights
@@ -176,10 +176,12 @@ class Executor:
         # Process 0 writes the trace (it stamps tasks on other processes' devices when dispatched).
         write_trace = rt.trace and jax.process_index() == 0
         self.tracer = Tracer((trace_path or os.path.join(job.workdir, "trace.json")) if write_trace else None)
-        self.lanes = Lanes() if jax.process_count() == 1 else None
+        self.lanes = Lanes()
+        self.shared = SharedValues()  # host values one process computes for all (rewards)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=rt.reward_workers, thread_name_prefix="reward")
         self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
         self.measured: dict[tuple[str, str], list[float]] = {}  # (kind, group) -> recent durations
+        self._synced_version = -1  # what the rollout weights hold once the submitted syncs ran
         self._compiled: set[tuple[str, str]] = set()  # (kind, group) keys whose first task was seen
         self._iteration_start: dict[int, float] = {}
         self._place_weights()
@@ -214,13 +216,15 @@ class Executor:
         task = plan_lib.Task("sync", "link", version, 0, version, deps=deps)
         start = self.tracer.now()
         moved_bytes = crossing_bytes(self.state.trainable, self.meshes.rollout)
-        moved = self.weights.sync(self.state.trainable, version)
+        with self.lanes.crossing(task):
+            moved = self.weights.sync(self.state.trainable, version)
         self.tracer.record(task, moved, start, bytes=moved_bytes)
 
     def _params_on(self, group: str, version: int):
         if group == "rollout":
             if self.weights.rollout_version != version:
-                self._sync(version)  # the initial weights, or a sync the plan did not place
+                raise RuntimeError(f"a rollout needs weights of version {version} but version "
+                                   f"{self.weights.rollout_version} was synced: the plan lacks a sync")
             return self.weights.rollout_params
         return self.weights.on_train(self.state.trainable)
 
@@ -270,16 +274,39 @@ class Executor:
         mb.rolled_on, mb.version = task.group, task.version
         self.tracer.record(task, mb.traj.latents, start, sample_ids=mb.sample_ids.tolist())
         final, decoder = mb.traj.final, self.weights.decoders.get(task.group)
-        # Every process scores the same rewards from its own copy of the pixels (their bytes cross
-        # to each process once; the host reward work is repeated per process), so advantages and
-        # reward metrics need no further exchange. One process: the decoded arrays as they are.
         if self.meshes.reward is None:
-            decoded = to_every_process(self.job.decode(final, decoder))
-        else:
+            decoded = self.job.decode(final, decoder)
+        else:  # one process (validate_runtime_config): nothing crosses processes here
             with self._reward_dispatch:
                 final, decoder = mesh_lib.put_batch(final, self.meshes.reward), self.weights.decoders.get("reward")
-                decoded = to_every_process(self.job.decode(final, decoder))
-        mb.rewards = self.pool.submit(self._score, mb, decoded)
+                decoded = self.job.decode(final, decoder)
+        mb.rewards = self._rewards(mb, decoded)
+
+    def _rewards(self, mb: MicroBatch, decoded: jax.Array) -> concurrent.futures.Future:
+        """The future rewards of `mb` from its `decoded` samples (on the reward threads).
+
+        Several processes: one process scores them, the one that holds the samples whole (the
+        lowest of their devices' processes, after a gather inside their role if it spans several),
+        and shares them (`SharedValues`); the others read them there. So no pixels cross between
+        roles and no device program is added to the order the lanes keep (dispatch.py).
+        """
+        if jax.process_count() == 1:
+            return self.pool.submit(self._score, mb, decoded)
+        whole, scorer = whole_on_one_process(decoded)
+        name = f"rewards/{mb.iteration}/{mb.index}"
+        if jax.process_index() != scorer:
+            return self.shared.read_later(name, np.float32)
+
+        def score_and_share() -> np.ndarray:
+            try:
+                rewards = self._score(mb, whole)
+            except BaseException as e:
+                self.shared.fail(name, e)
+                raise
+            self.shared.publish(name, rewards)
+            return rewards
+
+        return self.pool.submit(score_and_share)
 
     def _score(self, mb: MicroBatch, decoded: jax.Array) -> np.ndarray:
         pixels = np.asarray(decoded)  # device-to-host copies only: no device program from this thread
@@ -310,8 +337,15 @@ class Executor:
 
     def _train(self, task: plan_lib.Task, mb: MicroBatch, acc: dict) -> None:
         rl = self.config.rl
-        rewards = mb.rewards.result()  # the one wait: everything that can run meanwhile is enqueued
         mesh = self.meshes.train
+        moved_bytes, moving = crossing_bytes(mb.traj, mesh), self.tracer.now()
+        with self.lanes.crossing(task):  # from another process's devices: in plan order (dispatch.py)
+            traj = mesh_lib.put_batch(mb.traj, mesh)
+        if moved_bytes:  # rolled out on another role: the trajectory crossed to the trainer
+            move = plan_lib.Task(TRAJECTORY, "link", mb.iteration, mb.index, mb.version,
+                                 deps=(("rollout", mb.iteration, mb.index),))
+            self.tracer.record(move, traj, moving, bytes=moved_bytes, sample_ids=mb.sample_ids.tolist())
+        rewards = mb.rewards.result()  # the one wait: everything that can run meanwhile is enqueued
         acc["finite"] = acc["finite"] and bool(np.all(np.isfinite(rewards)))
         prompt_groups = len(rewards) // rl.group_size  # GRPO groups: one prompt's samples each
         group_ids = np.repeat(np.arange(prompt_groups), rl.group_size)
@@ -322,12 +356,7 @@ class Executor:
                 std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof, mean_mode=rl.mean_mode,
             )
             trained = jnp.asarray(mb.trained)
-        moved_bytes, moving = crossing_bytes(mb.traj, mesh), self.tracer.now()
-        traj, cond, adv, trained = mesh_lib.put_batch((mb.traj, mb.cond, adv, trained), mesh)
-        if moved_bytes:  # rolled out on another role: the trajectory crossed to the trainer
-            move = plan_lib.Task(TRAJECTORY, "link", mb.iteration, mb.index, mb.version,
-                                 deps=(("rollout", mb.iteration, mb.index),))
-            self.tracer.record(move, traj, moving, bytes=moved_bytes, sample_ids=mb.sample_ids.tolist())
+        cond, adv, trained = mesh_lib.put_batch((mb.cond, adv, trained), mesh)
         units = build_units(traj, cond, adv, trained, old_means=self.job.trainer.cfg.policy_loss == "grpo_guard")
         trainer, acc_grads = self.job.trainer, acc["sum"]
         on_policy = task.version == mb.version  # generated by the weights this task trains
@@ -424,6 +453,14 @@ class Executor:
             next_mbs = {(k + 1, m.index): m for m in self.microbatches_of(k + 1)[:prefetch]}
         acc = self._fresh_acc()
         update_metrics = []
+        first = next((t for t in plan.tasks if t.kind == "rollout" and t.group == "rollout"), None)
+        if first is not None and self._synced_version != first.version:
+            # The initial (or a resumed run's) weights, which no planned sync carries: before any
+            # lane runs, so every process issues this transfer at the same point.
+            self.lanes.drain()
+            self._sync(first.version)
+            self._synced_version = first.version
+        self._synced_version = max([t.version for t in plan.tasks if t.kind == "sync"], default=self._synced_version)
 
         def handle(task: plan_lib.Task) -> None:
             nonlocal acc
@@ -438,15 +475,16 @@ class Executor:
                 self._sync(task.version, task.deps)
 
         # Each device group's tasks from its own thread (dispatch.py says why), across
-        # iterations: this returns once iteration k's own tasks ran, while the next iteration's
-        # prefetched rollouts (and the sync after them) may still be on the rollout thread.
-        # Several processes dispatch from one thread: their cross-process transfers must be
-        # issued in the same order by every process.
-        if self.lanes is None:
-            dispatch(plan.tasks, handle, threaded=False)
+        # iterations: with one process this returns once iteration k's own tasks ran, while the
+        # next iteration's prefetched rollouts (and the sync after them) may still be on the
+        # rollout thread. Several processes wait for every lane: what follows (metrics, the next
+        # split, evaluation, checkpoints) runs programs that cross processes from this thread,
+        # which must come at the same point of every device's order on every process.
+        self.lanes.forget(before_iteration=k - 1)
+        self.lanes.submit(plan.tasks, handle, self._meets(plan, list(mbs.values())))
+        if jax.process_count() > 1:
+            self.lanes.drain()
         else:
-            self.lanes.forget(before_iteration=k - 1)
-            self.lanes.submit(plan.tasks, handle)
             self.lanes.wait([t.key for t in plan.tasks if t.iteration == k and t.kind != "reward"])
         self.carried = list(next_mbs.values())
         self._last = [mbs[(k, m)] for m in range(self.microbatches)]
@@ -462,6 +500,31 @@ class Executor:
             carried_microbatches=carried,
         )
         return plan, metrics
+
+    def _meets(self, plan: plan_lib.IterationPlan, mbs: list[MicroBatch]) -> Callable[[plan_lib.Task], frozenset[str]]:
+        """The lanes of this process that meet each task of `plan` (`dispatch.Lanes.crossing`):
+        with several processes, a training task whose trajectory crosses from another process's
+        devices and a weight sync crossing between processes are met by the lanes of this
+        process whose devices the transfer touches. One process: none."""
+        if jax.process_count() == 1 or self.meshes.colocated:
+            return lambda task: frozenset()
+        rolled_on = {(t.iteration, t.index): t.group for t in plan.tasks if t.kind == "rollout"}
+        rolled_on.update({(m.iteration, m.index): m.rolled_on for m in mbs if m.rolled_on is not None})
+        mine = set(jax.local_devices())
+
+        def meets(task: plan_lib.Task) -> frozenset[str]:
+            if task.kind == "train":
+                groups = {rolled_on[(task.iteration, task.index)], "train"}
+            elif task.kind == "sync":
+                groups = {"rollout", "train"}
+            else:
+                return frozenset()
+            devices = [d for g in groups for d in self.meshes.for_group(g).devices.flat]
+            if len(groups) < 2 or len({d.process_index for d in devices}) < 2:
+                return frozenset()
+            return frozenset(g for g in groups if mine & set(self.meshes.for_group(g).devices.flat))
+
+        return meets
 
     def sample(self, trainable, cond: Conditioning, sample_keys: jax.Array, noise_levels, version) -> jax.Array:
         """Decoded samples of `trainable` (a tree laid out like the train state's, e.g. its EMA) for
@@ -555,20 +618,19 @@ class Executor:
             mb.rewards = concurrent.futures.Future()
             mb.rewards.set_result(np.asarray(saved["rewards"], np.float32))
             self.carried.append(mb)
-        self.weights.rollout_version = -1
+        self.weights.rollout_version = self._synced_version = -1
         self.measured = {(kind, group): list(values) for kind, group, values in measured}
         self.tracer.resume(step, kept={(step, m.index) for m in self.carried})
 
     def drain(self) -> None:
         """Wait until every dispatched task (the next iteration's prefetched rollouts too) ran."""
-        if self.lanes is not None:
-            self.lanes.drain()
+        self.lanes.drain()
 
     def close(self) -> None:
         try:
             self.drain()
         finally:
-            if self.lanes is not None:
-                self.lanes.close()
+            self.lanes.close()
+            self.shared.close()  # before the pool: readers waiting for a failed process give up
             self.pool.shutdown(wait=True)  # first: the reward threads record their tasks in the trace
             self.tracer.close()

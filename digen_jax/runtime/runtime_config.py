@@ -2,6 +2,7 @@
 before any compute: each failure a ValueError naming the key."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from digen_jax.rl.timesteps import plan_steps
@@ -53,6 +54,13 @@ def validate_runtime_config(config, num_devices: int) -> None:
     for key in ("rollout_devices", "train_devices", "reward_devices"):
         if rt[key] < 0:
             raise ValueError(f"runtime.{key} must be >= 0, got {rt[key]}")
+    if rt.reward_devices and not flags.colocated and jax.process_count() > 1:
+        # Both groups' threads would issue programs onto the reward devices, in no fixed order
+        # between processes (docs/design.md section 2).
+        raise ValueError(
+            f"runtime.reward_devices={rt.reward_devices} needs a single process; with {jax.process_count()} processes "
+            "set runtime.reward_devices=0 (rewards are scored where the samples are decoded)"
+        )
     wanted = rt.rollout_devices + rt.train_devices + rt.reward_devices
     if not flags.colocated and wanted > num_devices:
         raise ValueError(
