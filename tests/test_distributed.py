@@ -6,8 +6,8 @@ coordinator, 4 fake CPU devices each): rollout on process 0's devices, training 
 (`loop.train` through the executor, evaluating every iteration), compares it with a 1-process
 run bit for bit and checks its task timing; the others check checkpoints, the elastic split,
 the frozen base placed from each process's own copy, the system bench run as two processes,
-and that a killed process stops the others (the peer watchdog) and a rerun resumes. Run directly, this file is
-the worker: `python tests/test_distributed.py transfers OUT_DIR`,
+and that a killed process stops the others (the peer watchdog) and a rerun resumes. Run
+directly, this file is the worker: `python tests/test_distributed.py transfers OUT_DIR`,
 `python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, `checkpoint`/`split`/`frozen`
 with WORKDIR CACHE_DIR, `sleep PEER_TIMEOUT_S`, or `train LAUNCH_TRAIN_ARGS...` (launch/train.py).
 """
