@@ -279,3 +279,25 @@ def test_a_resumed_tracer_keeps_the_processes_on_one_clock(tmp_path):
     np.testing.assert_allclose([t.now() for t in tracers], [6.0, 6.0], atol=1e-6)
     time_.t = 2.5
     np.testing.assert_allclose([t.now() for t in tracers], [6.5, 6.5], atol=1e-6)
+
+
+def test_closing_waits_a_bounded_time_for_another_process_s_events(monkeypatch):
+    """A process whose peer stopped sending events (it failed) still closes its tracer, once its
+    own tasks are done and the bound on the others' has passed."""
+    from digen_jax.runtime import trace
+
+    monkeypatch.setattr(trace, "_DEP_WAIT_S", 0.2)
+    time_ = Time()
+    tracer = trace.Tracer(None, clock=time_.perf(0.0), peers=trace.EventExchange(FakeStore(), 0, 2, 0), wall=time_.wall)
+    own = Held(0)
+    tracer.record(Task("rollout", "rollout", 0, 0, 0), own, 0.0)
+    tracer.record(Task("train", "train", 0, 0, 0, sample_version=0), Elsewhere(1), 0.0)
+    closing = threading.Thread(target=tracer.close)
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive()  # its own rollout is not done
+    time_.t = 1.0
+    own.released.set()
+    closing.join(10)
+    assert not closing.is_alive()
+    assert [e["args"]["kind"] for e in tracer.events] == ["rollout"]

@@ -145,6 +145,7 @@ class Tracer:
         self._peers = peers
         self._alignments = 0
         self._slots: dict[tuple, int] = {}  # (kind, iteration, index) -> times recorded (exchange slots)
+        self._remote = 0  # recorded tasks another process times whose events have not come yet
         self.events: list[dict] = []  # completed task events (args included), in completion order
         self._lock = threading.Lock()
         self._queues: dict[str, queue.Queue] = {}
@@ -243,6 +244,7 @@ class Tracer:
             if owner is not None:  # exchanged: the n-th record of a task key is the same task everywhere
                 n = self._slots[_key(task)] = self._slots.get(_key(task), -1) + 1
                 slot = "/".join(str(part) for part in (*_key(task), n))
+                self._remote += owner != self._peers.process
             q = self._queues.get(task.group)
             if q is None:
                 q = self._queues[task.group] = queue.Queue()
@@ -284,11 +286,11 @@ class Tracer:
             event = self._peers.fetch(slot)
         except BaseException as e:  # surfaced to the dispatching thread; the task counts as done
             self._error = e
-            self._add(task, None, None)
+            self._add(task, None, None, remote=True)
             return
         end = (event["ts"] + event["dur"]) / 1e6
         self._last_end[task.group] = end
-        self._add(task, event, end)
+        self._add(task, event, end, remote=True)
 
     def _deps_end(self, task: Task) -> float:
         """Latest end of `task`'s recorded dependencies. They were recorded before it and its
@@ -321,9 +323,11 @@ class Tracer:
         self._add(task, event, end)
         return event
 
-    def _add(self, task: Task, event: dict | None, end: float | None) -> None:
-        """Count `task` done with its `event` ending at `end` (None: it has none)."""
+    def _add(self, task: Task, event: dict | None, end: float | None, remote: bool = False) -> None:
+        """Count `task` (`remote`: timed by another process) done with its `event` ending at `end`
+        (None: it has none)."""
         with self._lock:
+            self._remote -= remote
             if event is not None:
                 self._ends[_key(task)] = end
                 self.events.append(event)
@@ -347,9 +351,12 @@ class Tracer:
             raise self._error
 
     def wait(self) -> None:
-        """Block until every recorded task has completed."""
+        """Block until every recorded task has completed. Once this process's own have, the events
+        still due from other processes are waited for at most `_DEP_WAIT_S`: a process that failed
+        may never complete its tasks, and this one must not outlive it here."""
         with self._lock:
-            self._idle.wait_for(lambda: not any(self._pending.values()))
+            self._idle.wait_for(lambda: sum(self._pending.values()) == self._remote)
+            self._idle.wait_for(lambda: not self._remote, timeout=_DEP_WAIT_S)
         self._check()
 
     def wait_through(self, iteration: int) -> None:
