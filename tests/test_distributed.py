@@ -643,26 +643,26 @@ def watch_tracers(out_dir: str) -> None:
     from digen_jax.runtime import trace
 
     record, close, closed = trace.Tracer.record, trace.Tracer.close, []
+    waiters, ready = {}, {}  # per tracer: the threads, and [kind, iteration, index, wall time] rows
 
     def watching_record(self, task, outputs, dispatched, **args):
         record(self, task, outputs, dispatched, **args)
         if trace.EventExchange.owner(outputs) == jax.process_index():
-            def wait(key=task.key):
+            def wait():
                 jax.block_until_ready(outputs)
-                self.ready.append([*key, time.time()])
+                ready.setdefault(id(self), []).append([*task.key, time.time()])
 
-            self.waiters = getattr(self, "waiters", []) + [threading.Thread(target=wait)]
-            self.ready = getattr(self, "ready", [])
-            self.waiters[-1].start()
+            waiters.setdefault(id(self), []).append(threading.Thread(target=wait))
+            waiters[id(self)][-1].start()
 
     def watching_close(self):
         close(self)
-        for waiter in getattr(self, "waiters", []):
+        for waiter in waiters.get(id(self), []):
             waiter.join()
         path = os.path.join(out_dir, f"tracer_{jax.process_index()}_{len(closed)}.json")
         closed.append(path)
         with open(path, "w") as f:
-            json.dump({"origin": time.time() - self.now(), "events": self.events, "ready": getattr(self, "ready", [])}, f)
+            json.dump({"origin": time.time() - self.now(), "events": self.events, "ready": ready.get(id(self), [])}, f)
 
     trace.Tracer.record, trace.Tracer.close = watching_record, watching_close
 
@@ -772,22 +772,27 @@ def check_two_process_timing(out_dir, workdir, rows) -> None:
     rollout ended, and neither group is idle all the time."""
     traced = {(p, n): json.loads((out_dir / f"tracer_{p}_{n}.json").read_text()) for p in (0, 1) for n in (0, 1)}
     trace = read_trace(str(workdir / "trace.json"), superseded=True, kinds=DEVICE_KINDS)
-    device_events = lambda events: sorted(  # noqa: E731
-        (e["name"], e["ts"], e["dur"], e["args"]["process"]) for e in events if e["args"]["kind"] in DEVICE_KINDS)
+
+    def device_events(events):
+        return sorted((e["name"], e["ts"], e["dur"], e["args"]["process"])
+                      for e in events if e["args"]["kind"] in DEVICE_KINDS)
+
     assert device_events(trace) == device_events(traced[0, 0]["events"] + traced[0, 1]["events"])
     for n in (0, 1):  # the first run, then the resumed one
         events = traced[0, n]["events"]
         assert device_events(traced[1, n]["events"]) == device_events(events)
+        by_key = {(e["args"]["kind"], e["args"]["iteration"], e["args"]["microbatch"]): e for e in events}
+        assert len(by_key) == len(events)
         for p, kinds in ((0, {"rollout", "sync"}), (1, {"trajectory", "train", "update"})):
             assert {kind for kind, *_ in traced[p, n]["ready"]} == kinds
             for kind, iteration, index, ready in traced[p, n]["ready"]:
-                (e,) = [e for e in events if (e["args"]["kind"], e["args"]["iteration"], e["args"]["microbatch"]) == (kind, iteration, index)]
+                e = by_key[kind, iteration, index]
                 assert e["args"]["process"] == p
                 assert abs((e["ts"] + e["dur"]) / 1e6 - (ready - traced[0, n]["origin"])) < 1.0, (e, ready)
-        span = {(e["args"]["kind"], e["args"]["iteration"], e["args"]["microbatch"]): (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events}
-        for (kind, iteration, index), (start, _) in span.items():
+        for (kind, iteration, index), e in by_key.items():
             if kind == "train":
-                assert start >= span["rollout", iteration, index][1] - 0.1, (iteration, index)
+                rollout = by_key["rollout", iteration, index]
+                assert e["ts"] >= rollout["ts"] + rollout["dur"] - 1e5, (iteration, index)  # 0.1 s
     for row in rows:
         assert all(0 <= f < 1 for f in row["bubble_frac"].values()), row["bubble_frac"]
 

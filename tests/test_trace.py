@@ -39,9 +39,13 @@ def _complete(tracer, clock, gate, at):
     raise AssertionError(f"only {len(tracer.events)} of {done} events")
 
 
+def _span_of(e):
+    return e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
+
+
 def _span(tracer, kind):
     (e,) = [e for e in tracer.events if e["args"]["kind"] == kind]
-    return e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
+    return _span_of(e)
 
 
 def test_a_task_starts_when_its_cross_group_dependency_ends():
@@ -175,7 +179,8 @@ def _when(condition, what):
 
 
 def _spans(tracer, kinds=("rollout", "trajectory", "train", "update", "sync")):
-    return {(e["args"]["kind"], e["args"]["iteration"]): (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["args"]["process"])
+    """(kind, iteration) -> (start, end, the process that timed it) of the tracer's events."""
+    return {(e["args"]["kind"], e["args"]["iteration"]): (*_span_of(e), e["args"]["process"])
             for e in tracer.events if e["args"]["kind"] in kinds}
 
 
