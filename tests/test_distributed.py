@@ -3,11 +3,11 @@
 The 2-process tests start two local processes (a simulated SLURM step with a loopback
 coordinator, 4 fake CPU devices each): rollout on process 0's devices, training on process
 1's. One drives the transfers and a gradient step by hand; another runs the training loop
-(`loop.train` through the executor, evaluating every iteration) and compares it with a
-1-process run bit for bit; the others check checkpoints, the elastic split, the frozen base
-placed from each process's own copy, the system bench run as two processes, and that a killed
-process stops the others (the peer watchdog) and a rerun resumes. Run directly, this file is
-the worker: `python tests/test_distributed.py transfers OUT_DIR`,
+(`loop.train` through the executor, evaluating every iteration), compares it with a 1-process
+run bit for bit and checks its task timing; the others check checkpoints, the elastic split,
+the frozen base placed from each process's own copy, the system bench run as two processes,
+and that a killed process stops the others (the peer watchdog) and a rerun resumes. Run
+directly, this file is the worker: `python tests/test_distributed.py transfers OUT_DIR`,
 `python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, `checkpoint`/`split`/`frozen`
 with WORKDIR CACHE_DIR, `sleep PEER_TIMEOUT_S`, or `train LAUNCH_TRAIN_ARGS...` (launch/train.py).
 """
@@ -19,6 +19,7 @@ import runpy
 import socket
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -634,6 +635,38 @@ def loop_config(cache_dir: str, mode: str):
     return config
 
 
+def watch_tracers(out_dir: str) -> None:
+    """Instrument this process's tracers: each, when closed, writes
+    OUT_DIR/tracer_<process>_<n>.json (n: the how-manieth of the process) with its events, its
+    origin as wall time, and for every task whose outputs have shards on this process's devices
+    the wall time at which a thread of this file's own saw them ready."""
+    from digen_jax.runtime import trace
+
+    record, close, closed = trace.Tracer.record, trace.Tracer.close, []
+    waiters, ready = {}, {}  # per tracer: the threads, and [kind, iteration, index, wall time] rows
+
+    def watching_record(self, task, outputs, dispatched, **args):
+        record(self, task, outputs, dispatched, **args)
+        if trace.EventExchange.owner(outputs) == jax.process_index():
+            def wait():
+                jax.block_until_ready(outputs)
+                ready.setdefault(id(self), []).append([*task.key, time.time()])
+
+            waiters.setdefault(id(self), []).append(threading.Thread(target=wait))
+            waiters[id(self)][-1].start()
+
+    def watching_close(self):
+        close(self)
+        for waiter in waiters.get(id(self), []):
+            waiter.join()
+        path = os.path.join(out_dir, f"tracer_{jax.process_index()}_{len(closed)}.json")
+        closed.append(path)
+        with open(path, "w") as f:
+            json.dump({"origin": time.time() - self.now(), "events": self.events, "ready": ready.get(id(self), [])}, f)
+
+    trace.Tracer.record, trace.Tracer.close = watching_record, watching_close
+
+
 def run_loop_worker(workdir: str, cache_dir: str, mode: str) -> None:
     """One process of a training-loop run; the process holding the trainer saves the final weights.
 
@@ -647,6 +680,7 @@ def run_loop_worker(workdir: str, cache_dir: str, mode: str) -> None:
     config = loop_config(cache_dir, mode)
     if "SLURM_PROCID" in os.environ:
         assert distributed.initialize().num_processes == 2
+        watch_tracers(os.path.dirname(workdir))
         jax.config.update("jax_default_matmul_precision", "highest")  # as in every test process (conftest)
         # The resumed run loads the programs the first one compiled (process 0 writes the cache).
         jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(workdir), "compiled"))
@@ -686,7 +720,7 @@ def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cach
     iterations equal bit for bit those of the same run uninterrupted in one process on 8
     devices with the same role sizes, and so do the eval rewards (rolled out on process 0's
     devices with weights from process 1's, read by both); process 0 alone writes metrics and
-    trace."""
+    trace, and the tasks in it are timed right (`check_two_process_timing`)."""
     cache_dir, single, multi = pretrained_cache, tmp_path / "single", tmp_path / "multi"
     initial = workload_lib.make_workload(loop_config(str(cache_dir), mode)).base_params
     ports = free_ports(2)
@@ -723,6 +757,44 @@ def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cach
     rolled = [sid for e in events if e["args"]["kind"] == "rollout" for sid in e["args"]["sample_ids"]]
     assert sorted(rolled) == list(range(2 * 16))  # every sample once: one writer, every task recorded
     assert {e["args"]["kind"] for e in events} == {"rollout", "reward", "train", "update", "sync"}
+    check_two_process_timing(tmp_path, multi, rows)
+
+
+DEVICE_KINDS = ("rollout", "trajectory", "train", "update", "sync")
+
+
+def check_two_process_timing(out_dir, workdir, rows) -> None:
+    """The tasks of the 2-process loop run are timed by the process holding their outputs
+    (rollouts and the weights' arrival: process 0; trajectories' arrival, training, updates:
+    process 1), on one clock: each event ends when its owner saw the outputs ready (as measured
+    by `watch_tracers`' own threads, in wall time, read on process 0's clock); both processes
+    hold the same events, all in the trace; training does not start before its micro-batch's
+    rollout ended, and neither group is idle all the time."""
+    traced = {(p, n): json.loads((out_dir / f"tracer_{p}_{n}.json").read_text()) for p in (0, 1) for n in (0, 1)}
+    trace = read_trace(str(workdir / "trace.json"), superseded=True, kinds=DEVICE_KINDS)
+
+    def device_events(events):
+        return sorted((e["name"], e["ts"], e["dur"], e["args"]["process"])
+                      for e in events if e["args"]["kind"] in DEVICE_KINDS)
+
+    assert device_events(trace) == device_events(traced[0, 0]["events"] + traced[0, 1]["events"])
+    for n in (0, 1):  # the first run, then the resumed one
+        events = traced[0, n]["events"]
+        assert device_events(traced[1, n]["events"]) == device_events(events)
+        by_key = {(e["args"]["kind"], e["args"]["iteration"], e["args"]["microbatch"]): e for e in events}
+        assert len(by_key) == len(events)
+        for p, kinds in ((0, {"rollout", "sync"}), (1, {"trajectory", "train", "update"})):
+            assert {kind for kind, *_ in traced[p, n]["ready"]} == kinds
+            for kind, iteration, index, ready in traced[p, n]["ready"]:
+                e = by_key[kind, iteration, index]
+                assert e["args"]["process"] == p
+                assert abs((e["ts"] + e["dur"]) / 1e6 - (ready - traced[0, n]["origin"])) < 1.0, (e, ready)
+        for (kind, iteration, index), e in by_key.items():
+            if kind == "train":
+                rollout = by_key["rollout", iteration, index]
+                assert e["ts"] >= rollout["ts"] + rollout["dur"] - 1e5, (iteration, index)  # 0.1 s
+    for row in rows:
+        assert all(0 <= f < 1 for f in row["bubble_frac"].values()), row["bubble_frac"]
 
 
 def run_checkpoint_worker(workdir: str, cache_dir: str) -> None:

@@ -54,7 +54,7 @@ from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import SharedValues, crossing_bytes, to_every_process, whole_on_one_process
 from digen_jax.runtime.dispatch import Lanes
-from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, Tracer, iteration_summary
+from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, EventExchange, Tracer, iteration_summary
 from digen_jax.runtime.runtime_config import validate_runtime_config
 from digen_jax.runtime.weight_sync import RoleWeights
 
@@ -173,9 +173,11 @@ class Executor:
         self.meshes = mesh_lib.build_role_meshes(rt)
         self._pace_chunks = self.meshes.train.devices.flat[0].platform == "cpu"  # see `_train`
         self.microbatches = rt.micro_batches
-        # Process 0 writes the trace (it stamps tasks on other processes' devices when dispatched).
+        # Each process times the tasks on its own devices and takes the others' events from their
+        # processes (trace.EventExchange); process 0 writes them all to the trace.
         write_trace = rt.trace and jax.process_index() == 0
-        self.tracer = Tracer((trace_path or os.path.join(job.workdir, "trace.json")) if write_trace else None)
+        self.tracer = Tracer((trace_path or os.path.join(job.workdir, "trace.json")) if write_trace else None,
+                             peers=EventExchange.for_run())
         self.lanes = Lanes()
         self.shared = SharedValues()  # host values one process computes for all (rewards)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=rt.reward_workers, thread_name_prefix="reward")
@@ -407,8 +409,8 @@ class Executor:
             tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag, fixed_prefetch=fixed_prefetch)
             split = (min(tag, self.microbatches - len(self.carried)), prefetch)
         if jax.process_count() > 1:
-            # Each process timed the tasks as it saw them (its own devices' work, the others' as
-            # dispatched), so their choices can differ; a different plan would issue different
+            # Every process holds the same device tasks' times, but each timed its own reward
+            # scoring, so their choices can differ; a different plan would issue different
             # cross-process transfers and hang them all. Every process takes process 0's split.
             split = tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(split, np.int32)))
         return split

@@ -19,9 +19,29 @@ Events are appended as they complete, one per line, and the closing bracket is l
 resumed run goes on in the same file (`Tracer.resume`): an instant event marks the resume,
 the earlier run's events past the checkpoint are marked superseded, and timestamps go on
 from the last one.
+
+Several processes (multi-controller JAX: every process records every task, its own devices'
+and the others'): a task whose outputs have no shards on this process's devices would be
+ready at once here, so only its owner times it, the process holding its outputs (for a
+transfer the receiving side; where several do, the lowest process index). The owner's
+watcher stamps it as above and publishes the event in the key-value store of
+`jax.distributed` (`EventExchange`); the other processes' watchers take it from there, in
+the same group order, instead of waiting for the outputs (never through a device program:
+one issued from a watcher thread would change the order in which processes issue programs).
+So every process holds every task's event, `wait_through(k)` waits for the other processes'
+events of iteration k too, and the figures read from them (bubbles, measured costs) are the
+same everywhere; process 0 writes them all to the trace, each with `args.process`, the
+process that timed it. Host work timed with `record_done` (rewards, which every process
+scores itself) stays with the process that did it, unshared. The clocks are made one: each
+process's `now()` counts from process 0's origin, which process 0 publishes as wall time
+when its tracer starts (and again when it resumes); the others offset their own clocks by
+it, which assumes the hosts' wall clocks agree to well under a task's duration (NTP keeps
+them within milliseconds). Every process must build its tracers in the same order (they run
+the same loop): the n-th tracer of each process exchanges with the n-th of the others.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -30,6 +50,7 @@ import time
 from typing import Any, Iterable, Sequence
 
 import jax
+from jax._src.distributed import global_state
 
 from digen_jax.runtime.plan import GROUPS, Task
 
@@ -37,16 +58,94 @@ _THREAD_IDS = {g: i for i, g in enumerate(GROUPS)}
 TASK_KINDS = ("rollout", "reward", "train", "update", "sync")  # the plan's tasks (plan.Task.kind)
 TRAJECTORY = "trajectory"  # the kind of a trajectory move's event: not a plan task
 _DEP_WAIT_S = 60.0  # bound on waiting for a dependency's stamp (a failed task never gets one)
+EXCHANGE_KEY = "digen_jax/trace/"  # key-value store prefix of the events exchanged between processes
+_ORIGIN_WAIT_S = 600.0  # bound on waiting for process 0's clock origin (its tracer starts at the same point)
+_POLL_S = 10.0  # a wait for another process's event is cut into such pieces (the store bounds each call)
+_exchanges = itertools.count()  # this process's tracers of a multi-process run, in construction order
 
 
 def _key(task: Task) -> tuple:
     return (task.kind, task.iteration, task.index)
 
 
+class EventExchange:
+    """Task events between the processes of a run, through the `jax.distributed` key-value store.
+
+    `client`: the store (`global_state.client`; anything with its `key_value_set`,
+    `blocking_key_value_get` and `key_value_delete`); `process` of `processes`: this process;
+    `instance`: which of the run's tracers this serves (the same on every process). The owner of
+    an event writes one copy per other process and each reader deletes its own once read, so
+    the store does not grow with the run.
+    """
+
+    def __init__(self, client, process: int, processes: int, instance: int):
+        self.client, self.process, self.processes = client, process, processes
+        self.prefix = f"{EXCHANGE_KEY}{instance}/"
+
+    @classmethod
+    def for_run(cls) -> "EventExchange | None":
+        """The exchange of this process's next tracer in a multi-process run, None in one process."""
+        if jax.process_count() == 1:
+            return None
+        return cls(global_state.client, jax.process_index(), jax.process_count(), next(_exchanges))
+
+    @staticmethod
+    def owner(outputs: Any) -> int | None:
+        """The process that times a task with these outputs: the lowest process index holding a
+        shard of them; None when they hold no device arrays (each process times it itself)."""
+        shardings = {leaf.sharding for leaf in jax.tree.leaves(outputs) if hasattr(leaf, "sharding")}
+        return min((d.process_index for s in shardings for d in s.device_set), default=None)
+
+    def origin(self, epoch: int, wall: float) -> float:
+        """Process 0's clock origin as wall time, the `epoch`-th time it is set: process 0 gives its
+        own (`wall`), the others wait for it."""
+        key = f"{self.prefix}origin/{epoch}"
+        if self.process == 0:
+            self.client.key_value_set(key, repr(wall))
+            return wall
+        return float(self._get(key, _ORIGIN_WAIT_S))
+
+    def publish(self, slot: str, event: dict) -> None:
+        """Give every other process the event stamped here for `slot`."""
+        line = json.dumps(event)
+        for process in range(self.processes):
+            if process != self.process:
+                self.client.key_value_set(f"{self.prefix}{process}/{slot}", line)
+
+    def fetch(self, slot: str) -> dict:
+        """The event its owner stamped for `slot`; waits for it as long as the task runs."""
+        key = f"{self.prefix}{self.process}/{slot}"
+        event = json.loads(self._get(key, None))
+        self.client.key_value_delete(key)
+        return event
+
+    def _get(self, key: str, timeout_s: float | None) -> str:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(f"no {key!r} from another process in {timeout_s:g} s (does every process "
+                                   "build the same tracers in the same order?)")
+            try:
+                return self.client.blocking_key_value_get(key, max(1, int(wait * 1000)))
+            except Exception as e:  # noqa: BLE001 (only the store's time-out is retried)
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+
+
 class Tracer:
-    def __init__(self, path: str | None, *, clock=time.perf_counter):
-        self.clock = clock
+    """`path`: the trace file (None: events kept in memory only); `clock`: seconds, any origin;
+    `peers`: the exchange with the run's other processes (None in one process); `wall`: wall
+    time, which aligns the clocks of several processes."""
+
+    def __init__(self, path: str | None, *, clock=time.perf_counter, peers: EventExchange | None = None,
+                 wall=time.time):
+        self.clock, self.wall = clock, wall
         self.origin = clock()
+        self._peers = peers
+        self._alignments = 0
+        self._slots: dict[tuple, int] = {}  # (kind, iteration, index) -> times recorded (exchange slots)
+        self._remote = 0  # recorded tasks another process times whose events have not come yet
         self.events: list[dict] = []  # completed task events (args included), in completion order
         self._lock = threading.Lock()
         self._queues: dict[str, queue.Queue] = {}
@@ -68,9 +167,19 @@ class Tracer:
                     meta = {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": group}}
                     self._file.write(json.dumps(meta) + ",\n")
             self._file.flush()
+        self._align()
 
     def now(self) -> float:
         return self.clock() - self.origin
+
+    def _align(self) -> None:
+        """Several processes: count from process 0's origin (module docstring)."""
+        if self._peers is None:
+            return
+        wall = self._peers.origin(self._alignments, self.wall() - self.now())
+        self._alignments += 1
+        if self._peers.process != 0:
+            self.origin = self.clock() - (self.wall() - wall)
 
     def resume(self, iteration: int, kept: set[tuple[int, int]]) -> None:
         """Mark the trace as resumed from the checkpoint taken before `iteration` (call it before
@@ -78,9 +187,13 @@ class Tracer:
         `iteration`; a sync counts with the update it carries), which this run does again, get
         `args.superseded = true`, except the rollouts and rewards of the `kept` (iteration,
         micro-batch) pairs, which the checkpoint holds; a line cut by a kill is dropped. This run's
-        clock goes on from the trace's last timestamp, and an instant event marks the resume."""
-        if self._file is None:
-            return
+        clock goes on from the trace's last timestamp, and an instant event marks the resume (the
+        other processes of a run go on from process 0's clock: call it on every process)."""
+        if self._file is not None:
+            self._resume_file(iteration, kept)
+        self._align()
+
+    def _resume_file(self, iteration: int, kept: set[tuple[int, int]]) -> None:
         self._file.close()
         lines, end_us = [], 0.0  # microseconds, as the events hold them: the marker lands exactly at the last end
         with open(self._path) as f:
@@ -123,16 +236,22 @@ class Tracer:
         """
         self._check()
         args = {**args, "dispatch_s": round(self.now() - dispatched, 6)}
+        owner = None if self._peers is None else self._peers.owner(outputs)
         with self._lock:
             self._count(task, +1)
             self._recorded.add(_key(task))
+            slot = None
+            if owner is not None:  # exchanged: the n-th record of a task key is the same task everywhere
+                n = self._slots[_key(task)] = self._slots.get(_key(task), -1) + 1
+                slot = "/".join(str(part) for part in (*_key(task), n))
+                self._remote += owner != self._peers.process
             q = self._queues.get(task.group)
             if q is None:
                 q = self._queues[task.group] = queue.Queue()
                 thread = threading.Thread(target=self._watch, args=(q,), daemon=True, name=f"trace-{task.group}")
                 thread.start()
                 self._threads.append(thread)
-        q.put((task, outputs, dispatched, args))
+        q.put((task, outputs, dispatched, args, owner, slot))
 
     def record_done(self, task: Task, start: float, end: float, **args: Any) -> None:
         """A task timed by whoever ran it (host work such as rewards)."""
@@ -143,7 +262,10 @@ class Tracer:
 
     def _watch(self, q: queue.Queue) -> None:
         while True:
-            task, outputs, dispatched, args = q.get()
+            task, outputs, dispatched, args, owner, slot = q.get()
+            if owner is not None and owner != self._peers.process:
+                self._take(task, slot)
+                continue
             try:
                 jax.block_until_ready(outputs)
             except BaseException as e:  # surfaced to the dispatching thread on its next call
@@ -151,7 +273,24 @@ class Tracer:
             end = self.now()
             start = max(dispatched, self._last_end.get(task.group, 0.0), self._deps_end(task))
             self._last_end[task.group] = end
-            self._finish(task, start, end, args)
+            event = self._finish(task, start, end, args)
+            if slot is not None:
+                try:
+                    self._peers.publish(slot, event)
+                except BaseException as e:  # the store is gone (a lost coordinator): surfaced like a device error
+                    self._error = e
+
+    def _take(self, task: Task, slot: str) -> None:
+        """The event of a task another process times, as that process stamped it."""
+        try:
+            event = self._peers.fetch(slot)
+        except BaseException as e:  # surfaced to the dispatching thread; the task counts as done
+            self._error = e
+            self._add(task, None, None, remote=True)
+            return
+        end = (event["ts"] + event["dur"]) / 1e6
+        self._last_end[task.group] = end
+        self._add(task, event, end, remote=True)
 
     def _deps_end(self, task: Task) -> float:
         """Latest end of `task`'s recorded dependencies. They were recorded before it and its
@@ -161,7 +300,9 @@ class Tracer:
             self._idle.wait_for(lambda: all(tuple(dep) in self._ends for dep in recorded), timeout=_DEP_WAIT_S)
             return max((self._ends.get(tuple(dep), 0.0) for dep in recorded), default=0.0)
 
-    def _finish(self, task: Task, start: float, end: float, args: dict) -> None:
+    def _finish(self, task: Task, start: float, end: float, args: dict) -> dict:
+        if self._peers is not None:
+            args = {**args, "process": self._peers.process}
         event = {
             "name": f"{task.kind} it{task.iteration} mb{task.index}",
             "ph": "X",
@@ -179,16 +320,24 @@ class Tracer:
                 **args,
             },
         }
+        self._add(task, event, end)
+        return event
+
+    def _add(self, task: Task, event: dict | None, end: float | None, remote: bool = False) -> None:
+        """Count `task` (`remote`: timed by another process) done with its `event` ending at `end`
+        (None: it has none)."""
         with self._lock:
-            self._ends[_key(task)] = end
-            self.events.append(event)
-            try:
-                if self._file is not None:
-                    self._file.write(json.dumps(event) + ",\n")
-                    self._file.flush()
-            except OSError as e:  # a full disk, say: surfaced to the dispatching thread, the watcher goes on
-                self._error = e
-                self._file = None
+            self._remote -= remote
+            if event is not None:
+                self._ends[_key(task)] = end
+                self.events.append(event)
+                try:
+                    if self._file is not None:
+                        self._file.write(json.dumps(event) + ",\n")
+                        self._file.flush()
+                except OSError as e:  # a full disk, say: surfaced to the dispatching thread, the watcher goes on
+                    self._error = e
+                    self._file = None
             self._count(task, -1)
             self._idle.notify_all()
 
@@ -202,9 +351,12 @@ class Tracer:
             raise self._error
 
     def wait(self) -> None:
-        """Block until every recorded task has completed."""
+        """Block until every recorded task has completed. Once this process's own have, the events
+        still due from other processes are waited for at most `_DEP_WAIT_S`: a process that failed
+        may never complete its tasks, and this one must not outlive it here."""
         with self._lock:
-            self._idle.wait_for(lambda: not any(self._pending.values()))
+            self._idle.wait_for(lambda: sum(self._pending.values()) == self._remote)
+            self._idle.wait_for(lambda: not self._remote, timeout=_DEP_WAIT_S)
         self._check()
 
     def wait_through(self, iteration: int) -> None:
