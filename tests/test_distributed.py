@@ -732,7 +732,8 @@ def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cach
     assert "training 2 iterations" in outputs[0]
     for out in outputs[1:]:  # both processes: the first iteration, then the second from its checkpoint
         assert "training 1 iterations of 16 samples (from iteration 0)" in out
-        assert "resumed from checkpoint 1 (policy version 1, 0 prefetched micro-batches)" in out
+        prefetched = loop_config(str(cache_dir), mode).runtime.prefetch_microbatches
+        assert f"resumed from checkpoint 1 (policy version 1, {prefetched} prefetched micro-batches)" in out
         assert "training 1 iterations of 16 samples (from iteration 1)" in out
     assert {"1", "2"} <= set(os.listdir(multi / "checkpoints"))  # every iteration checkpointed
 
@@ -755,9 +756,21 @@ def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cach
         assert f"eval {rows[-1]['eval_reward_mean']:.3f}" in out
     events = read_trace(str(multi / "trace.json"))
     rolled = [sid for e in events if e["args"]["kind"] == "rollout" for sid in e["args"]["sample_ids"]]
-    assert sorted(rolled) == list(range(2 * 16))  # every sample once: one writer, every task recorded
+    # Every sample once (one writer, every task recorded), and the third iteration's prefetched ones.
+    assert sorted(rolled) == list(range(2 * 16 + prefetched * 4))
     assert {e["args"]["kind"] for e in events} == {"rollout", "reward", "train", "update", "sync"}
     check_two_process_timing(tmp_path, multi, rows)
+    # Across processes the pipeline overlaps: a later micro-batch rolls out on process 0's devices
+    # while process 1's train an earlier one.
+    span = lambda e: (e["ts"], e["ts"] + e["dur"])  # noqa: E731
+    overlaps = [
+        (t["args"]["iteration"], t["args"]["microbatch"], r["args"]["microbatch"])
+        for t in events if t["args"]["kind"] == "train"
+        for r in events if r["args"]["kind"] == "rollout" and r["args"]["group"] == "rollout"
+        and r["args"]["iteration"] == t["args"]["iteration"] and r["args"]["microbatch"] > t["args"]["microbatch"]
+        and min(span(t)[1], span(r)[1]) - max(span(t)[0], span(r)[0]) > 0
+    ]
+    assert overlaps, "no rollout of a later micro-batch overlapped the training of an earlier one"
 
 
 DEVICE_KINDS = ("rollout", "trajectory", "train", "update", "sync")
@@ -765,8 +778,8 @@ DEVICE_KINDS = ("rollout", "trajectory", "train", "update", "sync")
 
 def check_two_process_timing(out_dir, workdir, rows) -> None:
     """The tasks of the 2-process loop run are timed by the process holding their outputs
-    (rollouts and the weights' arrival: process 0; trajectories' arrival, training, updates:
-    process 1), on one clock: each event ends when its owner saw the outputs ready (as measured
+    (rollouts and the weights' arrival: process 0; trajectories' arrival, training, updates and
+    the trainer's rollouts: process 1), on one clock: each event ends when its owner saw the outputs ready (as measured
     by `watch_tracers`' own threads, in wall time, read on process 0's clock); both processes
     hold the same events, all in the trace; training does not start before its micro-batch's
     rollout ended, and neither group is idle all the time."""
@@ -783,14 +796,15 @@ def check_two_process_timing(out_dir, workdir, rows) -> None:
         assert device_events(traced[1, n]["events"]) == device_events(events)
         by_key = {(e["args"]["kind"], e["args"]["iteration"], e["args"]["microbatch"]): e for e in events}
         assert len(by_key) == len(events)
-        for p, kinds in ((0, {"rollout", "sync"}), (1, {"trajectory", "train", "update"})):
+        trainer_rollouts = {"rollout"} if any(e["args"]["group"] == "train" for e in events) else set()  # TAG
+        for p, kinds in ((0, {"rollout", "sync"}), (1, {"trajectory", "train", "update"} | trainer_rollouts)):
             assert {kind for kind, *_ in traced[p, n]["ready"]} == kinds
             for kind, iteration, index, ready in traced[p, n]["ready"]:
                 e = by_key[kind, iteration, index]
                 assert e["args"]["process"] == p
                 assert abs((e["ts"] + e["dur"]) / 1e6 - (ready - traced[0, n]["origin"])) < 1.0, (e, ready)
         for (kind, iteration, index), e in by_key.items():
-            if kind == "train":
+            if kind == "train" and ("rollout", iteration, index) in by_key:  # not restored from the checkpoint
                 rollout = by_key["rollout", iteration, index]
                 assert e["ts"] >= rollout["ts"] + rollout["dur"] - 1e5, (iteration, index)  # 0.1 s
     for row in rows:
