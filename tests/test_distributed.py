@@ -205,6 +205,49 @@ class FakeStore:
             raise RuntimeError("UNAVAILABLE: failed to connect to all addresses\nmore detail")
 
 
+class BlockingStore(FakeStore):
+    """`FakeStore` with the blocking byte reads of `jax.distributed`'s client (a timeout raises as it does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.changed = threading.Condition()
+
+    def key_value_set_bytes(self, key, value):
+        with self.changed:
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.values, timeout_ms / 1e3):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
+            return self.values[key]
+
+
+def test_shared_values_reach_readers_that_wait_and_carry_failures(monkeypatch):
+    """A value published after its reader started waiting (past several poll timeouts) arrives
+    whole; a failure reaches the reader as an error naming it; closing ends a waiting reader."""
+    store = BlockingStore()
+    monkeypatch.setattr(distributed.SharedValues, "_client", staticmethod(lambda: store))
+    monkeypatch.setattr(distributed.SharedValues, "_POLL_MS", 20)
+    shared, other = distributed.SharedValues(), distributed.SharedValues()
+    rewards = np.array([0.5, -1.25, 3.0], np.float32)
+    waiting = shared.read_later("rewards/0/1", np.float32)
+    time.sleep(0.1)
+    assert not waiting.done()
+    other.publish("rewards/0/1", -rewards)  # another scope: not this reader's value
+    shared.publish("rewards/0/1", rewards)
+    assert np.array_equal(waiting.result(timeout=5), rewards)
+    shared.fail("rewards/0/2", ValueError("reward model missing"))
+    with pytest.raises(RuntimeError, match=r"rewards/0/2: process 0 failed: ValueError: reward model missing"):
+        shared.read("rewards/0/2", np.float32)
+    never = shared.read_later("rewards/0/3", np.float32)
+    shared.close()
+    with pytest.raises(RuntimeError, match="the run is closing"):
+        never.result(timeout=5)
+    other.close()
+
+
 @pytest.mark.parametrize("silent", ["process 2", "coordinator"])
 def test_peer_watchdog_names_what_went_silent(monkeypatch, silent):
     """Process 1 of 3 watches with a 1 s timeout: while processes 0 and 2 beat (written here)
