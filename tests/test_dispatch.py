@@ -83,7 +83,7 @@ def test_met_crossings_keep_plan_order_in_every_lane(mode, tag, prefetch):
                 time.sleep(0.002)  # the other lane would run ahead here if it did not meet
 
     try:
-        lanes.submit(p.tasks, handle, meets)
+        lanes.submit(p.tasks, meets, handle=handle)
         lanes.drain()
     finally:
         lanes.close()
@@ -136,9 +136,9 @@ def test_lanes_go_on_into_the_next_batch_while_another_lane_finishes_the_last():
 
     lanes = dispatch.Lanes()
     try:
-        lanes.submit(first.tasks, handle)
+        lanes.submit(first.tasks, handle=handle)
         lanes.wait([t.key for t in first.tasks if t.iteration == 1 and t.kind != "reward"])
-        lanes.submit(second.tasks, handle)
+        lanes.submit(second.tasks, handle=handle)
         assert trained_ahead.wait(10)
         assert ("rollout", 2, 1) not in order and ("train", 2, 1) not in order
         release.set()

@@ -60,7 +60,7 @@ def dispatch(tasks: Sequence[Task], handle: Callable[[Task], None]) -> None:
     the first error of any handler is raised here, after the other lanes stopped."""
     lanes = Lanes()
     try:
-        lanes.submit(tasks, handle)
+        lanes.submit(tasks, handle=handle)
         lanes.drain()
     finally:
         lanes.close()
@@ -88,8 +88,8 @@ class Lanes:
         self._failed: list[BaseException] = []
         self._meetings: dict[TaskKey, _Meeting] = {}
 
-    def submit(self, tasks: Sequence[Task], handle: Callable[[Task], None],
-               meets: Callable[[Task], frozenset[str]] | None = None) -> None:
+    def submit(self, tasks: Sequence[Task], meets: Callable[[Task], frozenset[str]] | None = None, *,
+               handle: Callable[[Task], None]) -> None:
         """Queue `tasks` (rewards skipped) behind everything submitted before; `meets(task)`: the
         other lanes that meet the task's crossing (default: none)."""
         self._raise_failure()

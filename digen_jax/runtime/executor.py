@@ -54,6 +54,7 @@ from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import SharedValues, crossing_bytes, to_every_process, whole_on_one_process
 from digen_jax.runtime.dispatch import Lanes
+from digen_jax.runtime.dispatch import lane as dispatch_lane
 from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, EventExchange, Tracer, iteration_summary
 from digen_jax.runtime.runtime_config import validate_runtime_config
 from digen_jax.runtime.weight_sync import RoleWeights
@@ -157,6 +158,7 @@ class MicroBatch:
     rolled_on: str | None = None  # the device group that rolled it out
     version: int | None = None  # the policy version that generated it
     traj: Trajectory | None = None
+    on_trainer: Trajectory | None = None  # the trajectory moved to the train mesh ahead of its training
     rewards: concurrent.futures.Future | None = None
 
 
@@ -337,16 +339,24 @@ class Executor:
         cut = _cut_fn(_step_units, per_sample, mesh_lib.batch_sharding(self.meshes.train, (units.size // per_sample,)))
         return [cut(units, t) for t in range(per_sample)]
 
+    def _move_trajectory(self, mb: MicroBatch) -> None:
+        """`mb`'s trajectory onto the train mesh (`mb.on_trainer`); a move between roles is recorded
+        on the link track. Several processes: a dispatched task of its own (`_crossings`)."""
+        mesh = self.meshes.train
+        moved_bytes, moving = crossing_bytes(mb.traj, mesh), self.tracer.now()
+        move = plan_lib.Task(TRAJECTORY, "link", mb.iteration, mb.index, mb.version,
+                             deps=(("rollout", mb.iteration, mb.index),))
+        with self.lanes.crossing(move):
+            mb.on_trainer = mesh_lib.put_batch(mb.traj, mesh)
+        if moved_bytes:  # rolled out on another role: the trajectory crossed to the trainer
+            self.tracer.record(move, mb.on_trainer, moving, bytes=moved_bytes, sample_ids=mb.sample_ids.tolist())
+
     def _train(self, task: plan_lib.Task, mb: MicroBatch, acc: dict) -> None:
         rl = self.config.rl
         mesh = self.meshes.train
-        moved_bytes, moving = crossing_bytes(mb.traj, mesh), self.tracer.now()
-        with self.lanes.crossing(task):  # from another process's devices: in plan order (dispatch.py)
-            traj = mesh_lib.put_batch(mb.traj, mesh)
-        if moved_bytes:  # rolled out on another role: the trajectory crossed to the trainer
-            move = plan_lib.Task(TRAJECTORY, "link", mb.iteration, mb.index, mb.version,
-                                 deps=(("rollout", mb.iteration, mb.index),))
-            self.tracer.record(move, traj, moving, bytes=moved_bytes, sample_ids=mb.sample_ids.tolist())
+        if mb.on_trainer is None:  # not moved ahead by a crossing task
+            self._move_trajectory(mb)
+        traj, mb.on_trainer = mb.on_trainer, None  # the trainer's copy lives as long as this task's programs need it
         rewards = mb.rewards.result()  # the one wait: everything that can run meanwhile is enqueued
         acc["finite"] = acc["finite"] and bool(np.all(np.isfinite(rewards)))
         prompt_groups = len(rewards) // rl.group_size  # GRPO groups: one prompt's samples each
@@ -475,6 +485,8 @@ class Executor:
                 acc = self._fresh_acc()
             elif task.kind == "sync":
                 self._sync(task.version, task.deps)
+            elif task.kind == TRAJECTORY:
+                self._move_trajectory(mbs[(task.iteration, task.index)])
 
         # Each device group's tasks from its own thread (dispatch.py says why), across
         # iterations: with one process this returns once iteration k's own tasks ran, while the
@@ -483,7 +495,7 @@ class Executor:
         # split, evaluation, checkpoints) runs programs that cross processes from this thread,
         # which must come at the same point of every device's order on every process.
         self.lanes.forget(before_iteration=k - 1)
-        self.lanes.submit(plan.tasks, handle, self._meets(plan, list(mbs.values())))
+        self.lanes.submit(*self._crossings(plan, list(mbs.values())), handle=handle)
         if jax.process_count() > 1:
             self.lanes.drain()
         else:
@@ -503,30 +515,57 @@ class Executor:
         )
         return plan, metrics
 
-    def _meets(self, plan: plan_lib.IterationPlan, mbs: list[MicroBatch]) -> Callable[[plan_lib.Task], frozenset[str]]:
-        """The lanes of this process that meet each task of `plan` (`dispatch.Lanes.crossing`):
-        with several processes, a training task whose trajectory crosses from another process's
-        devices and a weight sync crossing between processes are met by the lanes of this
-        process whose devices the transfer touches. One process: none."""
+    def _crossings(self, plan: plan_lib.IterationPlan, mbs: list[MicroBatch]):
+        """The tasks to dispatch for `plan` and which other lanes of this process meet each one's
+        crossing (`dispatch.Lanes.crossing`). One process: the plan's tasks; nobody meets.
+
+        Several processes: a weight sync whose transfer crosses processes is met at its place by
+        the lanes of this process whose devices it touches. A trajectory crossing processes
+        moves in a task of its own (`TRAJECTORY`, on the train lane), placed where both streams
+        reach it about together: after the task that follows its rollout on the rolling lane
+        (that rollout has run by then: a lane dispatches its next rollout as the previous one
+        ends) and after the task before its training on the train lane, but before the training.
+        A move program waits on each device until every device entered it, so a move placed
+        right after its rollout would hold the trainer's stream until that rollout ended, and
+        one placed at the training's place would wait on the rolling stream behind every
+        rollout the plan puts before that training.
+        """
+        tasks = [t for t in plan.tasks if t.kind != "reward"]
         if jax.process_count() == 1 or self.meshes.colocated:
-            return lambda task: frozenset()
-        rolled_on = {(t.iteration, t.index): t.group for t in plan.tasks if t.kind == "rollout"}
-        rolled_on.update({(m.iteration, m.index): m.rolled_on for m in mbs if m.rolled_on is not None})
+            return tasks, None
         mine = set(jax.local_devices())
 
-        def meets(task: plan_lib.Task) -> frozenset[str]:
-            if task.kind == "train":
-                groups = {rolled_on[(task.iteration, task.index)], "train"}
-            elif task.kind == "sync":
-                groups = {"rollout", "train"}
-            else:
-                return frozenset()
+        def local_lanes(groups) -> frozenset[str] | None:
+            """The groups' lanes with devices on this process; None when nothing crosses processes."""
             devices = [d for g in groups for d in self.meshes.for_group(g).devices.flat]
-            if len(groups) < 2 or len({d.process_index for d in devices}) < 2:
-                return frozenset()
+            if len(set(groups)) < 2 or len({d.process_index for d in devices}) < 2:
+                return None
             return frozenset(g for g in groups if mine & set(self.meshes.for_group(g).devices.flat))
 
-        return meets
+        meets, placed = {}, {}  # task key -> meeting lanes; position -> moves placed after it
+        rolled_on = {(m.iteration, m.index): m.rolled_on for m in mbs if m.rolled_on is not None}
+        position = {t.key: i for i, t in enumerate(tasks)}
+        for i, task in enumerate(tasks):
+            if task.kind == "rollout":
+                rolled_on[(task.iteration, task.index)] = task.group
+            elif task.kind == "sync" and (lanes := local_lanes(("rollout", "train"))) is not None:
+                meets[task.key] = lanes
+            elif task.kind == "train":
+                source = rolled_on[(task.iteration, task.index)]
+                lanes = local_lanes((source, "train"))
+                if lanes is None:
+                    continue
+                produced = position.get(("rollout", task.iteration, task.index), -1)
+                after_rollout = next((j for j in range(produced + 1, len(tasks)) if dispatch_lane(tasks[j]) == source), produced)
+                before_training = max((j for j in range(i) if dispatch_lane(tasks[j]) == "train"), default=-1)
+                move = plan_lib.Task(TRAJECTORY, "train", task.iteration, task.index, task.sample_version,
+                                     deps=(("rollout", task.iteration, task.index),))
+                placed.setdefault(min(max(after_rollout, before_training), i - 1), []).append(move)
+                meets[move.key] = lanes
+        ordered = placed.get(-1, [])
+        for i, task in enumerate(tasks):
+            ordered += [task, *placed.get(i, [])]
+        return ordered, lambda task: meets.get(task.key, frozenset())
 
     def sample(self, trainable, cond: Conditioning, sample_keys: jax.Array, noise_levels, version) -> jax.Array:
         """Decoded samples of `trainable` (a tree laid out like the train state's, e.g. its EMA) for
