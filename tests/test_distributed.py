@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
@@ -755,6 +756,17 @@ def save_with_prefetch(run, config, shift: int, out_dir) -> Executor:
     return executor
 
 
+def save_as_before(executor, workdir, config) -> None:
+    """Checkpoint 1 of `executor` as one process wrote it before process layouts interchanged:
+    the state and the prefetched micro-batches' host copies through orbax's StandardSave."""
+    meta = {"carried": [m.index for m in executor.carried], "mode": executor.mode,
+            "fingerprint": checkpoints.fingerprint(config), "measured": []}
+    manager = checkpoints.open_manager(workdir, config)
+    manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(executor.state), meta=ocp.args.JsonSave(meta),
+                                            carried=ocp.args.StandardSave(executor.carried_snapshot())))
+    manager.close()
+
+
 def assert_restored(run, manager, saved_dir, version: int) -> None:
     """A fresh executor of `run` restores checkpoint 1 from `manager`: on the train shardings, each
     process's shards bit-equal to the saved state (a process without train devices holds none),
@@ -805,22 +817,27 @@ def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> None
     rerun = loop.Run(config, workdir, log=stage)
     assert_restored(rerun, rerun.checkpoints, workdir, version=1)
     stage("checkpoint round trip kept every bit")
-    assert_restored(rerun, checkpoints.open_manager(single_dir, config), single_dir, version=2)
-    stage("one-process checkpoint restored")
+    for workdir in (single_dir, os.path.join(single_dir, "before")):
+        assert_restored(rerun, checkpoints.open_manager(workdir, config), single_dir, version=2)
+        stage(f"one-process checkpoint in {workdir} restored")
 
 
 def test_two_process_checkpoint_round_trip(tmp_path, pretrained_cache):
     """Checkpoints interchange between process layouts (the same roles: rollout on 4 devices,
-    training on the other 4). One process on 8 devices saves one; two processes (training on
-    process 1's devices, a prefetched micro-batch on process 0's) restore it, then save and
-    restore their own, which one process restores in turn. Process 1 alone writes the state and
-    the micro-batches; every restore gives back every saved bit on the train shardings, and the
-    micro-batch (most assertions run in the workers: `assert_restored`)."""
+    training on the other 4). One process on 8 devices saves one, and one as checkpoints were
+    written before; two processes (training on process 1's devices, a prefetched micro-batch
+    on process 0's) restore both, then save and restore their own, which one process restores
+    in turn. Process 1 alone writes the state and the micro-batches; every restore gives back
+    every saved bit on the train shardings, and the micro-batch (most assertions run in the
+    workers: `assert_restored`)."""
     config = loop_config(str(pretrained_cache), "disagg_sync")
     single, multi = tmp_path / "single", tmp_path / "multi"
     run = loop.Run(config, str(single), log=stage)
-    save_with_prefetch(run, config, 2, single).close()
+    executor = save_with_prefetch(run, config, 2, single)
+    save_as_before(executor, str(single / "before"), config)
+    executor.close()
     run.checkpoints.close()
+    assert_restored(run, checkpoints.open_manager(str(single / "before"), config), single, version=2)
     port = free_port()
     outputs = run_workers(
         *[(("checkpoint", str(multi), str(pretrained_cache), str(single)), worker_env(4, **slurm_step_env(pid, port)))
@@ -830,8 +847,8 @@ def test_two_process_checkpoint_round_trip(tmp_path, pretrained_cache):
     for out in outputs:
         assert "resumed from checkpoint 1 (policy version 1, 1 prefetched micro-batches)" in out
         assert "checkpoint round trip kept every bit" in out
-        assert "resumed from checkpoint 1 (policy version 2, 1 prefetched micro-batches)" in out
-        assert "one-process checkpoint restored" in out
+        assert out.count("policy version 2, 1 prefetched micro-batches") == 2
+        assert f"one-process checkpoint in {single / 'before'} restored" in out
     for item in ("state", "carried"):  # the train role's process wrote each array once; process 0 nothing
         written = [name for name in os.listdir(multi / "checkpoints" / "1" / item) if name.startswith("ocdbt.process_")]
         assert written == ["ocdbt.process_1"], (item, written)
