@@ -8,8 +8,9 @@ coordinator, 4 fake CPU devices each): rollout on process 0's devices, training 
 placed from each process's own copy, the system bench run as two processes, and that a killed
 process stops the others (the peer watchdog) and a rerun resumes. Run directly, this file is
 the worker: `python tests/test_distributed.py transfers OUT_DIR`,
-`python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, `checkpoint`/`split`/`frozen`
-with WORKDIR CACHE_DIR, `sleep PEER_TIMEOUT_S`, or `train LAUNCH_TRAIN_ARGS...` (launch/train.py).
+`python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, `checkpoint WORKDIR CACHE_DIR
+SINGLE_DIR`, `split`/`frozen` with WORKDIR CACHE_DIR, `sleep PEER_TIMEOUT_S`, or
+`train LAUNCH_TRAIN_ARGS...` (launch/train.py).
 """
 import concurrent.futures
 import faulthandler
@@ -817,6 +818,10 @@ def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> None
     rerun = loop.Run(config, workdir, log=stage)
     assert_restored(rerun, rerun.checkpoints, workdir, version=1)
     stage("checkpoint round trip kept every bit")
+    # As a launch of several processes runs it: the fingerprint holds nothing of the process layout.
+    launched = loop_config(cache_dir, "disagg_sync")
+    launched.runtime.distributed = True
+    assert checkpoints.resume_candidates(checkpoints.open_manager(single_dir, launched), launched, stage) == [1]
     for workdir in (single_dir, os.path.join(single_dir, "before")):
         assert_restored(rerun, checkpoints.open_manager(workdir, config), single_dir, version=2)
         stage(f"one-process checkpoint in {workdir} restored")

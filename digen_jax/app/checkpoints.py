@@ -33,8 +33,8 @@ from typing import Callable
 
 import jax
 import ml_collections
-import orbax.checkpoint as ocp
 import numpy as np
+import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
@@ -442,7 +442,9 @@ def _read_on_host(manager: ocp.CheckpointManager, step: int, item: str):
     return manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(restore_args=args)}))[item]
 
 
-def _abstract(tree, shardings):
+def _abstract(tree, shardings=None):
+    """`tree`'s shapes and dtypes on `shardings` (default: its own)."""
+    shardings = jax.tree.map(lambda a: a.sharding, tree) if shardings is None else shardings
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
@@ -483,7 +485,7 @@ def read_state(manager: ocp.CheckpointManager, like, config: ml_collections.Conf
     if diff:
         raise RunStopped(f"checkpoint {step} in {manager.directory} was written by a run whose config differs from "
                          "this one in what shapes the trained state:\n  " + "\n  ".join(diff))
-    return _read(manager, step, "state", _abstract(like, jax.tree.map(lambda a: a.sharding, like)))
+    return _read(manager, step, "state", _abstract(like))
 
 
 def restore_first_readable(executor, manager: ocp.CheckpointManager, candidates: list[int],
@@ -554,7 +556,7 @@ def load_init_from(manager: ocp.CheckpointManager, step: int, meta: dict, traina
                    config: ml_collections.ConfigDict, log: Callable[[str], None]):
     """The trainable weights of `train.init_from`'s checkpoint `step`, in `trainable`'s shapes and
     placement (RunStopped when a leaf does not fit); logs what was loaded."""
-    target = _abstract(trainable, jax.tree.map(lambda a: a.sharding, trainable))
+    target = _abstract(trainable)
     try:
         restored = _read(manager, step, "state", {"trainable": target}, partial=True)
     except Exception as e:  # noqa: BLE001 (a source written before fingerprints: its shapes are the check)
