@@ -4,12 +4,13 @@ The 2-process tests start two local processes (a simulated SLURM step with a loo
 coordinator, 4 fake CPU devices each): rollout on process 0's devices, training on process
 1's. One drives the transfers and a gradient step by hand; another runs the training loop
 (`loop.train` through the executor, evaluating every iteration), compares it with a 1-process
-run bit for bit and checks its task timing; the others check checkpoints, the elastic split,
-the frozen base placed from each process's own copy, the system bench run as two processes,
-and that a killed process stops the others (the peer watchdog) and a rerun resumes. Run
-directly, this file is the worker: `python tests/test_distributed.py transfers OUT_DIR`,
-`python tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, `checkpoint`/`split`/`frozen`
-with WORKDIR CACHE_DIR, `sleep PEER_TIMEOUT_S`, or `train LAUNCH_TRAIN_ARGS...` (launch/train.py).
+run bit for bit and checks its task timing and overlap; the others check checkpoints (across
+process layouts), the elastic split, the frozen base placed from each process's own copy, the
+system bench run as two processes, and that a killed process stops the others (the peer
+watchdog) and a rerun resumes. Run directly, this file is the worker:
+`python tests/test_distributed.py transfers OUT_DIR`, `python tests/test_distributed.py loop
+WORKDIR CACHE_DIR MODE`, `checkpoint WORKDIR CACHE_DIR SINGLE_DIR`, `split`/`frozen` with
+WORKDIR CACHE_DIR, `sleep PEER_TIMEOUT_S`, or `train LAUNCH_TRAIN_ARGS...` (launch/train.py).
 """
 import concurrent.futures
 import faulthandler
@@ -27,7 +28,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,6 +39,7 @@ from digen_jax.app import checkpoints, loop
 from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, Trajectory, initial_noise
 from digen_jax.runtime import distributed
+from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import peer_watchdog
 from digen_jax.runtime import plan as plan_lib
@@ -854,64 +858,138 @@ def check_two_process_timing(out_dir, workdir, rows) -> None:
         assert all(0 <= f < 1 for f in row["bubble_frac"].values()), row["bubble_frac"]
 
 
-def run_checkpoint_worker(workdir: str, cache_dir: str) -> None:
-    """One process of the 2-process checkpoint test: an updated train state (process 1's devices)
-    and a micro-batch prefetched on the rollout role (process 0's) saved, then restored by a
-    fresh executor; asserts the round trip keeps every bit and the train shardings."""
-    assert distributed.initialize().num_processes == 2
-    config = loop_config(cache_dir, "disagg_sync")
-    run = loop.Run(config, workdir, log=stage)
+def save_with_prefetch(run, config, shift: int, out_dir) -> Executor:
+    """Save checkpoint 1 of `run`: its train state plus `shift` and a micro-batch prefetched on
+    the rollout role, with values that tell them apart; the process whose devices hold the whole
+    state writes what was saved (state leaves, prefetched arrays) to OUT_DIR/saved.npz."""
     executor = Executor(run, log=stage)
-    shardings = executor.state_sharding
-    executor.state = jax.jit(lambda s: jax.tree.map(lambda a: a + 1, s), out_shardings=shardings)(executor.state)
+    executor.state = jax.jit(lambda s: jax.tree.map(lambda a: a + shift, s), out_shardings=executor.state_sharding)(
+        executor.state)
     prefetched = executor.microbatches_of(1)[0]
     samples = len(prefetched.sample_ids)
-    latents, log_probs = mesh_lib.put_batch(
-        (jnp.arange(samples * 6.0).reshape(samples, 3, 2) - 7.5, -jnp.arange(samples * 2.0).reshape(samples, 2)),
-        executor.meshes.rollout,
-    )
-    prefetched.traj = Trajectory(latents=latents, log_probs=log_probs, means=latents, noise_levels=jnp.asarray(prefetched.noise_levels),
-                                 sample_keys=prefetched.sample_keys, version=jnp.int32(1))
-    prefetched.rolled_on, prefetched.version = "rollout", 1
+    latents = jnp.arange(samples * 6.0).reshape(samples, 3, 2) - 7.5 + shift
+    log_probs = -jnp.arange(samples * 2.0).reshape(samples, 2) * shift
+    placed = mesh_lib.put_batch((latents, log_probs), executor.meshes.rollout)
+    prefetched.traj = Trajectory(latents=placed[0], log_probs=placed[1], means=placed[0],
+                                 noise_levels=jnp.asarray(prefetched.noise_levels),
+                                 sample_keys=prefetched.sample_keys, version=jnp.int32(shift))
+    prefetched.rolled_on, prefetched.version = "rollout", shift
     prefetched.rewards = concurrent.futures.Future()
-    prefetched.rewards.set_result(np.linspace(-1.0, 1.0, samples, dtype=np.float32))
+    prefetched.rewards.set_result(np.linspace(-1.0, 1.0, samples, dtype=np.float32) * shift)
     executor.carried = [prefetched]
     checkpoints.save(executor, run.checkpoints, 1, config)
     run.checkpoints.wait_until_finished()
-    saved = jax.device_get(distributed.to_every_process(executor.state))
+    if all(leaf.is_fully_addressable for leaf in jax.tree.leaves(executor.state)):
+        saved = {f"state/{i}": leaf for i, leaf in enumerate(jax.tree.leaves(jax.device_get(executor.state)))}
+        np.savez(os.path.join(out_dir, "saved.npz"), **saved, latents=np.asarray(latents), log_probs=np.asarray(log_probs),
+                 rewards=prefetched.rewards.result(), keys=np.asarray(jax.random.key_data(prefetched.sample_keys)))
+    return executor
+
+
+def save_as_before(executor, workdir, config) -> None:
+    """Checkpoint 1 of `executor` as one process wrote it before process layouts interchanged:
+    the state and the prefetched micro-batches' host copies through orbax's StandardSave."""
+    meta = {"carried": [m.index for m in executor.carried], "mode": executor.mode,
+            "fingerprint": checkpoints.fingerprint(config), "measured": []}
+    manager = checkpoints.open_manager(workdir, config)
+    manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(executor.state), meta=ocp.args.JsonSave(meta),
+                                            carried=ocp.args.StandardSave(executor.carried_snapshot())))
+    manager.close()
+
+
+def assert_restored(run, manager, saved_dir, version: int) -> None:
+    """A fresh executor of `run` restores checkpoint 1 from `manager`: on the train shardings, each
+    process's shards bit-equal to the saved state (a process without train devices holds none),
+    and the prefetched micro-batch whole on every process."""
+    resumed = Executor(run, log=stage)
+    assert checkpoints.restore(resumed, manager) == 1
+    mine = set(jax.local_devices())
+    with np.load(os.path.join(saved_dir, "saved.npz")) as want:
+        leaves = jax.tree.leaves(resumed.state)
+        assert len(leaves) == len([k for k in want.files if k.startswith("state/")])
+        for i, (leaf, sharding) in enumerate(zip(leaves, jax.tree.leaves(resumed.state_sharding))):
+            assert leaf.sharding == sharding and bool(leaf.addressable_shards) == (sharding.device_set <= mine)
+            assert all(np.array_equal(shard.data, want[f"state/{i}"][shard.index]) for shard in leaf.addressable_shards)
+        [carried] = resumed.carried
+        assert (carried.index, carried.rolled_on, carried.version) == (0, "rollout", version)
+        assert np.array_equal(carried.rewards.result(), want["rewards"])
+        assert np.array_equal(carried.traj.latents, want["latents"]) and np.array_equal(carried.traj.means, want["latents"])
+        assert np.array_equal(carried.traj.log_probs, want["log_probs"])
+        assert np.array_equal(jax.random.key_data(carried.traj.sample_keys), want["keys"])
+    resumed.close()
+
+
+def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> None:
+    """One process of the 2-process checkpoint test (train role on process 1's devices): restores
+    the checkpoint one process saved in SINGLE_DIR, then saves its own (an updated state and a
+    micro-batch prefetched on process 0's devices) and restores it. Asserts that no process
+    gathered the state for the save (no `to_every_process` of a state leaf) and that each
+    restore keeps every bit and the train shardings."""
+    assert distributed.initialize().num_processes == 2
+    config = loop_config(cache_dir, "disagg_sync")
+    run = loop.Run(config, workdir, log=stage)
+    gathered = []
+
+    def recording(tree, gather=distributed.to_every_process):
+        gathered.extend(jax.tree.leaves(tree))
+        return gather(tree)
+
+    for module in (checkpoints, executor_lib):
+        module.to_every_process = recording
+    executor = save_with_prefetch(run, config, 1, workdir)
+    for module in (checkpoints, executor_lib):
+        module.to_every_process = distributed.to_every_process
+    state = {id(leaf) for leaf in jax.tree.leaves(executor.state)}
+    assert gathered and not any(id(leaf) in state for leaf in gathered)  # the prefetched batch's, not the state's
     executor.close()
+    multihost_utils.sync_global_devices("checkpoint 1 committed")  # process 1 wrote it; process 0 reads it next
 
     rerun = loop.Run(config, workdir, log=stage)
-    resumed = Executor(rerun, log=stage)
-    assert checkpoints.restore(resumed, rerun.checkpoints) == 1
-    assert all(a.sharding == s for a, s in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(shardings)))
-    mine = set(jax.local_devices())
-    assert all(bool(a.addressable_shards) == (a.sharding.device_set <= mine) for a in jax.tree.leaves(resumed.state))
-    restored = jax.device_get(distributed.to_every_process(resumed.state))
-    assert int(restored.version) == int(saved.version) == 1
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)))
-    [carried] = resumed.carried
-    assert (carried.index, carried.rolled_on, carried.version) == (0, "rollout", 1)
-    assert np.array_equal(carried.rewards.result(), prefetched.rewards.result())
-    assert np.array_equal(carried.traj.latents, np.arange(samples * 6.0).reshape(samples, 3, 2) - 7.5)
-    assert np.array_equal(carried.traj.log_probs, -np.arange(samples * 2.0).reshape(samples, 2))
-    assert np.array_equal(jax.random.key_data(carried.traj.sample_keys), jax.random.key_data(prefetched.sample_keys))
-    resumed.close()
+    assert_restored(rerun, rerun.checkpoints, workdir, version=1)
     stage("checkpoint round trip kept every bit")
+    # As a launch of several processes runs it: the fingerprint holds nothing of the process layout.
+    launched = loop_config(cache_dir, "disagg_sync")
+    launched.runtime.distributed = True
+    assert checkpoints.resume_candidates(checkpoints.open_manager(single_dir, launched), launched, stage) == [1]
+    for workdir in (single_dir, os.path.join(single_dir, "before")):
+        assert_restored(rerun, checkpoints.open_manager(workdir, config), single_dir, version=2)
+        stage(f"one-process checkpoint in {workdir} restored")
 
 
 def test_two_process_checkpoint_round_trip(tmp_path, pretrained_cache):
-    """checkpoints.save and restore with the train state on process 1's devices and a prefetched
-    micro-batch on process 0's: both processes get back the saved state, on the train
-    shardings, and the micro-batch (the assertions run in the workers)."""
+    """Checkpoints interchange between process layouts (the same roles: rollout on 4 devices,
+    training on the other 4). One process on 8 devices saves one, and one as checkpoints were
+    written before; two processes (training on process 1's devices, a prefetched micro-batch
+    on process 0's) restore both, then save and restore their own, which one process restores
+    in turn. Process 1 alone writes the state and the micro-batches; every restore gives back
+    every saved bit on the train shardings, and the micro-batch (most assertions run in the
+    workers: `assert_restored`)."""
+    config = loop_config(str(pretrained_cache), "disagg_sync")
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    run = loop.Run(config, str(single), log=stage)
+    executor = save_with_prefetch(run, config, 2, single)
+    save_as_before(executor, str(single / "before"), config)
+    executor.close()
+    run.checkpoints.close()
+    assert_restored(run, checkpoints.open_manager(str(single / "before"), config), single, version=2)
     port = free_port()
     outputs = run_workers(
-        *[(("checkpoint", str(tmp_path), str(pretrained_cache)), worker_env(4, **slurm_step_env(pid, port))) for pid in range(2)],
+        *[(("checkpoint", str(multi), str(pretrained_cache), str(single)), worker_env(4, **slurm_step_env(pid, port)))
+          for pid in range(2)],
         timeout_s=LOOP_TIMEOUT_S,
     )
     for out in outputs:
         assert "resumed from checkpoint 1 (policy version 1, 1 prefetched micro-batches)" in out
         assert "checkpoint round trip kept every bit" in out
+        assert out.count("policy version 2, 1 prefetched micro-batches") == 2
+        assert f"one-process checkpoint in {single / 'before'} restored" in out
+    for item in ("state", "carried"):  # the train role's process wrote each array once; process 0 nothing
+        written = [name for name in os.listdir(multi / "checkpoints" / "1" / item) if name.startswith("ocdbt.process_")]
+        assert written == ["ocdbt.process_1"], (item, written)
+
+    rerun = loop.Run(config, str(multi), log=stage)
+    assert_restored(rerun, rerun.checkpoints, multi, version=1)
+    rerun.checkpoints.close()
 
 
 # Task times each process would measure: the rollout role slow (trainer-assisted rollouts pay)

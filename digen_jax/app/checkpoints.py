@@ -11,6 +11,13 @@ Faults: a checkpoint that cannot be read (an empty step directory, a missing or 
 that does not decode) is reported in one paragraph and, as `train.on_corrupt_checkpoint` says,
 moved to `WORKDIR/corrupt_checkpoints/` for the previous one ('fallback') or stops the run
 ('stop'). A full disk or a permission error stops the run with one message naming the path.
+
+Who writes: the processes that own the train role's devices write the train state, each its own
+shards (one replica of each shard, written once), with the meta and the prefetched micro-batches
+(placed on the train role for the save); the other processes write nothing. A checkpoint is one
+orbax tree whatever the process layout that wrote it, and each process restores the slices of
+its own devices: a checkpoint saved by one process restores in several and the other way round
+(docs/design.md section 10).
 """
 from __future__ import annotations
 
@@ -26,12 +33,16 @@ from typing import Callable
 
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 
 from digen_jax.app import workload as workload_lib
 from digen_jax.rl import lora
-from digen_jax.runtime.distributed import to_every_process
+from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.runtime.distributed import put_own_copy, to_every_process
 
 ON_CORRUPT = ("fallback", "stop")
 LOCK_FILE = "run.lock"
@@ -190,12 +201,44 @@ def disk_message(exc: BaseException, workdir: str, what: str) -> str:
 # ---------------------------------------------------------------------------------- choosing a checkpoint
 def open_manager(workdir: str, config: ml_collections.ConfigDict, read_only: bool = False) -> ocp.CheckpointManager:
     """The run's orbax checkpoints, WORKDIR/checkpoints (asynchronous saves); `read_only` for
-    another run's, which may be writing (nothing there is created or cleaned up)."""
+    another run's, which may be writing (nothing there is created or cleaned up).
+
+    Several processes: those that own the train role's devices (`_writers`) save, and only
+    they (orbax's `active_processes`; the first of them is the primary host: it writes the
+    meta item and commits the step); arrays are written by the processes that hold them, one
+    replica each (replica-parallel writing off: `_writable` says why). Every other process
+    gets a manager of its own that only reads, without waiting for any other process.
+    """
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     if read_only:  # orbax warns of every option that would write
-        options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
-    else:
-        options = ocp.CheckpointManagerOptions(max_to_keep=config.train.keep_checkpoints, enable_async_checkpointing=True)
-    return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"), options=options)
+        return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+            read_only=True, create=False, save_interval_steps=0))
+    if jax.process_count() == 1:
+        return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=config.train.keep_checkpoints, enable_async_checkpointing=True))
+    os.makedirs(directory, exist_ok=True)  # orbax creates it only when every process takes part
+    writers, me = _writers(config), jax.process_index()
+    if me not in writers:
+        alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+        return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+            read_only=True, create=False, save_interval_steps=0, multiprocessing_options=alone))
+    together = ocp.options.MultiprocessingOptions(primary_host=writers[0], active_processes=set(writers))
+    arrays = ocp.type_handlers.ArrayHandler(primary_host=writers[0], use_replica_parallel=False,
+                                            enable_write_sharding_file=False)
+    registry = ocp.type_handlers.create_type_handler_registry(
+        *[(t, ocp.type_handlers.get_type_handler(t)) for t in (int, float, np.number, np.ndarray)], (jax.Array, arrays))
+    trees = lambda: ocp.PyTreeCheckpointHandler(multiprocessing_options=together,  # noqa: E731
+                                                type_handler_registry=registry)
+    handlers = {"state": trees(), "carried": trees(),
+                "meta": ocp.JsonCheckpointHandler(multiprocessing_options=together)}
+    return ocp.CheckpointManager(directory, item_handlers=handlers, options=ocp.CheckpointManagerOptions(
+        max_to_keep=config.train.keep_checkpoints, enable_async_checkpointing=True, create=False,
+        multiprocessing_options=together))
+
+
+def _writers(config: ml_collections.ConfigDict) -> list[int]:
+    """The processes that own the train role's devices: they write the run's checkpoints."""
+    return sorted({d.process_index for d in mesh_lib.build_role_meshes(config.runtime).train.devices.flat})
 
 
 def _structural_fault(step_dir: str) -> str | None:
@@ -210,7 +253,8 @@ def _structural_fault(step_dir: str) -> str | None:
                 return f"{path} is empty (0 bytes)"
     for item in os.listdir(step_dir):
         item_dir = os.path.join(step_dir, item)
-        if os.path.isdir(os.path.join(item_dir, "ocdbt.process_0")) and not os.path.exists(os.path.join(item_dir, "manifest.ocdbt")):
+        written = os.path.isdir(item_dir) and any(name.startswith("ocdbt.process_") for name in os.listdir(item_dir))
+        if written and not os.path.exists(os.path.join(item_dir, "manifest.ocdbt")):
             return f"{os.path.join(item_dir, 'manifest.ocdbt')} is missing"
     return None
 
@@ -249,6 +293,9 @@ def resume_candidates(manager: ocp.CheckpointManager, config: ml_collections.Con
     none is left: starting over would discard the run's outputs."""
     policy = config.train.on_corrupt_checkpoint
     current = fingerprint(config)
+    if jax.process_count() > 1:  # the writers' saves are committed by now (a run resumed in the same processes)
+        multihost_utils.sync_global_devices("resume candidates")
+        manager.reload()
     steps = sorted(manager.all_steps(), reverse=True)
     candidates = []
     for step in steps:
@@ -307,14 +354,14 @@ def save(executor, manager: ocp.CheckpointManager, iterations_done: int, config:
     """Checkpoint `executor`'s train state and the micro-batches it prefetched for the next
     iteration (asynchronously), with the run's fingerprint and the task costs measured so far.
 
-    Every process calls it at the same point of the loop. Several processes: orbax (0.12)
-    writes a jax.Array only from shards spread over several processes (a train role inside
-    one process has host-local arrays there, which it refuses; processes without shards fail)
-    and host arrays from process 0 only, which need not own a train device. So every process
-    takes a whole host copy of the state and process 0 writes it: `to_every_process`
-    replicates the state on every train device, then sends one copy to each other process;
-    for the save, a full state per train device and per host. One process: the state as it
-    lives on its devices, written asynchronously without a host copy.
+    Every process calls it at the same point of the loop (the checks and the prefetched
+    micro-batches' host copies run collectives). Then the processes that own the train role's
+    devices write (`open_manager`): each the shards of the state on its own devices, one
+    replica of each, copied to its host by orbax for the asynchronous write; no process
+    gathers or copies the whole state. The prefetched micro-batches, which every process
+    holds on its host (`executor.carried_snapshot`), are placed on the train role from each
+    writer's own copy and written like the state; the primary writer writes the meta item.
+    The other processes write nothing.
     """
     executor.drain()  # the prefetched micro-batches are saved: their rollouts must have run
     # No checkpoint holds NaN or inf: one device reduction per save, read here (saves are rare).
@@ -325,9 +372,10 @@ def save(executor, manager: ocp.CheckpointManager, iterations_done: int, config:
             "checkpoints saved before are kept). Updates are checked before they are applied (non-finite values, "
             "rl.max_update_ratio), so these came from a restored checkpoint or a bug; stopping"
         )
-    state = executor.state
-    if jax.process_count() > 1:
-        state = jax.device_get(to_every_process(state))
+    carried = executor.carried_snapshot() if executor.carried else None
+    shardings = jax.tree.leaves(executor.state_sharding)
+    if jax.process_index() not in {d.process_index for s in shardings for d in s.device_set}:
+        return
     meta = {
         "carried": [m.index for m in executor.carried],
         "mode": executor.mode,
@@ -335,41 +383,95 @@ def save(executor, manager: ocp.CheckpointManager, iterations_done: int, config:
         # The task costs measured so far: a resumed run chooses its elastic splits as this one would.
         "measured": [[kind, group, values] for (kind, group), values in executor.measured.items()],
     }
-    items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
-    if executor.carried:
-        items["carried"] = ocp.args.StandardSave(executor.carried_snapshot())
+    state = jax.tree.map(_writable, executor.state, executor.state_sharding)
+    items = {"state": ocp.args.PyTreeSave(state), "meta": ocp.args.JsonSave(meta)}
+    if carried is not None:
+        items["carried"] = ocp.args.PyTreeSave(jax.tree.map(lambda a: _on_role(a, executor.meshes.train), carried))
     manager.save(iterations_done, args=ocp.args.Composite(**items))
+
+
+def _writable(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`x` (on `sharding`) as orbax can write it from this process.
+
+    Orbax 0.12 refuses, in a run of several processes, an array whose devices all belong to
+    one process (it takes it for a per-host pmap array), and that is every leaf of a train
+    role inside one process. Such a leaf is handed over as a view of the same device buffers:
+    one replica of an array on a mesh with a leading axis of size 2, its own devices first and
+    as many devices of other processes second. This process's shards are replica 0, which is
+    the replica orbax writes with replica-parallel writing off (`open_manager`), and orbax
+    reads only the shards of its own process; nothing is copied or moved, and no computation
+    ever runs on the view.
+    """
+    if jax.process_count() == 1 or not x.is_fully_addressable:
+        return x
+    mesh = sharding.mesh
+    others = [d for d in jax.devices() if d.process_index != jax.process_index()][: mesh.devices.size]
+    if len(others) < mesh.devices.size:
+        raise ValueError(f"a checkpoint of a train role of {mesh.devices.size} devices inside one process needs as "
+                         f"many devices in the other processes; they have {len(others)}")
+    view = Mesh(np.stack([mesh.devices, np.array(others).reshape(mesh.devices.shape)]), ("_view", *mesh.axis_names))
+    return jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(view, sharding.spec), [shard.data for shard in x.addressable_shards])
+
+
+def _on_role(host: np.ndarray, mesh: Mesh) -> jax.Array:
+    """A host array every process holds alike, on `mesh` (split along its leading axis when the
+    mesh divides it) from this process's own copy, as orbax writes it (`_writable`)."""
+    sharding = mesh_lib.batch_sharding(mesh, np.shape(host))
+    return _writable(put_own_copy(np.asarray(host), sharding), sharding)
+
+
+def _read(manager: ocp.CheckpointManager, step: int, item: str, target, partial: bool = False):
+    """`target` (ShapeDtypeStructs with shardings; with `partial`, a part of the saved tree) from
+    item `item` of checkpoint `step`, in any process layout: each process reads the slices of
+    its own devices, whichever processes wrote them. A process that owns none of the devices
+    reads nothing and gets arrays without local data, as it holds them in the run."""
+    if not any(leaf.sharding.addressable_devices for leaf in jax.tree.leaves(target)):
+        return jax.tree.map(lambda a: jax.make_array_from_single_device_arrays(a.shape, a.sharding, [], dtype=a.dtype),
+                            target)
+    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                  partial_restore=partial)
+    return manager.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+
+
+def _read_on_host(manager: ocp.CheckpointManager, step: int, item: str):
+    """Item `item` of checkpoint `step` whole as host arrays, on every process (the prefetched
+    micro-batches: saved as arrays on the train role, or as host arrays before)."""
+    saved = ocp.PyTreeCheckpointHandler().metadata(epath.Path(str(manager.directory)) / str(step) / item).tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
+    return manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(restore_args=args)}))[item]
+
+
+def _abstract(tree, shardings=None):
+    """`tree`'s shapes and dtypes on `shardings` (default: its own)."""
+    shardings = jax.tree.map(lambda a: a.sharding, tree) if shardings is None else shardings
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def _load(executor, manager: ocp.CheckpointManager, step: int) -> tuple:
+    """Checkpoint `step` as this process reads it for `executor`: (state, carried, meta)."""
+    meta = read_meta(manager, step)
+    state = _read(manager, step, "state", _abstract(executor.state, executor.state_sharding))
+    return state, _read_on_host(manager, step, "carried") if meta["carried"] else {}, meta
+
+
+def _resume(executor, step: int, state, carried: dict, meta: dict) -> int:
+    version = int(jax.device_get(to_every_process(state.version)))  # one scalar, read by every process
+    executor.resume(step, state, carried, meta.get("measured", []))
+    executor.log(f"resumed from checkpoint {step} (policy version {version}, {len(executor.carried)} prefetched "
+                 "micro-batches)")
+    return step
 
 
 def restore(executor, manager: ocp.CheckpointManager, step: int | None = None) -> int:
     """Restore checkpoint `step` (default: the latest) into `executor`, with its prefetched
-    micro-batches and measured task costs; the iteration to start from."""
+    micro-batches and measured task costs; the iteration to start from. Every process calls it;
+    each reads the state's slices of its own devices (`_read`), whatever process layout
+    saved it, and the prefetched micro-batches whole."""
     latest = manager.latest_step() if step is None else step
     if latest is None:
         return 0
-    meta = read_meta(manager, latest)
-    multi_process = jax.process_count() > 1
-    # One process: straight onto the train shardings. Several: host arrays on every process
-    # (as `save` wrote them), then each process places the slices of its own train devices.
-    abstract_state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=None if multi_process else s),
-        executor.state, executor.state_sharding,
-    )
-    items = {"state": ocp.args.StandardRestore(abstract_state)}
-    if meta["carried"]:
-        items["carried"] = ocp.args.StandardRestore()
-    restored = manager.restore(latest, args=ocp.args.Composite(**items))
-    state = restored["state"]
-    version = int(state.version)
-    if multi_process:
-        state = jax.tree.map(
-            lambda a, s: jax.make_array_from_callback(a.shape, s, a.__getitem__, dtype=a.dtype),
-            state, executor.state_sharding,
-        )
-    executor.resume(latest, state, restored["carried"] if meta["carried"] else {}, meta.get("measured", []))
-    executor.log(f"resumed from checkpoint {latest} (policy version {version}, {len(executor.carried)} prefetched "
-                 "micro-batches)")
-    return latest
+    return _resume(executor, latest, *_load(executor, manager, latest))
 
 
 def read_state(manager: ocp.CheckpointManager, like, config: ml_collections.ConfigDict):
@@ -383,29 +485,44 @@ def read_state(manager: ocp.CheckpointManager, like, config: ml_collections.Conf
     if diff:
         raise RunStopped(f"checkpoint {step} in {manager.directory} was written by a run whose config differs from "
                          "this one in what shapes the trained state:\n  " + "\n  ".join(diff))
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like)
-    return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    return _read(manager, step, "state", _abstract(like))
 
 
 def restore_first_readable(executor, manager: ocp.CheckpointManager, candidates: list[int],
                            config: ml_collections.ConfigDict, log: Callable[[str], None]) -> int:
     """Restore the newest of `candidates` whose data reads back (`set_aside` for the others);
-    the iteration to start from (0 without candidates)."""
+    the iteration to start from (0 without candidates). Several processes read different parts
+    of a checkpoint, so they agree on each outcome before acting on it."""
     for step in candidates:
+        failure = None
         try:
-            return restore(executor, manager, step)
-        except RunStopped:
-            raise
+            loaded = _load(executor, manager, step)
         except Exception as e:  # noqa: BLE001 (a checkpoint that does not read back is the fault handled here)
             _quiet_abandoned_reads()
-            if disk_error(e):
-                raise RunStopped(disk_message(e, os.path.dirname(str(manager.directory)), f"reading checkpoint {step}")) from e
-            set_aside(manager, step, short_reason(e), config.train.on_corrupt_checkpoint, log)
+            failure = e
+        outcomes = _agree(0 if failure is None else 2 if disk_error(failure) else 1)
+        if not any(outcomes):
+            return _resume(executor, step, *loaded)
+        workdir = os.path.dirname(str(manager.directory))
+        elsewhere = f"it does not read back on process {outcomes.index(max(outcomes))} (its log says why)"
+        if 2 in outcomes:
+            message = (disk_message(failure, workdir, f"reading checkpoint {step}") if disk_error(failure)
+                       else f"reading checkpoint {step} failed: {elsewhere}")
+            raise RunStopped(message) from failure
+        set_aside(manager, step, short_reason(failure) if failure is not None else elsewhere,
+                  config.train.on_corrupt_checkpoint, log)
     if candidates:
         raise RunStopped(f"no checkpoint in {manager.directory} can be read (they were moved to "
                          f"{os.path.join(os.path.dirname(str(manager.directory)), CORRUPT_DIR)}); to start the run over, "
                          "remove the workdir or use another --workdir.")
     return 0
+
+
+def _agree(outcome: int) -> list[int]:
+    """Every process's `outcome` (0: read back, 1: unreadable, 2: a disk error), in process order."""
+    if jax.process_count() == 1:
+        return [outcome]
+    return [int(v) for v in multihost_utils.process_allgather(np.int32(outcome))]
 
 
 # ---------------------------------------------------------------------------------- warm start
@@ -439,11 +556,9 @@ def load_init_from(manager: ocp.CheckpointManager, step: int, meta: dict, traina
                    config: ml_collections.ConfigDict, log: Callable[[str], None]):
     """The trainable weights of `train.init_from`'s checkpoint `step`, in `trainable`'s shapes and
     placement (RunStopped when a leaf does not fit); logs what was loaded."""
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), trainable)
+    target = _abstract(trainable)
     try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item={"trainable": target}, partial_restore=True,
-                                         restore_args=ocp.checkpoint_utils.construct_restore_args({"trainable": target}))))["state"]
+        restored = _read(manager, step, "state", {"trainable": target}, partial=True)
     except Exception as e:  # noqa: BLE001 (a source written before fingerprints: its shapes are the check)
         raise RunStopped(f"train.init_from={config.train.init_from!r}: the trainable weights of checkpoint {step} "
                          f"do not load into this run's: {short_reason(e)}") from e

@@ -74,8 +74,8 @@ class Run:
         )
         self.trainer = Trainer(self.sampler, frozen, optimizer, loss_cfg)
         self.state = self.trainer.init_state(trainable)  # the initial state; the executor holds the live one
-        # Every process saves and restores at the same points; with several, process 0 writes
-        # (checkpoints.save says why) into a directory every process reads.
+        # Every process saves and restores at the same points; with several, the train role's
+        # processes write their own shards (checkpoints.save) into a directory every process reads.
         self.checkpoints = checkpoints.open_manager(workdir, config)
         self._root_key = jax.random.key(config.seed)
         self.eval_ids, self.eval_cond = self.workload.eval_batch(config.train.eval_prompts)
