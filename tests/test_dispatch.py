@@ -2,6 +2,7 @@
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from digen_jax.runtime import dispatch, plan
@@ -148,3 +149,63 @@ def test_lanes_go_on_into_the_next_batch_while_another_lane_finishes_the_last():
         lanes.close()
     assert order.index(("rollout", 2, 1)) < order.index(("train", 2, 1)) < order.index(("update", 2, 0))
     assert order.index(("sync", 2, 0)) < order.index(("update", 2, 0))
+
+
+def _sequences_and_moves(p, carried_on):
+    sequences = {"rollout": [], "train": []}
+    syncs = []
+    for t in p.tasks:
+        if t.kind == "reward":
+            continue
+        if t.kind == "sync":
+            syncs.append(dispatch.Crossing(t, {n: len(s) for n, s in sequences.items()}))
+        else:
+            sequences[dispatch.lane(t)].append(t)
+    rolled_on = dict(carried_on) | {(t.iteration, t.index): t.group for t in p.tasks if t.kind == "rollout"}
+    moves = []
+    for j, t in enumerate(sequences["train"]):
+        if t.kind == "train" and rolled_on[(t.iteration, t.index)] == "rollout":
+            produced = next((i for i, r in enumerate(sequences["rollout"]) if r.key == ("rollout", t.iteration, t.index)), -1)
+            move = plan.Task("trajectory", "train", t.iteration, t.index, t.version, deps=(("rollout", t.iteration, t.index),))
+            moves.append((move, "rollout", produced + 1, j))
+    return sequences, moves, syncs
+
+
+def test_moves_cross_where_both_streams_get_there_together():
+    """Full mode, rollouts slower than training steps (as on two H100s): the carried micro-batch's
+    trajectory, ready before the iteration, moves first on both streams (not at its training's
+    place in the plan, behind every rollout); each move lies after its rollout and before its
+    training in both lanes' orders, which agree; the estimated waits are well below those of
+    moves at their trainings' places."""
+    p = plan.plan_iteration("gap+tsp+tag+tcss", 2, 4, carried=1, tag=1, prefetch=1)
+    costs = plan.Costs(rollout={"rollout": 5.5, "train": 5.4, "shared": 5.5}, reward=0.3, train=3.15, update=0.01, sync=0.01)
+    sequences, moves, syncs = _sequences_and_moves(p, {(2, 0): "rollout"})
+    crossings = dispatch.place_moves(sequences, moves, syncs, costs.of)
+    at = {c.task.key: c.at for c in crossings}
+    rollouts = [t.key for t in sequences["rollout"]]
+    assert at[("trajectory", 2, 0)] == {"rollout": 0, "train": 0}
+    for move, _, first, last in moves:
+        assert first <= at[move.key]["rollout"] and at[move.key]["train"] <= last
+    order = [c.task.key for c in crossings]
+    for name in ("rollout", "train"):  # both lanes meet the crossings in the same order
+        assert [k for k in order] == sorted(order, key=lambda k: (at[k][name], order.index(k)))
+
+    def waits(places):  # estimated wait of the later stream at each crossing, times shifted by earlier waits
+        ends = {n: np.concatenate([[0.0], np.cumsum([costs.of(t) for t in s])]) for n, s in sequences.items()}
+        total = 0.0
+        for c in places:
+            wait = ends["rollout"][c.at["rollout"]] - ends["train"][c.at["train"]]
+            late, i = ("train", c.at["train"]) if wait > 0 else ("rollout", c.at["rollout"])
+            ends[late][i:] += abs(wait)
+            total += abs(wait)
+        return total
+
+    at_training = [dispatch.Crossing(move, {"rollout": max(first, sum(1 for r in p.tasks[: [t.key for t in p.tasks].index(
+        ("train", move.iteration, move.index))] if r.kind == "rollout" and r.group == "rollout")), "train": last})
+        for move, _, first, last in moves]
+    assert waits([c for c in crossings if c.task.kind == "trajectory"]) < 0.5 * waits(at_training)
+    listed = dispatch.interleave(sequences, crossings)
+    for name, seq in sequences.items():
+        assert [t for t in listed if t in seq] == seq  # each lane's own order kept
+    assert len(listed) == sum(map(len, sequences.values())) + len(crossings)
+    assert rollouts == [t.key for t in sequences["rollout"]]

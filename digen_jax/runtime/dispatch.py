@@ -28,9 +28,12 @@ issues the crossing programs in plan order, between the same local tasks on ever
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 from typing import Callable, Iterator, Sequence
+
+import numpy as np
 
 from digen_jax.runtime.plan import Task, TaskKey
 
@@ -64,6 +67,80 @@ def dispatch(tasks: Sequence[Task], handle: Callable[[Task], None]) -> None:
         lanes.drain()
     finally:
         lanes.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Crossing:
+    """A program two lanes issue together (each from its own thread, at the same point of the
+    order of crossings): `task` is dispatched by `owner`'s lane; on the other lane's sequence it
+    comes before index `at[lane]` (the other's tasks from there on come after it)."""
+
+    task: Task
+    at: dict[str, int]
+
+
+def place_moves(sequences: dict[str, list[Task]], moves: Sequence[tuple[Task, str, int, int]],
+                syncs: Sequence[Crossing], cost: Callable[[Task], float]) -> list[Crossing]:
+    """Where each move crosses the two lanes' sequences, so that both streams reach it about together.
+
+    sequences: the two lanes' own tasks in plan order ('train' and a source lane). moves: (task,
+    source lane, first index of the source sequence it may come before (after its producer),
+    last index of the train sequence it may come before (its consumer)), in the consumer's
+    order. syncs: crossings whose places are fixed. cost: estimated seconds of a task.
+    A program spanning both lanes' devices starts on each when both got there, so each move
+    takes, among the places allowed, the pair whose estimated times differ least (earliest on
+    ties), after the moves before it; the later lane's times then shift by the wait. A place
+    is allowed when no task before it on one lane depends on a task after it on the other.
+    Returns every crossing (syncs included) in one order that both lanes follow.
+    """
+    names = sorted(sequences)
+    index = {t.key: (name, i) for name in names for i, t in enumerate(sequences[name])}
+    ends = {name: np.concatenate([[0.0], np.cumsum([cost(t) for t in sequences[name]])]) for name in names}
+    # needs[name][i]: for the first i tasks of lane `name`, how far the other lane must have got.
+    needs = {}
+    for name in names:
+        reach, needs[name] = 0, [0]
+        for task in sequences[name]:
+            for dep in task.deps:
+                other, j = index.get(producer(tuple(dep)), (name, -1))
+                if other != name:
+                    reach = max(reach, j + 1)
+            needs[name].append(reach)
+    floor = dict.fromkeys(names, 0)
+    placed: list[Crossing] = []
+    for task, source, first, last in moves:
+        best = None
+        for i in range(max(first, floor[source]), len(sequences[source]) + 1):
+            for j in range(floor["train"], last + 1):
+                if needs[source][i] > j or needs["train"][j] > i or any(
+                        (c.at[source] - i) * (c.at["train"] - j) < 0 for c in syncs):  # crossed orders
+                    continue
+                gap = abs(ends[source][i] - ends["train"][j])
+                if best is None or gap < best[0] - 1e-9:
+                    best = (gap, i, j)
+        if best is None:
+            raise ValueError(f"no place for {task.key} between the lanes' tasks")
+        _, i, j = best
+        wait = ends[source][i] - ends["train"][j]  # > 0: the train lane waits
+        late = "train" if wait > 0 else source
+        ends[late][(j if late == "train" else i):] += abs(wait)
+        placed.append(Crossing(task, {source: i, "train": j}))
+        floor = {source: i, "train": j}
+    return sorted([*placed, *syncs], key=lambda c: (c.at[names[0]], c.at[names[1]]))
+
+
+def interleave(sequences: dict[str, list[Task]], crossings: Sequence[Crossing]) -> list[Task]:
+    """One list of the lanes' tasks and the crossings, each crossing after the tasks it follows
+    on each lane (`Crossing.at`), in `crossings`' order: what `Lanes.submit` takes."""
+    out, cursor = [], dict.fromkeys(sequences, 0)
+    for crossing in crossings:
+        for name, seq in sequences.items():
+            out += seq[cursor[name]:crossing.at[name]]
+            cursor[name] = max(cursor[name], crossing.at[name])
+        out.append(crossing.task)
+    for name, seq in sequences.items():
+        out += seq[cursor[name]:]
+    return out
 
 
 class Lanes:

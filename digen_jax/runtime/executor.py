@@ -53,8 +53,8 @@ from digen_jax.rl.trainer import LAG0_FIGURES, GradSum, Trainer, TrainState, bui
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import SharedValues, crossing_bytes, to_every_process, whole_on_one_process
+from digen_jax.runtime import dispatch as dispatch_lib
 from digen_jax.runtime.dispatch import Lanes
-from digen_jax.runtime.dispatch import lane as dispatch_lane
 from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, EventExchange, Tracer, iteration_summary
 from digen_jax.runtime.runtime_config import validate_runtime_config
 from digen_jax.runtime.weight_sync import RoleWeights
@@ -407,23 +407,35 @@ class Executor:
         """Whether iterations choose their (tag, prefetch) from measured costs."""
         return None in self._fixed_split()
 
-    def split_for(self, k: int) -> tuple[int, int]:
-        """(tag, prefetch) of iteration k: fixed by config, or chosen from measured costs."""
+    def split_for(self, k: int, costs: plan_lib.Costs | None = None) -> tuple[int, int]:
+        """(tag, prefetch) of iteration k: fixed by config, or chosen from measured costs
+        (`costs`, default `_agreed_costs()`)."""
         fixed_tag, fixed_prefetch = self._fixed_split()
         if fixed_tag is not None and fixed_prefetch is not None:
             return fixed_tag, fixed_prefetch
-        costs = self.measured_costs()
+        costs = costs or self._agreed_costs()
         if costs is None:
-            split = (fixed_tag or 0, fixed_prefetch or 0)
-        else:
-            tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag, fixed_prefetch=fixed_prefetch)
-            split = (min(tag, self.microbatches - len(self.carried)), prefetch)
-        if jax.process_count() > 1:
-            # Every process holds the same device tasks' times, but each timed its own reward
-            # scoring, so their choices can differ; a different plan would issue different
-            # cross-process transfers and hang them all. Every process takes process 0's split.
-            split = tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(split, np.int32)))
-        return split
+            return fixed_tag or 0, fixed_prefetch or 0
+        tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag, fixed_prefetch=fixed_prefetch)
+        return min(tag, self.microbatches - len(self.carried)), prefetch
+
+    def _agreed_costs(self) -> plan_lib.Costs | None:
+        """`measured_costs()`, with several processes process 0's on every one: the split and the
+        order of the crossing programs derive from them and must be alike everywhere (a
+        different plan or order would issue different cross-process programs and hang them
+        all), and each process times its own reward scoring. Every process calls it at the
+        same point (a broadcast)."""
+        costs = self.measured_costs()
+        if jax.process_count() == 1 or self.meshes.colocated:
+            return costs
+        values = [np.nan] * 6 if costs is None else [
+            costs.rollout["rollout"], costs.rollout["train"], costs.train, costs.update, costs.sync, costs.reward]
+        got = [float(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.float32))]
+        if np.isnan(got[0]):
+            return None
+        roll_r, roll_t, train, update, sync, reward = got
+        return plan_lib.Costs(rollout={"rollout": roll_r, "train": roll_t, "shared": roll_r},
+                              reward=reward, train=train, update=update, sync=sync)
 
     def measured_costs(self) -> plan_lib.Costs | None:
         def typical(kind, group):  # the median: robust to a stray slow task (a late compile, a host pause)
@@ -451,7 +463,8 @@ class Executor:
 
     def iteration(self, k: int) -> tuple[plan_lib.IterationPlan, dict]:
         """Dispatch iteration k; returns its plan and metrics (device arrays; read them later)."""
-        tag, prefetch = self.split_for(k)
+        costs = self._agreed_costs() if self.elastic_split or jax.process_count() > 1 else None
+        tag, prefetch = self.split_for(k, costs)
         carried = len(self.carried)
         plan = plan_lib.plan_iteration(
             self.mode, k, self.microbatches, carried=carried, tag=tag, prefetch=prefetch,
@@ -495,7 +508,7 @@ class Executor:
         # split, evaluation, checkpoints) runs programs that cross processes from this thread,
         # which must come at the same point of every device's order on every process.
         self.lanes.forget(before_iteration=k - 1)
-        self.lanes.submit(*self._crossings(plan, list(mbs.values())), handle=handle)
+        self.lanes.submit(*self._crossings(plan, list(mbs.values()), costs), handle=handle)
         if jax.process_count() > 1:
             self.lanes.drain()
         else:
@@ -515,20 +528,19 @@ class Executor:
         )
         return plan, metrics
 
-    def _crossings(self, plan: plan_lib.IterationPlan, mbs: list[MicroBatch]):
+    def _crossings(self, plan: plan_lib.IterationPlan, mbs: list[MicroBatch], costs: plan_lib.Costs | None):
         """The tasks to dispatch for `plan` and which other lanes of this process meet each one's
         crossing (`dispatch.Lanes.crossing`). One process: the plan's tasks; nobody meets.
 
-        Several processes: a weight sync whose transfer crosses processes is met at its place by
-        the lanes of this process whose devices it touches. A trajectory crossing processes
-        moves in a task of its own (`TRAJECTORY`, on the train lane), placed where both streams
-        reach it about together: after the task that follows its rollout on the rolling lane
-        (that rollout has run by then: a lane dispatches its next rollout as the previous one
-        ends) and after the task before its training on the train lane, but before the training.
-        A move program waits on each device until every device entered it, so a move placed
-        right after its rollout would hold the trainer's stream until that rollout ended, and
-        one placed at the training's place would wait on the rolling stream behind every
-        rollout the plan puts before that training.
+        Several processes: a weight sync whose transfer crosses processes is met at its place in
+        the plan by the lanes of this process whose devices it touches. A trajectory crossing
+        processes moves in a task of its own (`TRAJECTORY`, on the train lane) that both lanes
+        issue where their streams reach it about together, estimated from `costs`
+        (`dispatch.place_moves`): a move program starts on each device once every device got
+        to it, so one issued right after its rollout would hold the trainer's stream until that
+        rollout ended, and one issued at its training's place in the plan would wait on the
+        rolling stream behind every rollout the plan puts before that training. Every process
+        computes the same order from the same costs (`_agreed_costs`).
         """
         tasks = [t for t in plan.tasks if t.kind != "reward"]
         if jax.process_count() == 1 or self.meshes.colocated:
@@ -542,30 +554,30 @@ class Executor:
                 return None
             return frozenset(g for g in groups if mine & set(self.meshes.for_group(g).devices.flat))
 
-        meets, placed = {}, {}  # task key -> meeting lanes; position -> moves placed after it
-        rolled_on = {(m.iteration, m.index): m.rolled_on for m in mbs if m.rolled_on is not None}
-        position = {t.key: i for i, t in enumerate(tasks)}
-        for i, task in enumerate(tasks):
-            if task.kind == "rollout":
-                rolled_on[(task.iteration, task.index)] = task.group
-            elif task.kind == "sync" and (lanes := local_lanes(("rollout", "train"))) is not None:
+        meets, syncs = {}, []
+        sequences = {"rollout": [], "train": []}
+        for task in tasks:
+            if task.kind == "sync" and (lanes := local_lanes(("rollout", "train"))) is not None:
                 meets[task.key] = lanes
-            elif task.kind == "train":
-                source = rolled_on[(task.iteration, task.index)]
-                lanes = local_lanes((source, "train"))
-                if lanes is None:
-                    continue
-                produced = position.get(("rollout", task.iteration, task.index), -1)
-                after_rollout = next((j for j in range(produced + 1, len(tasks)) if dispatch_lane(tasks[j]) == source), produced)
-                before_training = max((j for j in range(i) if dispatch_lane(tasks[j]) == "train"), default=-1)
-                move = plan_lib.Task(TRAJECTORY, "train", task.iteration, task.index, task.sample_version,
-                                     deps=(("rollout", task.iteration, task.index),))
-                placed.setdefault(min(max(after_rollout, before_training), i - 1), []).append(move)
-                meets[move.key] = lanes
-        ordered = placed.get(-1, [])
-        for i, task in enumerate(tasks):
-            ordered += [task, *placed.get(i, [])]
-        return ordered, lambda task: meets.get(task.key, frozenset())
+                syncs.append(dispatch_lib.Crossing(task, {name: len(seq) for name, seq in sequences.items()}))
+            else:
+                sequences[dispatch_lib.lane(task)].append(task)
+        rolled_on = {(m.iteration, m.index): m.rolled_on for m in mbs if m.rolled_on is not None}
+        rolled_on.update({(t.iteration, t.index): t.group for t in tasks if t.kind == "rollout"})
+        where = {name: {t.key: i for i, t in enumerate(seq)} for name, seq in sequences.items()}
+        moves = []
+        for j, task in enumerate(sequences["train"]):
+            source = rolled_on.get((task.iteration, task.index)) if task.kind == "train" else None
+            if source is None or (lanes := local_lanes((source, "train"))) is None:
+                continue
+            move = plan_lib.Task(TRAJECTORY, "train", task.iteration, task.index, task.sample_version,
+                                 deps=(("rollout", task.iteration, task.index),))
+            produced = where[source].get(("rollout", task.iteration, task.index), -1)
+            moves.append((move, source, produced + 1, j))
+            meets[move.key] = lanes
+        costs = costs or plan_lib.NOMINAL_COSTS
+        crossings = dispatch_lib.place_moves(sequences, moves, syncs, costs.of)
+        return dispatch_lib.interleave(sequences, crossings), lambda task: meets.get(task.key, frozenset())
 
     def sample(self, trainable, cond: Conditioning, sample_keys: jax.Array, noise_levels, version) -> jax.Array:
         """Decoded samples of `trainable` (a tree laid out like the train state's, e.g. its EMA) for

@@ -153,7 +153,7 @@ def plan_iteration(
 def _dispatch_order(tasks: Sequence[Task]) -> tuple[Task, ...]:
     """`tasks` (each group's in its order) interleaved across groups by when they could start.
 
-    The order for a single dispatching thread (several processes use one, `dispatch.py`). It
+    The plan's order, as a single dispatching thread would run it. Such a thread
     blocks on a micro-batch's rewards before its training task, and inside any dispatch call
     that waits for its device; dispatching every rollout before the first training task would
     leave the trainer waiting for the last rollout to be enqueued. In this order each group
@@ -162,7 +162,7 @@ def _dispatch_order(tasks: Sequence[Task]) -> tuple[Task, ...]:
     after its dependencies and the order stays topological.
     """
     plan = IterationPlan(0, 0, tuple(tasks), 0, 0, 0)
-    start = schedule([plan], _NOMINAL).start
+    start = schedule([plan], NOMINAL_COSTS).start
     return tuple(sorted(tasks, key=lambda t: start[t.key]))  # stable: ties keep the plan's order
 
 
@@ -200,7 +200,7 @@ class Costs:
         return {"reward": self.reward, "train": self.train, "update": self.update, "sync": self.sync}[task.kind]
 
 
-_NOMINAL = Costs(rollout={"rollout": 1.0, "train": 1.0, "shared": 1.0}, reward=0.1, train=0.5, update=0.1, sync=0.05)
+NOMINAL_COSTS = Costs(rollout={"rollout": 1.0, "train": 1.0, "shared": 1.0}, reward=0.1, train=0.5, update=0.1, sync=0.05)
 
 
 @dataclasses.dataclass(frozen=True)
