@@ -492,6 +492,13 @@ class Executor:
             if task.kind == "rollout":
                 self._rollout(task, mbs.get((task.iteration, task.index)) or next_mbs[(task.iteration, task.index)])
             elif task.kind == "train":
+                # The rewards it depends on scored, not only their rollouts dispatched (that is all a
+                # dependency in another lane means): the sync baseline trains once the whole batch
+                # is scored, also where the rolling lane's dispatch returns before its devices ran
+                # (a process without rollout devices). One group runs its tasks in order anyway.
+                for kind, iteration, index in task.deps if not self.meshes.colocated else ():
+                    if kind == "reward":
+                        mbs[(iteration, index)].rewards.result()
                 self._train(task, mbs[(task.iteration, task.index)], acc)
             elif task.kind == "update":
                 update_metrics.append(self._update(task, acc))
