@@ -28,6 +28,7 @@ checkpoints in `WORKDIR/checkpoints`; rerunning with the same workdir resumes fr
 checkpoint.
 """
 import sys
+import traceback
 
 import ml_collections
 from absl import flags, logging
@@ -41,7 +42,7 @@ from digen_jax.app.loop import train
 from digen_jax.app.validation import validate_config
 from digen_jax.app.checkpoints import RunStopped
 from digen_jax.runtime.distributed import initialize
-from digen_jax.runtime.peer_watchdog import await_verdict
+from digen_jax.runtime.peer_watchdog import await_verdict, end_after_failure, watching
 
 with cli.config_override_errors():
     _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
@@ -111,6 +112,26 @@ def main(argv):
         if _TRACEBACK.value:
             raise
         sys.exit(f"error in --config={flags.FLAGS['config'].config_filename}: {e}")
+    try:
+        _train_and_report()
+    except BaseException as e:
+        # Several processes: the error shown, the others learn that this one stopped, and why,
+        # instead of waiting for it in a collective (docs/design.md section 9).
+        if watching() and not (isinstance(e, SystemExit) and e.code in (0, None)):
+            if isinstance(e, SystemExit):
+                print(e.code, file=sys.stderr)
+            else:
+                traceback.print_exc()
+            end_after_failure(str(e.code).removeprefix("stopped: ") if isinstance(e, SystemExit) else _one_line(e))
+        raise
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def _train_and_report() -> None:
     try:
         train(_CONFIG.value, _WORKDIR.value, log=lambda msg: print(msg, flush=True))
     except (RunStopped, FloatingPointError, RemoteRewardError) as e:

@@ -1157,6 +1157,7 @@ def test_two_process_frozen_base_placed_from_own_copies(tmp_path, pretrained_cac
 
 PEER_TIMEOUT_S = 20  # the runs' runtime.peer_timeout_s: the survivor of a killed process stops within it
 STALL_ENV = "DIGEN_TEST_STALL_IN"  # set for a killed run: the iteration in which process 1 stalls
+RAISE_ENV = "DIGEN_TEST_RAISE_IN"  # the iteration in which process 1's training raises
 
 
 def start_worker(args: tuple[str, ...], env: dict, output: str, stdin=None, niceness: int = 0) -> subprocess.Popen:
@@ -1225,8 +1226,19 @@ def test_a_dead_process_stops_the_others(tmp_path):
 
 def run_train_worker(*argv: str) -> None:
     """One process of `launch/train.py argv`. With STALL_ENV set, process 1 stalls after its first
-    training task of that iteration (while the checkpoint before it is written) until its stdin closes."""
+    training task of that iteration (while the checkpoint before it is written) until its stdin
+    closes; with RAISE_ENV set, that task raises on process 1 instead."""
     stall_in = int(os.environ.get(STALL_ENV, -1))
+    raise_in = int(os.environ.get(RAISE_ENV, -1))
+    if raise_in >= 0 and os.environ["SLURM_PROCID"] == "1":
+        train_first = Executor._train
+
+        def train_or_raise(self, task, mb, acc):
+            if task.iteration == raise_in:
+                raise RuntimeError(f"injected failure in iteration {raise_in}")
+            train_first(self, task, mb, acc)
+
+        Executor._train = train_or_raise
     if stall_in >= 0 and os.environ["SLURM_PROCID"] == "1":
         train = Executor._train
 
@@ -1251,6 +1263,37 @@ def get_config():
     config.train.checkpoint_every = 1
     return config
 """
+
+
+def test_an_error_in_one_process_stops_the_others_at_once(tmp_path, pretrained_cache):
+    """`launch/train.py` on 2 processes with runtime.peer_timeout_s=60: process 1's training raises
+    in iteration 1. It shows its traceback and exits with status 1; process 0 exits with status 1
+    well within the timeout (not through the missing heartbeats, nor JAX's shutdown barrier),
+    its last line naming process 1 and its error."""
+    config_file = tmp_path / "config.py"
+    config_file.write_text(TRAIN_CONFIG.format(cache_dir=str(pretrained_cache)))
+    command = ("train", f"--config={config_file}", f"--workdir={tmp_path / 'run'}", "--config.runtime.distributed=True",
+               "--config.runtime.peer_timeout_s=60")
+    port = free_port()
+    outputs = [str(tmp_path / f"process{pid}.txt") for pid in range(2)]
+    procs = [start_worker(command, worker_env(4, **slurm_step_env(pid, port), **{RAISE_ENV: "1"}), out)
+             for pid, out in enumerate(outputs)]
+    try:
+        for proc in procs:
+            proc.wait(LOOP_TIMEOUT_S)
+        failed = os.path.getmtime(outputs[1])
+        last = [open(out).read() for out in outputs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert procs[1].returncode == 1 and "RuntimeError: injected failure in iteration 1" in last[1], last[1][-3000:]
+    assert procs[0].returncode == 1, last[0][-3000:]
+    assert last[0].rstrip().splitlines()[-1].startswith(
+        "stopped: process 1 of 2 (host "), last[0][-3000:]
+    assert "failed: RuntimeError: injected failure in iteration 1; rerun the same command" in last[0].splitlines()[-1]
+    assert os.path.getmtime(outputs[0]) - failed < 30  # 60 s would be the missing heartbeats' bound
 
 
 def test_sigkill_of_a_process_stops_the_run_and_a_rerun_resumes(tmp_path, pretrained_cache):

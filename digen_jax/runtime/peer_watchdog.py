@@ -16,6 +16,9 @@ daemon threads beside the training loop, which therefore never waits for them:
   long it has been silent>", to stderr, flushes what it can and ends this process with exit
   status 1 (`os._exit`: the training thread may be stuck in a collective that never returns).
 
+A process that stops on an error (`end_after_failure`, as `launch/train.py` calls it) says so
+in the store; the others then stop within an interval, naming it and its error.
+
 A lost process is so noticed between 0.6 and 1.0 `timeout_s` after it died (the last beat it
 wrote, the read that saw it and the judge's tick each lag by up to an interval). Silence is
 measured on this process's clock between its own reads, so hosts need no common time.
@@ -45,6 +48,7 @@ from jax._src.distributed import global_state
 
 PEER_TIMEOUT_S = 120.0  # configs/sections.py: runtime.peer_timeout_s
 HEARTBEAT_KEY = "digen_jax/heartbeat/"
+FAILED_KEY = "digen_jax/failed/"  # <process id> -> "<host> <message>" of a process that stopped on an error
 LOST_STATUS = 1  # the exit status of launch/train.py's other faults
 _JAX_HEARTBEAT_DEFAULT_S = 100  # jax.distributed.initialize's default heartbeat_timeout_seconds
 _FLUSH_TIMEOUT_S = 2.0  # a flush blocked by a stuck thread must not keep the process alive
@@ -102,6 +106,7 @@ class PeerWatchdog:
         self._since = dict.fromkeys(self._count, now)  # when that count was first read
         self._hosts = {process_id: socket.gethostname()}
         self._failure = ""  # why the last read failed
+        self._failed: dict[int, tuple[str, str, str]] = {}  # process -> (host, " ", message) of `end_after_failure`
         self._stop = threading.Event()
         for name, target in (("beat", self._beat), ("judge", self._judge)):
             threading.Thread(target=target, name=f"peer-watchdog-{name}", daemon=True).start()
@@ -119,17 +124,22 @@ class PeerWatchdog:
             try:
                 self._client.key_value_set(key, f"{count} {self._hosts[self._me]}", allow_overwrite=True)
                 entries = self._client.key_value_dir_get(HEARTBEAT_KEY)
+                failed = self._client.key_value_dir_get(FAILED_KEY)
             except Exception as e:  # noqa: BLE001 (the coordinator does not answer: the judge decides)
                 with self._lock:
                     self._failure = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             else:
-                self._read(entries, time.monotonic())
+                self._read(entries, time.monotonic(), failed)
             count += 1
             self._stop.wait(self.interval_s)
 
-    def _read(self, entries, now: float) -> None:
+    def _read(self, entries, now: float, failed=()) -> None:
         with self._lock:
             self._contact, self._failure = now, ""
+            for key, value in failed:
+                process = int(key.rsplit("/", 1)[-1])
+                if process != self._me:
+                    self._failed.setdefault(process, value.partition(" "))
             for key, value in entries:
                 process, (count, _, host) = int(key.rsplit("/", 1)[-1]), value.partition(" ")
                 self._hosts[process] = host
@@ -149,6 +159,8 @@ class PeerWatchdog:
         now = time.monotonic()
         rerun = "rerun the same command on every process to resume from the last checkpoint"
         with self._lock:
+            for process, (host, _, message) in sorted(self._failed.items()):
+                return f"process {process} of {self._num} (host {host}) failed: {message}; {rerun}"
             if now - self._contact > self.silence_s:
                 host = self._hosts.get(0, self._coordinator.rsplit(":", 1)[0])
                 return (f"lost the coordinator, process 0 of {self._num} (host {host}): its key-value store at "
@@ -177,6 +189,30 @@ def start(process_id: int, num_processes: int, timeout_s: float, coordinator_add
     if _watchdog is None or not _watchdog.alive():
         _watchdog = PeerWatchdog(global_state.client, process_id, num_processes, timeout_s, coordinator_address)
     return _watchdog
+
+
+def watching() -> bool:
+    """Whether this process watches others (a multi-process run that has not ended)."""
+    return _watchdog is not None and _watchdog.alive()
+
+
+def end_after_failure(message: str) -> None:
+    """In a multi-process run: tell the other processes that this one stopped (`message`, one
+    line; their watchdogs end them within an interval, naming it), then end this process with
+    `LOST_STATUS` without `jax.distributed`'s shutdown barrier, which would wait minutes for
+    processes that no longer come. Call it once the error is shown and the run's files are
+    written. Returns at once without a watchdog (one process: exit as usual)."""
+    watchdog = _watchdog
+    if watchdog is None or not watchdog.alive():
+        return
+    watchdog.close()
+    try:
+        host = watchdog._hosts[watchdog._me]
+        watchdog._client.key_value_set(f"{FAILED_KEY}{watchdog._me}", f"{host} {message}", allow_overwrite=True)
+    except Exception:  # noqa: BLE001 (no coordinator: the others' watchdogs find this process silent)
+        pass
+    _flush_streams()
+    os._exit(LOST_STATUS)
 
 
 def await_verdict() -> None:
