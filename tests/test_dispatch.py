@@ -8,6 +8,16 @@ import pytest
 from digen_jax.runtime import dispatch, plan
 
 
+def run_lanes(tasks, handle):
+    """Every task of `tasks` through `dispatch.Lanes` (one thread per lane), until all returned."""
+    lanes = dispatch.Lanes()
+    try:
+        lanes.submit(tasks, handle=handle)
+        lanes.drain()
+    finally:
+        lanes.close()
+
+
 def _recording_handler(delay_s: float = 0.0):
     log, lock = [], threading.Lock()
 
@@ -26,7 +36,7 @@ def _recording_handler(delay_s: float = 0.0):
 def test_each_group_keeps_plan_order_and_waits_for_its_dependencies(mode, tag, prefetch):
     p = plan.plan_iteration(mode, 1, 6, carried=prefetch, tag=tag, prefetch=prefetch)
     log, handle = _recording_handler(delay_s=0.002)
-    dispatch.dispatch(p.tasks, handle)
+    run_lanes(p.tasks, handle)
     handled = [t for t in p.tasks if t.kind != "reward"]
     ends = {key: i for i, (what, key, _) in enumerate(log) if what == "end"}
     starts = {key: i for i, (what, key, _) in enumerate(log) if what == "start"}
@@ -56,7 +66,7 @@ def test_groups_dispatch_concurrently():
         if task.kind == "train":
             trainer_ran.set()
 
-    dispatch.dispatch(p.tasks, handle)
+    run_lanes(p.tasks, handle)
     assert trainer_ran.is_set()
 
 
@@ -116,7 +126,7 @@ def test_a_failing_handler_stops_every_group_and_raises_its_error():
         handled.append(task.key)
 
     with pytest.raises(Boom, match="rollout 2 failed"):
-        dispatch.dispatch(p.tasks, handle)
+        run_lanes(p.tasks, handle)
     assert ("rollout", 1, 3) not in handled  # its group stopped at the failure
     assert ("train", 1, 2) not in handled and ("update", 1, 0) not in handled  # they needed rollout 2
 

@@ -56,19 +56,6 @@ def producer(key: TaskKey) -> TaskKey:
     return ("rollout", iteration, index) if kind == "reward" else key
 
 
-def dispatch(tasks: Sequence[Task], handle: Callable[[Task], None]) -> None:
-    """Call `handle(task)` for every task but rewards: per `lane` in list order, each lane on its
-    own thread (`Lanes`), each task after the handlers of its dependencies in other lanes
-    returned (dependencies outside `tasks` are done). Returns once every handler has returned;
-    the first error of any handler is raised here, after the other lanes stopped."""
-    lanes = Lanes()
-    try:
-        lanes.submit(tasks, handle=handle)
-        lanes.drain()
-    finally:
-        lanes.close()
-
-
 @dataclasses.dataclass(frozen=True)
 class Crossing:
     """A program two lanes issue together (each from its own thread, at the same point of the

@@ -1,6 +1,6 @@
 """Multi-host layer: process start-up, host-aligned role device lists, cross-role transfers.
 
-Every process runs the same program (multi-controller JAX, docs/design.md section 2). Four pieces:
+Every process runs the same program (multi-controller JAX, docs/design.md section 2). The pieces:
 
 * `initialize` starts `jax.distributed` from explicit settings (config or `JAX_*` env) or from
   a SLURM step (one task per GPU, or one task per node owning all its GPUs), and the peer
@@ -12,11 +12,11 @@ Every process runs the same program (multi-controller JAX, docs/design.md sectio
   (weight sync trainer -> rollout, trajectories rollout -> trainer). What every process holds
   whole already (the frozen base and the decoder weights, built alike by every process) is
   not moved: `put_own_copy` places each process's own copy on its own devices.
-* `to_every_process` gives every process a copy it can read on the host. Host work then
-  runs alike on every process instead of being exchanged: each process scores the rewards
-  of a micro-batch from its own copy of the decoded pixels (the pixels cross to each
-  process once; the reward work is repeated per process) and computes the advantages, so
-  the trainer's inputs need no host-to-host message; metrics are read the same way.
+* `to_every_process` gives every process a copy it can read on the host (metrics, evaluation
+  samples, the values a checkpoint checks). `whole_on_one_process` and `SharedValues` serve
+  what one process computes for all: the process holding a micro-batch's decoded samples
+  scores them and shares the rewards through the key-value store, and every process computes
+  the advantages from them alike, so the trainer's inputs need no device transfer of pixels.
 
 What moves data across processes (measured with jax 0.10.2 on CPU, 2 processes x 4 devices):
 

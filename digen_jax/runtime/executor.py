@@ -1,33 +1,36 @@
 """The executor: runs the planner's task lists on role meshes, one host thread per device group.
 
 Per iteration it asks the planner for the task list (`plan.plan_iteration`) and dispatches
-each device group's tasks in order from that group's thread (`dispatch.py`; one thread in
-plan order when the run spans several processes). Device work (rollout steps, weight
+each device group's tasks in order from that group's thread (`dispatch.py`). Device work (rollout steps, weight
 transfers, gradients, the update) is asynchronous JAX dispatch: a thread only enqueues it,
 and JAX's data dependencies and cross-mesh `device_put` do the overlap; where a dispatch call
 does wait for its device, it holds up only its own group. Rewards run on a host thread pool
 as soon as a micro-batch's rollout is dispatched (queue scheduling). The only places a
 dispatching thread waits are the rewards a training task needs, the dispatch of the tasks it
-depends on in other groups, the metrics of the previous iteration (read one step late), and
-two bounds on running ahead: a transfer between processes completes before the next is
-issued (`distributed._fence`), and on CPU one gradient chunk is in flight at a time (`_train`).
+depends on in other groups, the metrics of the previous iteration (read one step late), the
+meetings at programs that cross processes (`dispatch.Lanes.crossing`), and two bounds on
+running ahead: a transfer between processes completes before the next is issued
+(`distributed._fence`), and on CPU one gradient chunk is in flight at a time (`_train`).
 
 Micro-batches are whole groups: iteration k's P prompts are cut into M contiguous slices,
 each carrying its prompts' G samples. Advantages are normalised per micro-batch (the grain
 that flows from reward to trainer; 'global' in `rl.std_mode` and `rl.mean_mode` means
 micro-batch-global), so every mode trains the same numbers on the same batch.
 
-Several processes (roles on different hosts): every process runs this same loop and
-dispatches the same device programs in the same order. Host-derived inputs (prompts, sample
-keys, advantages) are computed alike on every process and placed by each on its own devices
-(`distributed.transfer` of uncommitted arrays); every process scores the rewards from its own
-copy of the decoded pixels and reads the metrics from its own copy (`to_every_process`);
-evaluation samples roll out on the rollout role the same way (`sample`).
+Several processes (roles on different hosts): every process runs this same loop, one thread per
+group, and calls the same device programs (those without devices of its own return at once).
+Programs that cross processes (trajectory moves, weight syncs) are issued by every lane of a
+process that has devices in them at the same place in one order (`_crossings`). Host-derived
+inputs (prompts, sample keys, advantages) are computed alike on every process and placed by each
+on its own devices (`distributed.transfer` of uncommitted arrays); a micro-batch's rewards are
+scored by the process that holds its decoded samples and shared (`_rewards`); metrics are read
+from each process's own copy (`to_every_process`) after every lane is drained, as are the
+evaluation samples (`sample`).
 
 Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
 split of each iteration is chosen by `plan.choose_split` from the task times measured in
-the previous iteration (with several processes, process 0's choice, broadcast: the plan must
-be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
+the previous iteration (with several processes, from process 0's measured costs, broadcast: the
+plan must be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
 measured times travel with each checkpoint, so a resumed run's first split is the one the
 uninterrupted run chose.
 """
