@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import jax
 import numpy as np
 from absl import flags, logging
 from ml_collections import config_flags
 
+# Config files import `configs.sections`: the repository root must be importable when this
+# script runs from a clone (an editable install maps only `digen_jax`).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from digen_jax import cli, xla_flags
 from digen_jax.app import checkpoints
 from digen_jax.app.loop import Run

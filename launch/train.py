@@ -27,6 +27,7 @@ clip_frac, samples_per_s, ...), `WORKDIR/trace.json`, TensorBoard logs in `WORKD
 checkpoints in `WORKDIR/checkpoints`; rerunning with the same workdir resumes from the latest
 checkpoint.
 """
+import os
 import sys
 import traceback
 
@@ -35,6 +36,9 @@ from absl import flags, logging
 from jax.errors import JaxRuntimeError
 from ml_collections import config_flags
 
+# Config files import `configs.sections`: the repository root must be importable when this
+# script runs from a clone (an editable install maps only `digen_jax`).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from digen_jax import cli, xla_flags
 from digen_jax.rewards.remote import RemoteRewardError
 from digen_jax.app.errors import ConfigError

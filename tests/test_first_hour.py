@@ -119,3 +119,19 @@ sample.write_samples({str(tmp_path)!r}, images, {prompts!r}, np.array([0.5, 0.25
     assert (grid[:cell, :cell] == 0).all()  # the image itself is untouched
     written = json.loads((tmp_path / "samples.json").read_text())
     assert [s["prompt"] for s in written["samples"]] == prompts and written["version"] == 4
+
+
+def test_config_scripts_run_from_anywhere_without_pythonpath(tmp_path):
+    """README's commands as a user runs them after `pip install -e .`: no PYTHONPATH (the editable
+    install maps only `digen_jax`), here from another directory. The scripts that load a config
+    file find `configs.sections`, which every config imports."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["JAX_PLATFORMS"] = "cpu"
+    for script, args in (("launch/train.py", ["--print_config"]), ("launch/sample.py", ["--helpshort"])):
+        result = subprocess.run([sys.executable, os.path.join(ROOT, script), f"--config={ROOT}/configs/tiny.py", *args],
+                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, (script, result.stderr[-3000:])
+        assert "No module named" not in result.stderr
+    assert "runtime.mode = " in subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch/train.py"), f"--config={ROOT}/configs/tiny.py", "--print_config"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120).stdout
