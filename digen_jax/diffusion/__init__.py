@@ -1,4 +1,5 @@
 """Flow-matching math: sigma ladders, FLUX/Qwen latent packing, and RL sampler steps."""
+from digen_jax.diffusion.ode import ODE_SOLVERS, OdeStepOutput, dpm_solver_2m_step, solve_flow_ode
 from digen_jax.diffusion.packing import (
     VAE_SCALE_FACTOR,
     flux_image_ids,
@@ -36,12 +37,15 @@ from digen_jax.diffusion.steps import (
 __all__ = [
     "LADDER_FAMILIES",
     "NUM_TRAIN_TIMESTEPS",
+    "ODE_SOLVERS",
+    "OdeStepOutput",
     "VAE_SCALE_FACTOR",
     "SigmaLadder",
     "StepOutput",
     "calculate_shift",
     "dance_grpo_step",
     "dancegrpo_ladder",
+    "dpm_solver_2m_step",
     "euler_step",
     "exponential_time_shift",
     "flow_grpo_cps_step",
@@ -57,6 +61,7 @@ __all__ = [
     "qwen_image_ladder",
     "sd3_ladder",
     "sigma_ladder",
+    "solve_flow_ode",
     "static_shift",
     "stretch_to_terminal",
     "unpack_latents",

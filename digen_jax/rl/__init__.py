@@ -1,4 +1,4 @@
-"""RL core: group advantages, policy losses, LoRA adapters, optimizer and EMA (pure functions)."""
+"""RL core: group advantages, policy losses, DiffusionNFT, LoRA adapters, optimizer and EMA (pure functions)."""
 from digen_jax.rl.advantages import (
     clip_advantages,
     group_advantages,
@@ -21,13 +21,25 @@ from digen_jax.rl.losses import (
     policy_loss,
     truncated_importance_weights,
 )
+from digen_jax.rl.nft import (
+    NFT_DECAY_SCHEDULES,
+    draw_timestep_indices,
+    forward_point,
+    nft_loss,
+    old_policy_decay,
+    optimality_weight,
+    update_old_policy,
+)
 from digen_jax.rl.optim import ema_decay, ema_update, make_optimizer
 
 __all__ = [
+    "NFT_DECAY_SCHEDULES",
     "clip_advantages",
     "clipped_surrogate",
+    "draw_timestep_indices",
     "ema_decay",
     "ema_update",
+    "forward_point",
     "group_advantages",
     "group_statistics",
     "grpo_guard_surrogate",
@@ -38,9 +50,13 @@ __all__ = [
     "match_lora_targets",
     "merge_lora",
     "multi_reward_advantages",
+    "nft_loss",
+    "old_policy_decay",
+    "optimality_weight",
     "policy_kl_loss",
     "policy_loss",
     "truncated_importance_weights",
+    "update_old_policy",
     "validate_advantage_modes",
     "validate_group_size",
 ]
