@@ -66,6 +66,20 @@ def test_disagg_sync_waits_for_the_whole_batch_and_gap_does_not():
     assert ("reward", 1, 1) not in first_gap.deps
 
 
+def test_a_sync_follows_every_rollout_of_the_weights_it_replaces():
+    """In plan order (each lane's dispatch order) the weight sync comes after every rollout on the
+    rollout group, the next iteration's prefetched ones included, for every split: a prefetch
+    dispatched after it would roll out with the new weights under the old version."""
+    for m_total in (1, 2, 3, 4):
+        for carried, tag, prefetch in [(c, t, p) for c in range(m_total + 1) for t in range(m_total - c + 1)
+                                       for p in range(m_total + 1)]:
+            tasks = plan_lib.plan_iteration("gap+tsp+tag+tcss", 3, m_total, carried=carried, tag=tag,
+                                            prefetch=prefetch).tasks
+            sync = next(i for i, t in enumerate(tasks) if t.kind == "sync")
+            late = [t.key for t in tasks[sync:] if t.kind == "rollout" and t.group == "rollout"]
+            assert not late, (m_total, carried, tag, prefetch, late)
+
+
 def test_bad_plan_arguments():
     with pytest.raises(ValueError, match="runtime.mode"):
         plan_lib.plan_iteration("gap+tag", 0, 2)

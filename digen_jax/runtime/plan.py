@@ -146,8 +146,14 @@ def plan_iteration(
     # rollout group's earlier tasks; the update that replaces them (donating their buffers)
     # waits for it, however far ahead the trainer runs.
     tasks.append(Task("update", "train", k, 0, version + 1, deps=previous + weights_on_rollout))
-    tasks.append(Task("sync", "link", k + 1, 0, version + 1, deps=(("update", k, 0),)))
-    return IterationPlan(k, m_total, _dispatch_order(tasks), carried, tag, prefetch)
+    sync = Task("sync", "link", k + 1, 0, version + 1, deps=(("update", k, 0),))
+    # The sync is dispatched from the rollout group's thread and replaces its weights: it goes
+    # after every rollout of the old weights there, the prefetched ones of the next iteration
+    # included, wherever the nominal order would put it (the device copy may still overlap them).
+    ordered = list(_dispatch_order(tasks))
+    after = max(i for i, t in enumerate(ordered) if t.kind == "update" or (t.kind == "rollout" and t.group == "rollout"))
+    ordered.insert(after + 1, sync)
+    return IterationPlan(k, m_total, tuple(ordered), carried, tag, prefetch)
 
 
 def _dispatch_order(tasks: Sequence[Task]) -> tuple[Task, ...]:
