@@ -252,6 +252,32 @@ def test_shared_values_reach_readers_that_wait_and_carry_failures(monkeypatch):
     other.close()
 
 
+def test_shared_scalars_keep_each_dtype_for_every_process(monkeypatch):
+    """An iteration's figures as the process holding them and another one get them: the same
+    values with the same dtypes (what metrics.jsonl writes: ints stay ints), no device program."""
+    store = BlockingStore()
+    monkeypatch.setattr(distributed.SharedValues, "_client", staticmethod(lambda: store))
+    figures = {"loss": jnp.float32(-0.123456789), "version": jnp.int32(7), "skipped": jnp.int32(0),
+               "finite": jnp.bool_(True), "kl": jnp.float32(np.nan)}
+    owner, reader = distributed.SharedValues(), distributed.SharedValues()
+    reader._scope = owner._scope  # the same object on another process
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    monkeypatch.setattr(distributed.jax, "process_index", lambda: 1)
+    read = reader.share_scalars("figures/3", figures, pool)
+    assert not any(f.done() for f in read.values())  # waits for the owner (process 0 holds the arrays)
+    monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
+    held = owner.share_scalars("figures/3", figures, pool)
+    for got in (held, read):
+        assert list(got) == list(figures)
+        for name, value in figures.items():
+            v = got[name].result(timeout=5)
+            assert v.dtype == value.dtype and v.shape == ()
+            np.testing.assert_array_equal(v, np.asarray(value))
+    for shared in (owner, reader):
+        shared.close()
+    pool.shutdown()
+
+
 @pytest.mark.parametrize("silent", ["process 2", "coordinator"])
 def test_peer_watchdog_names_what_went_silent(monkeypatch, silent):
     """Process 1 of 3 watches with a 1 s timeout: while processes 0 and 2 beat (written here)

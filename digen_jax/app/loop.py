@@ -30,7 +30,7 @@ from digen_jax.rl.rollout import Conditioning
 from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
 from digen_jax.app import checkpoints
 from digen_jax.app.validation import validate_config
-from digen_jax.runtime.executor import Executor
+from digen_jax.runtime.executor import Executor, read_figures
 
 
 class Run:
@@ -167,7 +167,7 @@ def summary_writer(logdir: str):
 
 def _host(metrics: dict) -> dict:
     out = {}
-    for k, v in jax.device_get(metrics).items():
+    for k, v in read_figures(metrics).items():
         if isinstance(v, (str, dict)):
             out[k] = v
             continue

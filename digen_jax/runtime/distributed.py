@@ -614,6 +614,38 @@ class SharedValues:
             raise RuntimeError(f"{name}: {raw[1:].decode()}")
         return np.frombuffer(raw[1:], dtype=dtype).copy()
 
+    def share_scalars(self, name: str, values: dict[str, jax.Array], pool: concurrent.futures.Executor
+                      ) -> dict[str, concurrent.futures.Future]:
+        """Every process's future host copy of `values` (scalar arrays of one set of devices),
+        without a device program: the lowest process holding them reads its own copy on `pool`
+        once computed and publishes it; every other process reads it here. Each value keeps its
+        dtype (they travel as float64, exact for the float32, integer and boolean figures)."""
+        names = list(values)
+        arrays = [values[n] for n in names]
+        owner = min(d.process_index for x in arrays for d in x.sharding.device_set)
+        if jax.process_index() == owner:
+            def read_and_publish() -> list[np.ndarray]:
+                try:
+                    host = [np.asarray(x.addressable_shards[0].data) for x in arrays]  # scalars: whole in every shard
+                except BaseException as e:
+                    self.fail(name, e)
+                    raise
+                self.publish(name, np.array([v.item() for v in host], np.float64))
+                return host
+            whole = pool.submit(read_and_publish)
+        else:
+            whole = self._readers.submit(
+                lambda: [np.asarray(v, x.dtype) for v, x in zip(self.read(name, np.float64), arrays)])
+        each = {n: concurrent.futures.Future() for n in names}
+
+        def split(done: concurrent.futures.Future) -> None:
+            error = done.exception()
+            for i, n in enumerate(names):
+                each[n].set_exception(error) if error else each[n].set_result(done.result()[i])
+
+        whole.add_done_callback(split)
+        return each
+
     def close(self) -> None:
         self._closed.set()
         self._readers.shutdown(wait=True)

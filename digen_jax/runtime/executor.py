@@ -23,9 +23,10 @@ Programs that cross processes (trajectory moves, weight syncs) are issued by eve
 process that has devices in them at the same place in one order (`_crossings`). Host-derived
 inputs (prompts, sample keys, advantages) are computed alike on every process and placed by each
 on its own devices (`distributed.transfer` of uncommitted arrays); a micro-batch's rewards are
-scored by the process that holds its decoded samples and shared (`_rewards`); metrics are read
-from each process's own copy (`to_every_process`) after every lane is drained, as are the
-evaluation samples (`sample`).
+scored by the process that holds its decoded samples and shared (`_rewards`), as are the
+iteration's figures (`_figures`), so the main thread issues no cross-process program between
+two plans; evaluation samples, images and checkpoints are read from each process's own copy
+(`to_every_process`) after every lane is drained.
 
 Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
 split of each iteration is chosen by `plan.choose_split` from the task times measured in
@@ -128,6 +129,12 @@ def _iteration_metrics(update_metrics: list[dict]) -> dict:
         skipped=jnp.sum(jnp.stack([m["skipped"] for m in update_metrics])),
     )
     return metrics
+
+
+def read_figures(figures: dict) -> dict:
+    """An iteration's figures (`Executor.iteration`) on the host: device arrays read, the values
+    another process shares awaited."""
+    return jax.device_get({k: v.result() if isinstance(v, concurrent.futures.Future) else v for k, v in figures.items()})
 
 
 @jax.jit
@@ -465,7 +472,8 @@ class Executor:
         )
 
     def iteration(self, k: int) -> tuple[plan_lib.IterationPlan, dict]:
-        """Dispatch iteration k; returns its plan and metrics (device arrays; read them later)."""
+        """Dispatch iteration k; returns its plan and metrics (device arrays or futures: read them
+        later, with `read_figures`)."""
         costs = self._agreed_costs() if self.elastic_split or jax.process_count() > 1 else None
         tag, prefetch = self.split_for(k, costs)
         carried = len(self.carried)
@@ -480,7 +488,8 @@ class Executor:
         if prefetch:
             next_mbs = {(k + 1, m.index): m for m in self.microbatches_of(k + 1)[:prefetch]}
         acc = self._fresh_acc()
-        update_metrics = []
+        update_metrics, figures = [], {}
+        last_update = [t.key for t in plan.tasks if t.kind == "update" and t.iteration == k][-1]
         first = next((t for t in plan.tasks if t.kind == "rollout" and t.group == "rollout"), None)
         if first is not None and self._synced_version != first.version:
             # The initial (or a resumed run's) weights, which no planned sync carries: before any
@@ -506,27 +515,26 @@ class Executor:
             elif task.kind == "update":
                 update_metrics.append(self._update(task, acc))
                 acc = self._fresh_acc()
+                if task.key == last_update:
+                    figures.update(self._figures(k, update_metrics))
             elif task.kind == "sync":
                 self._sync(task.version, task.deps)
             elif task.kind == TRAJECTORY:
                 self._move_trajectory(mbs[(task.iteration, task.index)])
 
         # Each device group's tasks from its own thread (dispatch.py says why), across
-        # iterations: with one process this returns once iteration k's own tasks ran, while the
-        # next iteration's prefetched rollouts (and the sync after them) may still be on the
-        # rollout thread. Several processes wait for every lane: what follows (metrics, the next
-        # split, evaluation, checkpoints) runs programs that cross processes from this thread,
-        # which must come at the same point of every device's order on every process.
+        # iterations: this returns once iteration k's own tasks were dispatched, while the next
+        # iteration's prefetched rollouts (and the sync after them) may still be on the rollout
+        # thread, so the next plan is queued behind them without a pause. This thread issues no
+        # program that crosses processes between two plans (the metrics are shared by the key-value
+        # store); whatever does (evaluation, images, checkpoints) drains the lanes first.
         self.lanes.forget(before_iteration=k - 1)
         self.lanes.submit(*self._crossings(plan, list(mbs.values()), costs), handle=handle)
-        if jax.process_count() > 1:
-            self.lanes.drain()
-        else:
-            self.lanes.wait([t.key for t in plan.tasks if t.iteration == k and t.kind != "reward"])
+        self.lanes.wait([t.key for t in plan.tasks if t.iteration == k and t.kind != "reward"])
         self.carried = list(next_mbs.values())
         self._last = [mbs[(k, m)] for m in range(self.microbatches)]
         all_rewards = np.concatenate([mb.rewards.result() for mb in sorted(mbs.values(), key=lambda m: m.index)])
-        metrics = to_every_process(_iteration_metrics(update_metrics))  # readable on every process
+        metrics = dict(figures)
         metrics.update(
             step=k + 1,
             reward_mean=float(np.mean(all_rewards)),
@@ -537,6 +545,16 @@ class Executor:
             carried_microbatches=carried,
         )
         return plan, metrics
+
+    def _figures(self, k: int, update_metrics: list[dict]) -> dict:
+        """Iteration k's figures from its updates', dispatched on the train lane: device arrays with
+        one process; with several, each a future host value every process gets through the
+        key-value store (`SharedValues.share_scalars`), so reading them never issues a program
+        that crosses processes."""
+        figures = _iteration_metrics(update_metrics)
+        if jax.process_count() == 1:
+            return figures
+        return self.shared.share_scalars(f"figures/{k}", figures, self.pool)
 
     def _crossings(self, plan: plan_lib.IterationPlan, mbs: list[MicroBatch], costs: plan_lib.Costs | None):
         """The tasks to dispatch for `plan` and which other lanes of this process meet each one's
@@ -607,7 +625,10 @@ class Executor:
         return to_every_process(self.job.decode(traj.final, self.weights.decoders.get(group)))
 
     def last_finals(self) -> jax.Array:
-        """Final latents of the last iteration's samples, in sample order (readable on every process)."""
+        """Final latents of the last iteration's samples, in sample order (readable on every process).
+        With several processes the lanes are drained first: this moves them across processes."""
+        if jax.process_count() > 1:
+            self.drain()
         return to_every_process(jnp.concatenate([mesh_lib.put_batch(mb.traj.final, self.meshes.train) for mb in self._last]))
 
     def last_prompt_ids(self) -> np.ndarray:
@@ -619,7 +640,9 @@ class Executor:
         return {"sum": GradSum(), "finite": True}
 
     def timing(self, k: int, plan: plan_lib.IterationPlan) -> dict:
-        """Iteration k's measured figures (waits until its tasks completed: call it one step late)."""
+        """Iteration k's measured figures (waits until its tasks and the sync of its weights
+        completed: call it one step late)."""
+        self.lanes.wait([t.key for t in plan.tasks if t.kind != "reward" and (t.iteration == k or t.kind == "sync")])
         self.tracer.wait_through(k)
         events = self.tracer.events
         mine = [e for e in events if e["args"]["iteration"] == k or (e["args"]["kind"] == "sync" and e["args"]["iteration"] == k + 1)]

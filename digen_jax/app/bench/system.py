@@ -32,7 +32,7 @@ from digen_jax.app.bench.peaks import datasheet_peak, measure_matmul_peak
 from digen_jax.app.costs import sample_flops
 from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.executor import Executor
+from digen_jax.runtime.executor import Executor, read_figures
 
 
 def measure(
@@ -160,7 +160,7 @@ def run_modes(
             timings = timings[warmup:]
         finally:
             executor.close()
-        metrics = jax.device_get(metrics[warmup:])
+        metrics = [read_figures(m) for m in metrics[warmup:]]
         devices = executor.meshes.num_devices
         rate = statistics.mean(t["samples_per_s"] for t in timings)
         groups = timings[0]["bubble_frac"].keys()
