@@ -1151,6 +1151,7 @@ def run_frozen_worker(workdir: str, cache_dir: str) -> None:
     stage("decoder weights placed without a cross-process move")
 
     plan, _ = executor.iteration(0)
+    executor.drain()  # the sync after the update is dispatched: its figures belong to iteration 0
     figures = executor.timing(0, plan)
     steps, latent = config.sampling.num_steps, int(np.prod(run.latent_shape))
     per_sample = (2 * steps + 1) * latent * 4 + steps * 4 + 2 * 4  # latents and means, log-probs (fp32), a key's 2 words

@@ -48,7 +48,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl.rollout import Conditioning, Sampler, Trajectory
@@ -191,7 +190,8 @@ class Executor:
         self.tracer = Tracer((trace_path or os.path.join(job.workdir, "trace.json")) if write_trace else None,
                              peers=EventExchange.for_run())
         self.lanes = Lanes()
-        self.shared = SharedValues()  # host values one process computes for all (rewards)
+        self.shared = SharedValues()  # host values one process computes for all (rewards, figures, costs)
+        self._agreements = 0  # `_agreed_costs` calls so far: alike on every process
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=rt.reward_workers, thread_name_prefix="reward")
         self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
         self.measured: dict[tuple[str, str], list[float]] = {}  # (kind, group) -> recent durations
@@ -434,13 +434,18 @@ class Executor:
         order of the crossing programs derive from them and must be alike everywhere (a
         different plan or order would issue different cross-process programs and hang them
         all), and each process times its own reward scoring. Every process calls it at the
-        same point (a broadcast)."""
+        same point: process 0 publishes them through the key-value store, not by a device
+        collective, which would enter the devices' program order between the lanes' programs."""
         costs = self.measured_costs()
         if jax.process_count() == 1 or self.meshes.colocated:
             return costs
-        values = [np.nan] * 6 if costs is None else [
-            costs.rollout["rollout"], costs.rollout["train"], costs.train, costs.update, costs.sync, costs.reward]
-        got = [float(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.float32))]
+        self._agreements += 1
+        name = f"costs/{self._agreements}"
+        if jax.process_index() == 0:
+            values = [np.nan] * 6 if costs is None else [
+                costs.rollout["rollout"], costs.rollout["train"], costs.train, costs.update, costs.sync, costs.reward]
+            self.shared.publish(name, np.asarray(values, np.float64))
+        got = [float(v) for v in self.shared.read(name, np.float64)]  # process 0 too: the same bits everywhere
         if np.isnan(got[0]):
             return None
         roll_r, roll_t, train, update, sync, reward = got
@@ -640,9 +645,7 @@ class Executor:
         return {"sum": GradSum(), "finite": True}
 
     def timing(self, k: int, plan: plan_lib.IterationPlan) -> dict:
-        """Iteration k's measured figures (waits until its tasks and the sync of its weights
-        completed: call it one step late)."""
-        self.lanes.wait([t.key for t in plan.tasks if t.kind != "reward" and (t.iteration == k or t.kind == "sync")])
+        """Iteration k's measured figures (waits until its tasks completed: call it one step late)."""
         self.tracer.wait_through(k)
         events = self.tracer.events
         mine = [e for e in events if e["args"]["iteration"] == k or (e["args"]["kind"] == "sync" and e["args"]["iteration"] == k + 1)]
