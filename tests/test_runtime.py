@@ -344,12 +344,15 @@ def test_nft_trains_every_sample_once_at_bounded_staleness_and_moves_only_final_
 def test_nft_modes_make_the_same_first_update_and_move_the_old_policy_by_its_decay(nft_runs):
     """One update from the same samples whichever way the units were cut (colocated and TSP: 8
     units of several samples and levels per micro-batch; gap: one level of every sample), and the
-    old policy after it is lam old + (1 - lam) theta with the 'ramp' schedule's lam(1) = 0.001."""
+    old policy after it is lam old + (1 - lam) theta with the 'ramp' schedule's lam(1) = 0.001.
+    Adam's first step is lr g / (|g| + eps) per weight: where |g| is near eps, the rounding of
+    gradients summed in another order (one device colocated, four sharded otherwise) shows at a
+    few percent of the step, far below the 2 lr of a gradient whose sign differs."""
     reference, old = nft_runs["disagg_sync"]["after_first"]
     moved = _max_diff(reference, nft_runs["initial"])
     assert moved > 1e-5
     for mode in ("colocated", "gap", "gap+tsp", "gap+tsp+tag"):
-        assert _max_diff(nft_runs[mode]["after_first"][0], reference) < 1e-5 * max(moved, 1.0), mode
+        assert _max_diff(nft_runs[mode]["after_first"][0], reference) < 0.05 * moved, mode
     lam = nft_lib.old_policy_decay(1, "ramp")
     expected = jax.tree.map(lambda a, b: lam * a + (1 - lam) * b, nft_runs["initial"], reference)
     assert _max_diff(old, expected) < 1e-6 * max(moved, 1.0)
