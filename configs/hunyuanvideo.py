@@ -15,7 +15,7 @@ CPU smoke run of the tiny variant: --config=configs/hunyuanvideo.py:tiny
 """
 import ml_collections
 
-from configs.sections import ATTENTION_MLP_TARGETS, runtime_section, sharding_section, tiny_overrides
+from configs.sections import ATTENTION_MLP_TARGETS, algorithm_keys, runtime_section, sharding_section, tiny_overrides
 
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
@@ -92,6 +92,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.ema_every = 8
     c.rl.max_nonfinite_in_row = 3
     c.rl.max_update_ratio = 1.0
+    c.rl.update(algorithm_keys())  # rl.algorithm and the DiffusionNFT keys (configs/sections.py)
 
     c.reward = ml_collections.ConfigDict()
     c.reward.weights = {"jpeg_compressibility": 1.0}  # a cheap host reward; any registered reward works

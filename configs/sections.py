@@ -1,5 +1,6 @@
-"""What the configs share, as data: the `runtime` and `sharding` sections, the LoRA target sets of
-the model families, and the CPU-size (`:tiny`) overrides of the model-zoo configs."""
+"""What the configs share, as data: the `runtime` and `sharding` sections, the `rl.algorithm` keys,
+the LoRA target sets of the model families, the CPU-size (`:tiny`) overrides of the model-zoo
+configs and the DiffusionNFT recipe of the `*_nft.py` zoo configs."""
 from __future__ import annotations
 
 import ml_collections
@@ -45,6 +46,45 @@ def sharding_section(fsdp: bool = True) -> ml_collections.ConfigDict:
             train_rules=batch + ((("embed", "data"),) if fsdp else ()),
         )
     )
+
+
+def algorithm_keys() -> dict:
+    """`rl.algorithm` and DiffusionNFT's own keys (docs/algorithms.md section A12), to add to a
+    config's `rl` section; the defaults train Flow-GRPO and leave the NFT keys unused.
+
+    With 'nft' the GRPO-only keys (step selection, clip range, policy loss, decoupled PPO, the
+    on-policy anchor, sampling.noise_level and sde_type) play no part; `rl.adv_clip` is the
+    reference's `train.adv_clip_max` (advantage clip and loss scale) and `rl.kl_beta` its
+    `train.beta` (the weight of the squared distance to the base model's velocity).
+    """
+    return dict(
+        algorithm="grpo",  # 'grpo' (Flow-GRPO family) | 'nft' (DiffusionNFT)
+        nft_solver="dpm2",  # NFT rollout ODE solver: 'euler' | 'dpm2' (the reference's sample.solver)
+        # K noise levels trained per sample; 0: int(sampling.num_steps * rl.timestep_fraction), the reference's rule
+        nft_timesteps=0,
+        nft_beta=1.0,  # implicit-policy mixing strength (the reference's `beta`; 0.1 for its OCR config)
+        # Old-policy decay after each update: 'copy' | 'ramp' | 'ramp_delayed' (the reference's decay_type 0 | 1 | 2)
+        nft_decay="ramp",
+    )
+
+
+def nft_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`c` (a model-zoo config) switched to DiffusionNFT with the reference's settings
+    (NVlabs/DiffusionNFT config/nft.py over config/base.py; docs/algorithms.md section A12): ODE
+    rollouts with DPM2 and no CFG, int(N * 0.99) trained levels per sample, beta 1, the 'ramp'
+    decay, KL-to-base weight 1e-4, advantage clip 5, one update per batch, an evaluation EMA of
+    decay 0.9 updated every step. The reference's SD3.5-M ran 10 steps with 24 images x 48
+    prompts per update; the model, ladder, LoRA and batch stay `c`'s."""
+    c.rl.algorithm = "nft"
+    c.rl.nft_solver, c.rl.nft_beta, c.rl.nft_decay, c.rl.nft_timesteps = "dpm2", 1.0, "ramp", 0
+    c.rl.timestep_fraction = 0.99
+    c.rl.kl_beta = 1e-4
+    c.rl.adv_clip = 5.0
+    c.rl.num_updates_per_batch = 1
+    c.rl.ema, c.rl.ema_decay, c.rl.ema_every = True, 0.9, 1
+    c.rl.std_mode, c.rl.mean_mode = "global", "group"  # per-prompt mean, global std
+    c.sampling.cfg_scale, c.sampling.cfg_rescale = 1.0, False  # CFG-free
+    return c
 
 
 # The usual RL target set, "attention and MLP" of every block, per model family: every q/k/v and

@@ -11,7 +11,7 @@ then trains it against a programmatic reward that checks colour, shape and posit
 """
 import ml_collections
 
-from configs.sections import ATTENTION_MLP_TARGETS, runtime_section, sharding_section
+from configs.sections import ATTENTION_MLP_TARGETS, algorithm_keys, runtime_section, sharding_section
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -105,6 +105,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.max_nonfinite_in_row = 3  # stop after this many skipped updates in a row (>= 1)
     # Skip an update larger than this times the parameters' norm (a diverged step; inf: no bound).
     c.rl.max_update_ratio = 1.0
+    c.rl.update(algorithm_keys())  # rl.algorithm and the DiffusionNFT keys (configs/sections.py)
 
     c.reward = ml_collections.ConfigDict()
     c.reward.weights = {"shapes": 1.0}

@@ -17,6 +17,7 @@ import pytest
 from digen_jax.data import write_cache
 from digen_jax.models import FAMILIES, save_checkpoint
 from digen_jax.app import loop, workload
+from digen_jax.app.errors import ConfigError
 from digen_jax.app import families, random_init
 from digen_jax.rl import lora
 from digen_jax.rl.rollout import Conditioning, make_denoiser
@@ -111,6 +112,42 @@ def test_tiny_flow_grpo_iteration_through_train(family, tmp_path):
     # jpeg_compressibility of decoded frames: negative kB / 500, never exactly 0.
     assert rows[0]["reward_mean"] < 0
     assert set(jax.tree.leaves(jax.tree.map(lambda x: x.ndim, state.trainable))) <= {2, 3}  # adapters only
+
+
+NFT_CONFIGS = {"flux": "flux_nft", "qwenimage": "qwenimage_nft"}
+
+
+def get_nft_config(family: str, size: str = "full"):
+    path = os.path.join(ROOT, "configs", NFT_CONFIGS[family] + ".py")
+    spec = importlib.util.spec_from_file_location(f"config_{family}_nft", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(size)
+
+
+@pytest.mark.parametrize("family", sorted(NFT_CONFIGS))
+def test_nft_zoo_configs_validate_with_the_reference_settings(family):
+    """configs/<family>_nft.py at full size (no weights) validates and keeps its GRPO config's model
+    and batch, with DiffusionNFT's reference settings: DPM2 over 10 steps without true CFG, 9 levels
+    per sample, beta 1, the 'ramp' decay, KL weight 1e-4; its tiny size validates too."""
+    c, grpo = get_nft_config(family), get_config(family)
+    c.model.random_init = c.data.random_embeddings = True
+    loop.validate_config(c)
+    rl = c.rl
+    assert (rl.algorithm, rl.nft_solver, rl.nft_beta, rl.nft_decay, rl.kl_beta) == ("nft", "dpm2", 1.0, "ramp", 1e-4)
+    assert c.sampling.cfg_scale == 1.0 and c.sampling.num_steps == 10
+    assert int(c.sampling.num_steps * rl.timestep_fraction) == 9
+    assert (c.model.to_dict(), rl.lora_rank, rl.prompts_per_iteration, rl.group_size) == (
+        grpo.model.to_dict() | {"random_init": True}, grpo.rl.lora_rank, grpo.rl.prompts_per_iteration, grpo.rl.group_size)
+    loop.validate_config(get_nft_config(family, "tiny"))
+
+
+def test_nft_rejects_true_cfg():
+    c = get_nft_config("qwenimage")
+    c.model.random_init = c.data.random_embeddings = True
+    c.sampling.cfg_scale = 4.0
+    with pytest.raises(ConfigError, match=r"sampling\.cfg_scale=4\.0: rl\.algorithm='nft' samples without"):
+        loop.validate_config(c)
 
 
 @pytest.mark.gpu

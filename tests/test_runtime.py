@@ -14,6 +14,9 @@ import pytest
 
 from configs import tiny
 from digen_jax.app import loop
+from digen_jax.app.errors import ConfigError
+from digen_jax.app.validation import validate_config
+from digen_jax.rl import nft as nft_lib
 from digen_jax.runtime import distributed
 from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import mesh as mesh_lib
@@ -250,7 +253,10 @@ def test_grpo_guard_trains_in_colocated_and_disaggregated_modes(runs, cache_dir,
 
 @pytest.mark.parametrize("mode", plan_lib.MODES)
 def test_trace_shows_every_sample_trained_once_at_bounded_staleness(runs, mode):
-    result = runs[mode]
+    _assert_every_sample_trained_once_at_bounded_staleness(runs[mode], mode)
+
+
+def _assert_every_sample_trained_once_at_bounded_staleness(result, mode):
     executor, events, timings = result["executor"], result["trace"], result["timings"]
     batch = 16
     rollouts = [e for e in events if e["args"]["kind"] == "rollout"]
@@ -276,6 +282,80 @@ def test_trace_shows_every_sample_trained_once_at_bounded_staleness(runs, mode):
     if "tcss" in mode:
         assert timings[1]["staleness_max"] == 1  # iteration 1 trained a micro-batch prefetched with version 0
     assert [int(m["version"]) for m in result["metrics"]] == list(range(1, ITERATIONS + 1))
+
+
+def nft_config(cache_dir, mode):
+    """`runtime_config` with DiffusionNFT: 2 of the 4 levels trained per sample, 4 samples' units
+    (8) per gradient micro-batch."""
+    c = runtime_config(cache_dir, mode)
+    c.rl.update(algorithm="nft", nft_timesteps=2, micro_batch_size=8)
+    return c
+
+
+@pytest.fixture(scope="module")
+def nft_runs(cache_dir, compile_cache, tmp_path_factory):
+    """Every mode for two iterations of DiffusionNFT from one Run, like `runs`."""
+    workdir = tmp_path_factory.mktemp("runtime_nft")
+    run = loop.Run(nft_config(cache_dir, "colocated"), str(workdir), log=lambda _: None)
+    out = {"run": run, "initial": jax.device_get(run.state.trainable)}
+    for mode in plan_lib.MODES:
+        trace_path = os.path.join(workdir, mode.replace("+", "_") + ".json")
+        executor = Executor(run, config=nft_config(cache_dir, mode), trace_path=trace_path, log=lambda _: None)
+        plans, metrics = [], []
+        for k in range(ITERATIONS):
+            plan, m = executor.iteration(k)
+            plans.append(plan)
+            metrics.append(m)
+            if k == 0:
+                after_first = jax.device_get((executor.state.trainable, executor.state.old))
+        timings = [executor.timing(k, p) for k, p in enumerate(plans)]
+        executor.close()
+        out[mode] = dict(executor=executor, after_first=after_first, metrics=metrics, timings=timings,
+                         trace=read_trace(trace_path), trace_path=trace_path)
+    return out
+
+
+@pytest.mark.parametrize("mode", plan_lib.MODES)
+def test_nft_trains_every_sample_once_at_bounded_staleness_and_moves_only_final_latents(nft_runs, mode):
+    """DiffusionNFT in every mode: the trace invariants GRPO's runs hold; each micro-batch that
+    crossed to the trainer moved only its samples' final latents (fp32) and keys; the rollout
+    role samples with the old policy (the synced tree is the state's `old`, not its trained
+    weights)."""
+    result = nft_runs[mode]
+    _assert_every_sample_trained_once_at_bounded_staleness(result, mode)
+    events, timings = result["trace"], result["timings"]
+    per_sample = int(np.prod(nft_runs["run"].latent_shape)) * 4 + 2 * 4
+    rolled_on = {(e["args"]["iteration"], e["args"]["microbatch"]): e["args"]["group"]
+                 for e in events if e["args"]["kind"] == "rollout"}
+    for k, t in enumerate(timings):
+        crossed = sum(len(e["args"]["sample_ids"]) for e in events if e["args"]["kind"] == "train"
+                      and e["args"]["iteration"] == k and rolled_on[(k, e["args"]["microbatch"])] == "rollout")
+        assert t["trajectory_bytes"] == crossed * per_sample, (k, t)
+    for m in jax.device_get(result["metrics"]):
+        assert np.isfinite(m["loss"]) and "lag0_units" not in m and 0 < m["nft_rho_mean"] < 1
+    executor = result["executor"]
+    if mode != plan_lib.COLOCATED:
+        assert executor.weights.rollout_version == int(executor.state.version) == ITERATIONS
+        synced, old, trained = jax.device_get((executor.weights.rollout_params, executor.state.old,
+                                               executor.state.trainable))
+        assert _max_diff(synced, old) == 0 and _max_diff(synced, trained) > 0
+
+
+def test_nft_modes_make_the_same_first_update_and_move_the_old_policy_by_its_decay(nft_runs):
+    """One update from the same samples whichever way the units were cut (colocated and TSP: 8
+    units of several samples and levels per micro-batch; gap: one level of every sample), and the
+    old policy after it is lam old + (1 - lam) theta with the 'ramp' schedule's lam(1) = 0.001.
+    Adam's first step is lr g / (|g| + eps) per weight: where |g| is near eps, the rounding of
+    gradients summed in another order (one device colocated, four sharded otherwise) shows at a
+    few percent of the step, far below the 2 lr of a gradient whose sign differs."""
+    reference, old = nft_runs["disagg_sync"]["after_first"]
+    moved = _max_diff(reference, nft_runs["initial"])
+    assert moved > 1e-5
+    for mode in ("colocated", "gap", "gap+tsp", "gap+tsp+tag"):
+        assert _max_diff(nft_runs[mode]["after_first"][0], reference) < 0.05 * moved, mode
+    lam = nft_lib.old_policy_decay(1, "ramp")
+    expected = jax.tree.map(lambda a, b: lam * a + (1 - lam) * b, nft_runs["initial"], reference)
+    assert _max_diff(old, expected) < 1e-6 * max(moved, 1.0)
 
 
 @pytest.mark.parametrize("mode", plan_lib.MODES)
@@ -434,6 +514,25 @@ def test_bad_runtime_config_names_the_key(cache_dir, override, key):
         validate_runtime_config(config, 8)
 
 
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (dict(algorithm="ppo"), "rl.algorithm='ppo' is unknown"),
+        (dict(nft_solver="heun"), "rl.nft_solver"),
+        (dict(nft_decay="linear"), "rl.nft_decay"),
+        (dict(nft_beta=0.0), "rl.nft_beta"),
+        (dict(nft_timesteps=5), "rl.nft_timesteps=5"),
+        (dict(micro_batch_size=3), "rl.micro_batch_size=3"),
+        (dict(decoupled=True), "rl.decoupled=True"),
+    ],
+)
+def test_bad_nft_config_names_the_key(cache_dir, override, key):
+    config = nft_config(cache_dir, "gap")
+    config.rl.update(override)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("+", r"\+")):
+        validate_config(config)
+
+
 @pytest.mark.parametrize("mode", ["gap+tsp+tag", "gap+tsp+tag+tcss"])
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_fixed_splits_pass_validation_iff_every_iteration_plans(cache_dir, mode, staleness):
@@ -472,6 +571,9 @@ _KILLED_RUN = """
 import os
 import sys
 from digen_jax.app import loop
+from digen_jax.app.errors import ConfigError
+from digen_jax.app.validation import validate_config
+from digen_jax.rl import nft as nft_lib
 from digen_jax.runtime.executor import Executor
 from tests.test_runtime import KILLED_IN, kill_config
 

@@ -82,6 +82,8 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
         fp["rl.lora_alpha"] = lora.config_alpha(rl)
         fp["rl.lora_targets"] = list(rl.lora_targets)
     fp["rl.ema"] = bool(rl.ema)
+    if rl.get("algorithm", "grpo") != "grpo":  # DiffusionNFT's state holds the old policy too
+        fp["rl.algorithm"] = rl.algorithm
     fp["optimizer"] = "adamw" if rl.max_grad_norm is None else "clip_by_global_norm, adamw"
     carried = {}
     for key in _CARRIED_KEYS:

@@ -63,6 +63,8 @@ RANGES: tuple[Range, ...] = (
     Range("rl.ema_decay", 0.0, 1.0, optional=True, why="None: the Flow-GRPO warm-up schedule"),
     _ints("rl.ema_every", 1),
     _ints("rl.max_nonfinite_in_row", 1, why="the run stops after this many skipped updates in a row"),
+    _positive("rl.nft_beta", why="DiffusionNFT's implicit-policy mixing strength (1 in the reference)"),
+    _ints("rl.nft_timesteps", 0, why="0: int(sampling.num_steps * rl.timestep_fraction), the reference's rule"),
     Range("rl.max_update_ratio", 0.0, INF, closed_low=False, closed_high=True,
           why="an update larger than this times the parameters' norm is skipped; inf: no bound"),
     _ints("sampling.num_steps", 2, why="the last step is never trained"),

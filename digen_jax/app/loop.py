@@ -27,6 +27,7 @@ from digen_jax.grid import image_grid
 from digen_jax.rl import lora, optim
 from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning
+from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
 from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
 from digen_jax.app import checkpoints
 from digen_jax.app.validation import validate_config
@@ -72,7 +73,11 @@ class Run:
             use_ema=rl.ema,
             max_update_ratio=rl.max_update_ratio,
         )
-        self.trainer = Trainer(self.sampler, frozen, optimizer, loss_cfg)
+        if rl.algorithm == "nft":
+            self.trainer = NftTrainer(self.sampler, frozen, optimizer, loss_cfg,
+                                      NftConfig(rl.nft_solver, rl.nft_beta, rl.nft_decay))
+        else:
+            self.trainer = Trainer(self.sampler, frozen, optimizer, loss_cfg)
         self.state = self.trainer.init_state(trainable)  # the initial state; the executor holds the live one
         # Every process saves and restores at the same points; with several, the train role's
         # processes write their own shards (checkpoints.save) into a directory every process reads.
@@ -286,10 +291,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
             for group, value in m["bubble_frac"].items():
                 run.writer.add_scalar(f"bubble_frac/{group}", value, m["step"])
         extra = f" eval {m['eval_reward_mean']:.3f}" if "eval_reward_mean" in m else ""
+        if "clip_frac" in m:  # GRPO
+            figures = f"kl {m['kl']:.2e} clip_frac {m['clip_frac']:.4f} approx_kl {m['approx_kl']:.2e}"
+        else:  # DiffusionNFT
+            figures = f"rho {m['nft_rho_mean']:.3f} old_dev {m['nft_old_deviation']:.2e} ref {m['nft_ref_penalty']:.2e}"
         log(
             f"[{m['step']:4d}/{total}] reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}{extra} "
-            f"loss {m['loss']:+.3e} kl {m['kl']:.2e} clip_frac {m['clip_frac']:.4f} approx_kl {m['approx_kl']:.2e} "
-            f"{m['samples_per_s']:.1f} samples/s"
+            f"loss {m['loss']:+.3e} {figures} {m['samples_per_s']:.1f} samples/s"
         )
         if m["skipped"]:
             log(f"  update {m['step']} skipped ({m['nonfinite_streak']} in a row): {_skip_reason(m, config.rl)}")

@@ -22,8 +22,9 @@ from digen_jax.rewards import registry
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import losses
 from digen_jax.rl.rollout import SamplerSpec
-from digen_jax.rl.timesteps import plan_steps, validate_step_selection
-from digen_jax.rl.trainer import ONPOLICY_ANCHORS
+from digen_jax.rl.nft_trainer import NftConfig
+from digen_jax.rl.timesteps import plan_steps, validate_nft_timesteps, validate_step_selection
+from digen_jax.rl.trainer import ALGORITHMS, ONPOLICY_ANCHORS
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.runtime_config import validate_runtime_config
 
@@ -37,11 +38,17 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     rl = config.rl
+    _validate_algorithm(config)
     try:
         adv_lib.validate_group_size(rl.group_size)
         adv_lib.validate_advantage_modes(rl.mean_mode, rl.std_mode)
-        losses.validate_policy_loss(rl.policy_loss, config.sampling.sde_type, rl.decoupled, config.sampling.noise_level)
-        validate_step_selection(rl, config.sampling.num_steps)
+        if rl.algorithm == "grpo":
+            losses.validate_policy_loss(rl.policy_loss, config.sampling.sde_type, rl.decoupled,
+                                        config.sampling.noise_level)
+            validate_step_selection(rl, config.sampling.num_steps)
+        else:
+            validate_nft_timesteps(rl, config.sampling.num_steps)
+            NftConfig(rl.nft_solver, rl.nft_beta, rl.nft_decay)
         SamplerSpec(config.sampling.sde_type, config.sampling.cfg_scale, config.sampling.cfg_rescale)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -69,6 +76,24 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         mesh_lib.build_role_meshes(config.runtime)  # role sizes against the hosts' devices (no compute)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _validate_algorithm(config) -> None:
+    """`rl.algorithm`, and what DiffusionNFT rules out: true CFG in its rollouts and the GRPO-only
+    off-policy corrections (it has no log-probs to correct)."""
+    rl = config.rl
+    if rl.algorithm not in ALGORITHMS:
+        raise ConfigError(f"rl.algorithm={rl.algorithm!r} is unknown; use one of {ALGORITHMS} "
+                          "('grpo': the Flow-GRPO family, 'nft': DiffusionNFT)")
+    if rl.algorithm != "nft":
+        return
+    if config.sampling.cfg_scale != 1.0:
+        raise ConfigError(f"sampling.cfg_scale={config.sampling.cfg_scale}: rl.algorithm='nft' samples without "
+                          "classifier-free guidance; set sampling.cfg_scale=1")
+    if rl.decoupled or rl.policy_loss != "ppo":
+        raise ConfigError(f"rl.decoupled={rl.decoupled} / rl.policy_loss={rl.policy_loss!r} correct GRPO's "
+                          "log-prob ratio, which rl.algorithm='nft' does not have; set rl.decoupled=False and "
+                          "rl.policy_loss='ppo'")
 
 
 def _trained_per_sample(config) -> int:

@@ -1,5 +1,5 @@
 """Flow-matching math: sigma ladders, FLUX/Qwen latent packing, and RL sampler steps."""
-from digen_jax.diffusion.ode import ODE_SOLVERS, OdeStepOutput, dpm_solver_2m_step, solve_flow_ode
+from digen_jax.diffusion.ode import ODE_SOLVERS, OdeStepOutput, dpm_solver_2m_step, flow_ode_step, solve_flow_ode
 from digen_jax.diffusion.packing import (
     VAE_SCALE_FACTOR,
     flux_image_ids,
@@ -51,6 +51,7 @@ __all__ = [
     "flow_grpo_cps_step",
     "flow_grpo_sde_step",
     "flow_grpo_wan_step",
+    "flow_ode_step",
     "flux_image_ids",
     "flux_ladder",
     "gaussian_mean_kl",

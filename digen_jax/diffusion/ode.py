@@ -82,6 +82,23 @@ def dpm_solver_2m_step(
     return OdeStepOutput(out, x0_hat)
 
 
+def flow_ode_step(
+    solver: str,
+    latents: jax.Array,
+    velocity: jax.Array,
+    sigmas: jax.Array,
+    step_index: jax.Array | int,
+    prev_x0: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """One step of `solver` from sigmas[i] to sigmas[i + 1]: (x', the ``prev_x0`` the next step
+    takes). Euler keeps no history (None); DPM2 passes its data prediction on."""
+    if solver not in ODE_SOLVERS:
+        raise ValueError(f"solver must be one of {ODE_SOLVERS}, got {solver!r}")
+    if solver == "euler":
+        return euler_step(latents, velocity, sigmas, step_index).prev_sample, None
+    return tuple(dpm_solver_2m_step(latents, velocity, sigmas, step_index, prev_x0))
+
+
 def solve_flow_ode(
     velocity_fn: Callable[[jax.Array, jax.Array], jax.Array],
     latents: jax.Array,
@@ -92,15 +109,9 @@ def solve_flow_ode(
 
     Returns the final latent (B, ...) float32. The Python loop unrolls the N steps.
     """
-    if solver not in ODE_SOLVERS:
-        raise ValueError(f"solver must be one of {ODE_SOLVERS}, got {solver!r}")
     ladder = _as_f32(sigmas)
     x = _as_f32(latents)
     prev_x0 = None
     for i in range(ladder.shape[0] - 1):
-        v = velocity_fn(x, ladder[i])
-        if solver == "euler":
-            x = euler_step(x, v, ladder, i).prev_sample
-        else:
-            x, prev_x0 = dpm_solver_2m_step(x, v, ladder, i, prev_x0)
+        x, prev_x0 = flow_ode_step(solver, x, velocity_fn(x, ladder[i]), ladder, i, prev_x0)
     return x

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from digen_jax.diffusion.steps import _as_f32 as _f32
 from digen_jax.diffusion.steps import _mean_over_sample, _per_sample
@@ -133,24 +134,27 @@ def nft_loss(
     return loss, {k: sg(m) for k, m in metrics.items()}
 
 
-def old_policy_decay(step: int, schedule: str = "ramp") -> float:
+def old_policy_decay(step, schedule: str = "ramp"):
     """lam(step) of a named schedule (``NFT_DECAY_SCHEDULES``); ``step`` counts optimizer steps.
 
     'copy': 0 (the old policy becomes the trained one); 'ramp': min(0.001 step, 0.5);
-    'ramp_delayed': 0 before step 75, then min(0.0075 (step - 75), 0.999).
+    'ramp_delayed': 0 before step 75, then min(0.0075 (step - 75), 0.999). A Python int step
+    gives a float; a (traced) integer array, as inside a jitted update, a float32 array.
     """
     if schedule not in NFT_DECAY_SCHEDULES:
         raise ValueError(f"schedule must be one of {tuple(NFT_DECAY_SCHEDULES)}, got {schedule!r}")
     delay, rate, cap = NFT_DECAY_SCHEDULES[schedule]
-    if step < delay:
-        return 0.0
-    return min((step - delay) * rate, cap)
+    on_host = isinstance(step, (int, np.integer))
+    xp = np if on_host else jnp
+    lam = xp.minimum(xp.maximum(step - delay, 0) * rate, cap)  # 0 before the delay: max(...) is 0
+    return float(lam) if on_host else lam.astype(jnp.float32)
 
 
-def update_old_policy(old_params: PyTree, params: PyTree, step: int, schedule: str = "ramp") -> PyTree:
+def update_old_policy(old_params: PyTree, params: PyTree, step, schedule: str = "ramp") -> PyTree:
     """old <- lam old + (1 - lam) params with lam = :func:`old_policy_decay` (step, schedule).
 
-    Called once per epoch, after its optimizer steps, with the number of steps taken so far.
+    Called after optimizer steps with the number of steps taken so far (an int, or a traced
+    integer inside a jitted update).
     Float32 arithmetic; each result keeps its old leaf's dtype.
     """
     return ema_update(old_params, params, 0, update_every=1, decay=old_policy_decay(step, schedule))

@@ -66,11 +66,12 @@ def ema_update(
     Flow-GRPO calls this once per micro-batch with the optimizer step, so several updates can
     share one ``step``. ``decay=0.995, update_every=1`` is DanceGRPO's constant-decay FLUX EMA.
     On the other steps every leaf is returned unchanged (bit-exact). The arithmetic is float32 and
-    each result keeps its EMA leaf's dtype. ``step`` may be a traced int.
+    each result keeps its EMA leaf's dtype. ``step`` may be a traced int and ``decay`` a traced
+    float32 (a Python ``decay`` is checked to lie in [0, 1]).
     """
     if update_every < 1:
         raise ValueError(f"update_every must be >= 1, got {update_every}")
-    if decay is not None and not 0.0 <= decay <= 1.0:
+    if decay is not None and not isinstance(decay, jax.Array) and not 0.0 <= decay <= 1.0:
         raise ValueError(f"decay must be in [0, 1], got {decay}")
     step = jnp.asarray(step, jnp.int32)
     d = ema_decay(step, max_decay=max_decay) if decay is None else jnp.float32(decay)

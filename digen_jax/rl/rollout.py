@@ -181,6 +181,21 @@ class Trajectory:
         return self.latents[:, -1]
 
 
+@flax.struct.dataclass
+class FinalSamples:
+    """A batch of deterministic (ODE) samples kept as DiffusionNFT keeps them: no path, no
+    log-probs (docs/algorithms.md section A12), so moving one to the trainer moves only this.
+
+    final: (B, ...) float32, the latents the ODE solver reached.
+    sample_keys: (B,) the PRNG keys of the initial noises (the samples' seeds).
+    version: () int32, the (old-)policy version that generated every sample.
+    """
+
+    final: jax.Array
+    sample_keys: jax.Array
+    version: jax.Array
+
+
 def initial_noise(sample_keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """x_0 of each sample: standard normal of `shape` from its own key."""
     return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, _INITIAL_NOISE_TAG), shape))(sample_keys)
@@ -211,6 +226,7 @@ class Sampler:
         self.negative = negative
         self.num_steps = len(sigmas) - 1
         self.step = jax.jit(self._step)
+        self.ode_step = jax.jit(self._ode_step, static_argnames="solver")
 
     def velocity(self, params, latents, cond, step_index):
         sigma = jnp.broadcast_to(self.sigmas[step_index], (latents.shape[0],))
@@ -225,6 +241,20 @@ class Sampler:
         noise = jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, step_index), latents.shape[1:]))(sample_keys)
         out = self.transition(params, latents, cond, step_index, noise_level, noise=noise)
         return out.prev_sample, out.log_prob, out.mean
+
+    def _ode_step(self, params, latents, prev_x0, cond, step_index, solver: str):
+        v = self.velocity(params, latents, cond, step_index)
+        return diffusion.flow_ode_step(solver, latents, v, self.sigmas, step_index, prev_x0)
+
+    def ode_rollout(self, params, cond: Conditioning, sample_keys: jax.Array, latent_shape, version,
+                    solver: str) -> FinalSamples:
+        """Integrate the ladder deterministically with `solver` (diffusion.ODE_SOLVERS) from each
+        sample's initial noise (the one `rollout` starts from); one program per step, as `rollout`."""
+        latents = _initial_noise(sample_keys, tuple(latent_shape))
+        prev_x0 = None
+        for i in range(self.num_steps):
+            latents, prev_x0 = self.ode_step(params, latents, prev_x0, cond, i, solver=solver)
+        return FinalSamples(final=latents, sample_keys=sample_keys, version=jnp.array(version, jnp.int32))
 
     def rollout(self, params, cond: Conditioning, sample_keys: jax.Array, noise_levels, latent_shape, version) -> Trajectory:
         """Sample the whole ladder for a batch; every step dispatched asynchronously.

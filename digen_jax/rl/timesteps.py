@@ -9,12 +9,19 @@
 
 The last step (sigma' = 0) has a near-zero transition std and is never trained; a
 selection that would train it is rejected by `validate_step_selection`.
+
+`rl.algorithm='nft'` (DiffusionNFT, docs/algorithms.md section A12) ignores the selection: its
+rollouts are deterministic (every noise level 0) and each sample trains K noise levels of its
+own, a random K of the N sampling levels sigma_0..sigma_{N-1} (`nft_num_trained`).
 """
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
+
+from digen_jax.rl import nft
 
 STEP_SELECTIONS = ("fraction", "window", "mixgrpo", "random")
 
@@ -61,8 +68,27 @@ def validate_step_selection(rl, num_steps: int) -> None:
         raise ValueError(f"rl.window_shift_every must be >= 1, got {rl.window_shift_every}")
 
 
+def nft_num_trained(rl, num_steps: int) -> int:
+    """DiffusionNFT's K: `rl.nft_timesteps`, or where that is 0 int(N * `rl.timestep_fraction`)
+    as the reference derives it (N - 1 for its 0.99)."""
+    return rl.nft_timesteps or _num_trained(rl.timestep_fraction, num_steps)
+
+
+def validate_nft_timesteps(rl, num_steps: int) -> None:
+    """Raise ValueError naming the keys unless 1 <= K <= sampling.num_steps."""
+    k = nft_num_trained(rl, num_steps)
+    if not 1 <= k <= num_steps:
+        raise ValueError(
+            f"rl.nft_timesteps={rl.nft_timesteps} (rl.timestep_fraction={rl.timestep_fraction} where 0) trains {k} "
+            f"noise levels per sample; it must be in [1, sampling.num_steps={num_steps}]")
+
+
 def plan_steps(rl, num_steps: int, noise_level: float, batch: int, iteration: int, rng: np.random.Generator) -> StepPlan:
     """The StepPlan of one iteration; `rng` is seeded per iteration so a resumed run replays it."""
+    if rl.get("algorithm", "grpo") == "nft":
+        key = jax.random.key(int(rng.integers(2**31)))
+        trained = np.asarray(nft.draw_timestep_indices(key, batch, num_steps, nft_num_trained(rl, num_steps)))
+        return StepPlan(np.zeros((num_steps,), np.float32), trained)
     mode = rl.step_selection
     if mode in ("fraction", "random"):
         noise = np.full((num_steps,), noise_level, np.float32)

@@ -91,6 +91,8 @@ class TrainState:
     opt_state: Any
     ema: Any
     nonfinite_streak: jax.Array  # consecutive skipped updates
+    # DiffusionNFT's old policy (a tree like `trainable`), which rollouts sample with; None for GRPO.
+    old: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +126,8 @@ class LossConfig:
 
 
 ONPOLICY_ANCHORS = ("trainer", "rollout")
+# `rl.algorithm`: the Flow-GRPO family (this module) or DiffusionNFT (`nft_trainer.NftTrainer`).
+ALGORITHMS = ("grpo", "nft")
 # Per-update figures over lag-0 units: '<name>_mean' and '<name>_max' (NaN when there were none).
 LAG0_FIGURES = ("logp_diff", "rollout_logp_gap")
 
@@ -138,7 +142,7 @@ def _combine_metrics(a: dict, b: dict) -> dict:
 def _update_figures(metrics: dict, count: jax.Array) -> dict:
     """An update's figures from its summed micro-batch metrics: means over micro-batches, and
     the lag-0 figures over the lag-0 units (NaN when the update had none)."""
-    units = metrics["lag0_units"]
+    units = metrics.get("lag0_units")  # absent from losses without log-probs (DiffusionNFT)
     out = {}
     for k, v in metrics.items():
         if k == "lag0_units":
@@ -153,7 +157,15 @@ def _update_figures(metrics: dict, count: jax.Array) -> dict:
 
 
 class Trainer:
-    """Jitted pieces of a GRPO update for one sampler (model, ladder, guidance, step type)."""
+    """Jitted pieces of a GRPO update for one sampler (model, ladder, guidance, step type).
+
+    What the runtime asks of an algorithm: `rollout` (what a rollout keeps, a `trajectory_type`),
+    `rollout_weights` (which weights of the state rollouts sample with), `build_units` and
+    `train_chunk` (a micro-batch's training units and one gradient micro-batch of them) and
+    `finish_update`; `nft_trainer.NftTrainer` gives DiffusionNFT's.
+    """
+
+    trajectory_type = Trajectory
 
     def __init__(self, sampler: Sampler, frozen: Any, optimizer: optax.GradientTransformation, cfg: LossConfig):
         self.sampler = sampler
@@ -167,6 +179,22 @@ class Trainer:
         self._merged = jax.jit(lambda trainable, frozen: self._params_for(trainable, frozen, "merged"))
         self.accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=(0,))
         self.apply_update = jax.jit(self._apply_update, donate_argnums=(0,))
+
+    def rollout(self, params, cond: Conditioning, sample_keys: jax.Array, noise_levels, latent_shape, version) -> Trajectory:
+        """A batch's rollout with sampling weights `params` (`Sampler.rollout`: the whole path)."""
+        return self.sampler.rollout(params, cond, sample_keys, noise_levels, latent_shape, version)
+
+    def rollout_weights(self, state: TrainState):
+        """The trainable tree rollouts of `state`'s version sample with: the trained weights."""
+        return state.trainable
+
+    def build_units(self, traj: Trajectory, cond: Conditioning, advantages: jax.Array, trained: jax.Array) -> "TrainUnits":
+        """Every (sample, trained step) unit of a rolled-out micro-batch (`build_units`)."""
+        return build_units(traj, cond, advantages, trained, old_means=self.cfg.policy_loss == "grpo_guard")
+
+    def train_chunk(self, acc: "GradSum", state: TrainState, chunk: "TrainUnits", on_policy: bool = False) -> None:
+        """`add_chunk` with `state`'s trained weights."""
+        self.add_chunk(acc, state.trainable, chunk, on_policy)
 
     def pin_state_sharding(self, state_sharding: Any) -> None:
         """Give updated states exactly `state_sharding`, so a state restored with it runs the same
@@ -300,17 +328,19 @@ class Trainer:
         ok &= jnp.isfinite(optax.tree.norm(trainable))
         if self.cfg.max_update_ratio != float("inf"):
             ok &= update_norm <= self.cfg.max_update_ratio * param_norm
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        keep = lambda new, prev: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, prev)  # noqa: E731
         ema = state.ema
         if ema is not None:
             decay = {} if self.cfg.ema_decay is None else {"decay": self.cfg.ema_decay}
             ema = keep(optim.ema_update(ema, trainable, state.version, update_every=self.cfg.ema_every, **decay), ema)
+        version = state.version + ok.astype(jnp.int32)
         new_state = TrainState(
-            version=state.version + ok.astype(jnp.int32),
+            version=version,
             trainable=keep(trainable, state.trainable),
             opt_state=keep(opt_state, state.opt_state),
             ema=ema,
             nonfinite_streak=jnp.where(ok, 0, state.nonfinite_streak + 1),
+            old=keep(self._next_old(state.old, trainable, version), state.old),
         )
         # Fresh outputs (not views of the state, which the next update donates).
         metrics = {
@@ -322,6 +352,10 @@ class Trainer:
         }
         return new_state, metrics
 
+    def _next_old(self, old, trainable, version):
+        """The old policy after an update to `trainable` (version `version`); GRPO keeps none."""
+        return old
+
     def add_chunk(self, acc: "GradSum", trainable, chunk: TrainUnits, on_policy: bool = False) -> None:
         """Add one gradient micro-batch's gradients and metrics to `acc` (asynchronous).
 
@@ -332,6 +366,10 @@ class Trainer:
         if self.cfg.decoupled and needs_proximal:  # the proximal policy: the weights at the start of this update
             chunk = chunk.replace(proximal_log_prob=self.log_prob_fn(trainable, chunk))
         (_, metrics), grads = self.grad_fn(trainable, chunk, on_policy)
+        self.accumulate_chunk(acc, grads, metrics)
+
+    def accumulate_chunk(self, acc: "GradSum", grads, metrics: dict) -> None:
+        """Add one micro-batch's gradients and metrics to `acc` (asynchronous)."""
         acc.grads = grads if acc.grads is None else self.accumulate(acc.grads, grads)
         acc.metrics = metrics if acc.metrics is None else _combine_metrics(acc.metrics, metrics)
         acc.count += 1

@@ -50,9 +50,9 @@ import ml_collections
 import numpy as np
 
 from digen_jax.rl import advantages as adv_lib
-from digen_jax.rl.rollout import Conditioning, Sampler, Trajectory
+from digen_jax.rl.rollout import Conditioning, FinalSamples, Sampler, Trajectory
 from digen_jax.rl.timesteps import plan_steps
-from digen_jax.rl.trainer import LAG0_FIGURES, GradSum, Trainer, TrainState, build_units
+from digen_jax.rl.trainer import LAG0_FIGURES, GradSum, Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import SharedValues, crossing_bytes, to_every_process, whole_on_one_process
@@ -116,12 +116,13 @@ def _iteration_metrics(update_metrics: list[dict]) -> dict:
     in one program on the train devices rather than two per figure."""
     last = update_metrics[-1]
     metrics = {name: jnp.mean(jnp.stack([m[name] for m in update_metrics])) for name in last}
-    units = jnp.stack([m["lag0_units"] for m in update_metrics])
-    metrics["lag0_units"] = jnp.sum(units)
-    for name in LAG0_FIGURES:  # over the lag-0 units of every update (NaN: there were none)
-        means = jnp.stack([m[f"{name}_mean"] for m in update_metrics])
-        metrics[f"{name}_mean"] = jnp.sum(jnp.where(units > 0, means * units, 0.0)) / jnp.sum(units)
-        metrics[f"{name}_max"] = jnp.nanmax(jnp.stack([m[f"{name}_max"] for m in update_metrics]))
+    if "lag0_units" in last:  # losses on log-probs (GRPO); DiffusionNFT has none
+        units = jnp.stack([m["lag0_units"] for m in update_metrics])
+        metrics["lag0_units"] = jnp.sum(units)
+        for name in LAG0_FIGURES:  # over the lag-0 units of every update (NaN: there were none)
+            means = jnp.stack([m[f"{name}_mean"] for m in update_metrics])
+            metrics[f"{name}_mean"] = jnp.sum(jnp.where(units > 0, means * units, 0.0)) / jnp.sum(units)
+            metrics[f"{name}_max"] = jnp.nanmax(jnp.stack([m[f"{name}_max"] for m in update_metrics]))
     metrics.update(
         version=last["version"],
         nonfinite_streak=last["nonfinite_streak"],
@@ -138,13 +139,16 @@ def read_figures(figures: dict) -> dict:
 
 @jax.jit
 def _finite_parts(state: TrainState) -> dict:
-    """Whether the weights, optimizer state and EMA of `state` are each free of NaN and inf."""
+    """Whether the weights, optimizer state, EMA (and old policy) of `state` are each free of NaN and inf."""
     def finite(tree):
         leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
         return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
-    return {"trainable weights": finite(state.trainable), "optimizer state": finite(state.opt_state),
-            "EMA weights": finite(state.ema)}
+    parts = {"trainable weights": finite(state.trainable), "optimizer state": finite(state.opt_state),
+             "EMA weights": finite(state.ema)}
+    if state.old is not None:
+        parts["old-policy weights"] = finite(state.old)
+    return parts
 
 
 @functools.lru_cache(maxsize=16)
@@ -166,8 +170,8 @@ class MicroBatch:
     trained: np.ndarray  # (samples, S) trained step indices
     rolled_on: str | None = None  # the device group that rolled it out
     version: int | None = None  # the policy version that generated it
-    traj: Trajectory | None = None
-    on_trainer: Trajectory | None = None  # the trajectory moved to the train mesh ahead of its training
+    traj: Trajectory | FinalSamples | None = None  # what the algorithm's rollout keeps (Trainer.rollout)
+    on_trainer: Trajectory | FinalSamples | None = None  # the trajectory moved to the train mesh ahead of its training
     rewards: concurrent.futures.Future | None = None
 
 
@@ -229,9 +233,10 @@ class Executor:
         """Trainer -> rollout weight transfer of `version` (asynchronous; only adapters with LoRA)."""
         task = plan_lib.Task("sync", "link", version, 0, version, deps=deps)
         start = self.tracer.now()
-        moved_bytes = crossing_bytes(self.state.trainable, self.meshes.rollout)
+        weights = self.job.trainer.rollout_weights(self.state)  # DiffusionNFT: the old policy
+        moved_bytes = crossing_bytes(weights, self.meshes.rollout)
         with self.lanes.crossing(task):
-            moved = self.weights.sync(self.state.trainable, version)
+            moved = self.weights.sync(weights, version)
         self.tracer.record(task, moved, start, bytes=moved_bytes)
 
     def _params_on(self, group: str, version: int):
@@ -240,7 +245,7 @@ class Executor:
                 raise RuntimeError(f"a rollout needs weights of version {version} but version "
                                    f"{self.weights.rollout_version} was synced: the plan lacks a sync")
             return self.weights.rollout_params
-        return self.weights.on_train(self.state.trainable)
+        return self.weights.on_train(self.job.trainer.rollout_weights(self.state))
 
     # ------------------------------------------------------------------ inputs
     def microbatches_of(self, k: int) -> list[MicroBatch]:
@@ -284,10 +289,10 @@ class Executor:
         params = self._params_on(task.group, task.version)
         start = self.tracer.now()
         cond, keys = mesh_lib.put_batch((mb.cond, mb.sample_keys), mesh)
-        mb.traj = self.job.sampler.rollout(params, cond, keys, mb.noise_levels, self.job.latent_shape, task.version)
+        mb.traj = self.job.trainer.rollout(params, cond, keys, mb.noise_levels, self.job.latent_shape, task.version)
         mb.rolled_on, mb.version = task.group, task.version
-        self.tracer.record(task, mb.traj.latents, start, sample_ids=mb.sample_ids.tolist())
         final, decoder = mb.traj.final, self.weights.decoders.get(task.group)
+        self.tracer.record(task, final, start, sample_ids=mb.sample_ids.tolist())
         if self.meshes.reward is None:
             decoded = self.job.decode(final, decoder)
         else:  # one process (validate_runtime_config): nothing crosses processes here
@@ -379,8 +384,8 @@ class Executor:
             )
             trained = jnp.asarray(mb.trained)
         cond, adv, trained = mesh_lib.put_batch((mb.cond, adv, trained), mesh)
-        units = build_units(traj, cond, adv, trained, old_means=self.job.trainer.cfg.policy_loss == "grpo_guard")
         trainer, acc_grads = self.job.trainer, acc["sum"]
+        units = trainer.build_units(traj, cond, adv, trained)
         on_policy = task.version == mb.version  # generated by the weights this task trains
         for chunk in self._chunks(units, mb.trained.shape[1]):
             if self._pace_chunks and acc_grads.metrics is not None:
@@ -391,7 +396,7 @@ class Executor:
                 # started participants wait forever for the others. One chunk in flight keeps
                 # every device far below 32.
                 jax.block_until_ready(acc_grads.metrics)
-            trainer.add_chunk(acc_grads, self.state.trainable, chunk, on_policy)
+            trainer.train_chunk(acc_grads, self.state, chunk, on_policy)
         self.tracer.record(task, acc_grads.metrics["loss"], start, sample_ids=mb.sample_ids.tolist())  # grads get donated
 
     def _update(self, task: plan_lib.Task, acc: dict) -> dict:
@@ -680,7 +685,7 @@ class Executor:
         return {
             str(m.index): {
                 "traj": jax.device_get(to_every_process(
-                    {f.name: getattr(m.traj, f.name) for f in dataclasses.fields(Trajectory) if f.name != "sample_keys"}
+                    {f.name: getattr(m.traj, f.name) for f in dataclasses.fields(m.traj) if f.name != "sample_keys"}
                 )),
                 "rewards": m.rewards.result(),
                 "version": np.int32(m.version),
@@ -701,7 +706,8 @@ class Executor:
         self.carried = []
         for mb in self.microbatches_of(step)[: len(carried)]:
             saved = carried[str(mb.index)]
-            mb.traj = Trajectory(sample_keys=mb.sample_keys, **{name: jnp.asarray(a) for name, a in saved["traj"].items()})
+            mb.traj = self.job.trainer.trajectory_type(
+                sample_keys=mb.sample_keys, **{name: jnp.asarray(a) for name, a in saved["traj"].items()})
             mb.version = int(saved["version"])
             mb.rolled_on = plan_lib.GROUPS[int(saved["group"])]
             mb.rewards = concurrent.futures.Future()

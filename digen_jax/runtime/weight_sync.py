@@ -56,6 +56,7 @@ class RoleWeights:
             opt_state=mesh_lib.optimizer_state_shardings(self.trainer.optimizer, state.trainable, trainable_sh, train_mesh),
             ema=None if state.ema is None else trainable_sh,
             nonfinite_streak=mesh_lib.replicated(train_mesh),
+            old=None if state.old is None else trainable_sh,
         )
 
     def own_frozen(self) -> Any:
@@ -113,7 +114,8 @@ class RoleWeights:
         return moved, self.for_sampling(moved, self.frozen_on_rollout)
 
     def sync(self, trainable, version: int):
-        """Carry `version` (its trainable tree) to the rollout role (asynchronous); the tree that moved."""
+        """Carry `version` (the trainable tree rollouts sample with, `Trainer.rollout_weights`) to the
+        rollout role (asynchronous); the tree that moved."""
         moved, self.rollout_params = self.to_rollout(trainable)
         self.rollout_version = version
         return moved
