@@ -370,6 +370,28 @@ def test_lag0_units_are_anchored_on_the_trainers_first_pass(runs, mode):
         assert 0 <= m["rollout_logp_gap_max"] < 1e-5  # fp32: the rollout's log-probs to rounding
 
 
+def test_a_rollout_s_group_is_known_when_planned(runs, cache_dir, tmp_path, monkeypatch):
+    """Every micro-batch's group is set when its rollout is planned, before the rollout runs: the
+    next plan reads it to place trajectory moves (`_crossings`), and the prefetched rollouts of
+    iteration k + 1 may not have run when it is made."""
+    seen = []
+    rollout = Executor._rollout
+
+    def checked(self, task, mb):
+        seen.append((task.key, mb.rolled_on, task.group))
+        rollout(self, task, mb)
+
+    monkeypatch.setattr(Executor, "_rollout", checked)
+    config = runtime_config(cache_dir, "gap+tsp+tag+tcss")
+    executor = Executor(runs["run"], config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    for k in range(2):
+        executor.iteration(k)
+    executor.close()
+    assert len(seen) == 2 * config.runtime.micro_batches
+    assert all(planned == group for _, planned, group in seen), seen
+    assert {group for *_, group in seen} == {"rollout", "train"}
+
+
 @pytest.mark.parametrize("mode", plan_lib.MODES)
 def test_transfer_metrics_are_the_bytes_that_crossed(runs, mode):
     """Per iteration: the bytes of the weight sync carrying its update (here full fine-tuning: the

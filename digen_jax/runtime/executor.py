@@ -168,7 +168,7 @@ class MicroBatch:
     sample_keys: jax.Array
     noise_levels: np.ndarray  # (N,) the iteration's per-step noise levels
     trained: np.ndarray  # (samples, S) trained step indices
-    rolled_on: str | None = None  # the device group that rolled it out
+    rolled_on: str | None = None  # the device group that rolls it out, set when its rollout is planned
     version: int | None = None  # the policy version that generated it
     traj: Trajectory | FinalSamples | None = None  # what the algorithm's rollout keeps (Trainer.rollout)
     on_trainer: Trajectory | FinalSamples | None = None  # the trajectory moved to the train mesh ahead of its training
@@ -290,7 +290,7 @@ class Executor:
         start = self.tracer.now()
         cond, keys = mesh_lib.put_batch((mb.cond, mb.sample_keys), mesh)
         mb.traj = self.job.trainer.rollout(params, cond, keys, mb.noise_levels, self.job.latent_shape, task.version)
-        mb.rolled_on, mb.version = task.group, task.version
+        mb.version = task.version
         final, decoder = mb.traj.final, self.weights.decoders.get(task.group)
         self.tracer.record(task, final, start, sample_ids=mb.sample_ids.tolist())
         if self.meshes.reward is None:
@@ -497,6 +497,9 @@ class Executor:
         next_mbs = {}
         if prefetch:
             next_mbs = {(k + 1, m.index): m for m in self.microbatches_of(k + 1)[:prefetch]}
+        for t in plan.tasks:  # here, not when it runs: the next plan's moves depend on it (`_crossings`)
+            if t.kind == "rollout":
+                (mbs.get((t.iteration, t.index)) or next_mbs[(t.iteration, t.index)]).rolled_on = t.group
         acc = self._fresh_acc()
         update_metrics, figures = [], {}
         last_update = [t.key for t in plan.tasks if t.kind == "update" and t.iteration == k][-1]
@@ -600,8 +603,7 @@ class Executor:
                 syncs.append(dispatch_lib.Crossing(task, {name: len(seq) for name, seq in sequences.items()}))
             else:
                 sequences[dispatch_lib.lane(task)].append(task)
-        rolled_on = {(m.iteration, m.index): m.rolled_on for m in mbs if m.rolled_on is not None}
-        rolled_on.update({(t.iteration, t.index): t.group for t in tasks if t.kind == "rollout"})
+        rolled_on = {(m.iteration, m.index): m.rolled_on for m in mbs}
         where = {name: {t.key: i for i, t in enumerate(seq)} for name, seq in sequences.items()}
         moves = []
         for j, task in enumerate(sequences["train"]):
