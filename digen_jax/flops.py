@@ -26,7 +26,8 @@ imports no model code, so the simulator can count FLOPs without the model zoo). 
 These are the FLOPs the program must do (model FLOPs); activation recomputation (remat) adds
 executed FLOPs on top, which `jaxpr_matmul_flops` counts from a traced function.
 `rl_sample_flops` combines them into the cost of one RL sample (rollout steps with CFG as a
-doubled batch, and training units).
+doubled batch, and training units: the trained weights' forward+backward plus the forwards of
+the old policy and the frozen reference where the algorithm runs them).
 """
 from __future__ import annotations
 
@@ -406,27 +407,42 @@ def rl_sample_flops(
     cfg_forwards: int = 1,
     lora_rank: int = 0,
     lora_targets: Sequence[str] = (),
+    old_policy_forward: bool = False,
+    reference_forward: bool = False,
 ) -> dict[str, int]:
     """FLOPs of one RL sample: `num_steps` rollout steps and `trained_steps` training units.
 
-    `cfg_forwards` is 2 for true CFG (the negative and positive branch, run as one forward at
-    twice the batch: the same FLOPs) and 1 otherwise; the trainer recomputes the guided
-    velocity, so training units carry the same factor. Training is LoRA (`lora_rank` > 0, over
-    `lora_targets`) or full fine-tuning. Returns rollout, train and total FLOPs, plus
-    `train_full_convention`: the training FLOPs at 3x the forward whatever the adapter
-    (the usual rule of thumb, which overstates LoRA training).
+    A rollout step is one model evaluation: the SDE step, and either ODE solver (Euler; the
+    multistep DPM2, whose second-order term reuses the previous step's data prediction). `cfg_forwards` is 2 for true CFG
+    (the negative and positive branch, run as one forward at twice the batch: the same FLOPs)
+    and 1 otherwise; the trainer recomputes the guided velocity, so training units carry the
+    same factor. Training is LoRA (`lora_rank` > 0, over `lora_targets`) or full fine-tuning.
+
+    A training unit is the trained weights' forward and backward, plus forwards without a
+    backward: the old policy's with its own adapters or weights (`old_policy_forward`,
+    DiffusionNFT) and the frozen reference model's (`reference_forward`: a KL or
+    reference-velocity penalty, rl.kl_beta > 0; the base model, no adapters).
+
+    Returns rollout, train and total FLOPs, plus `train_full_convention`: the training FLOPs at 3x the
+    forward for the trained pass and 1x for each extra forward, whatever the adapter (the
+    usual rule of thumb, which overstates LoRA training).
     """
     if cfg_forwards not in (1, 2):
         raise ValueError(f"cfg_forwards must be 1 (no CFG) or 2 (true CFG), got {cfg_forwards}")
     terms = model_terms(family, cfg, batch=cfg_forwards, height=height, width=width, frames=frames, text_len=text_len)
     step = terms.forward().total
     unit = (terms.lora_fwd_bwd(lora_rank, lora_targets) if lora_rank else terms.full_fwd_bwd()).total
+    if old_policy_forward:
+        unit += (terms.lora_forward(lora_rank, lora_targets) if lora_rank else terms.forward()).total
+    if reference_forward:
+        unit += step
+    extra = int(old_policy_forward) + int(reference_forward)
     rollout, train = num_steps * step, trained_steps * unit
     return {
         "rollout": rollout,
         "train": train,
         "total": rollout + train,
-        "train_full_convention": trained_steps * 3 * step,
+        "train_full_convention": trained_steps * (3 + extra) * step,
     }
 
 

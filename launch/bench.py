@@ -195,7 +195,8 @@ def default_out(result: dict[str, Any]) -> str:
     stamp = result["created_utc"].replace(":", "").replace("-", "").split("+")[0]
     if result["mode"] == "system":
         config = result["config"]["model"]
-        name = f"system_{config['family']}_{config.get('variant', 'custom')}_{result['device']['count']}dev_{stamp}.json"
+        nft = "_nft" if result["config"].get("rl", {}).get("algorithm") == "nft" else ""  # GRPO names as before
+        name = f"system_{config['family']}_{config.get('variant', 'custom')}{nft}_{result['device']['count']}dev_{stamp}.json"
     else:
         c = result["config"]
         frames = f"x{c['frames']}" if c["family"] in ("wan", "hunyuan_video") else ""

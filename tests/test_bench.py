@@ -138,14 +138,15 @@ def test_help_documents_the_flags():
         assert flag in proc.stdout, flag
 
 
-def _tiny_qwenimage_config(path, overrides: str = ""):
-    """A config file: configs/qwenimage.py:tiny with one block, then the `overrides` lines."""
+def _tiny_qwenimage_config(path, overrides: str = "", module: str = "qwenimage"):
+    """A config file: configs/<module>.py:tiny (a Qwen-Image config) with one block, then the
+    `overrides` lines."""
     path.write_text(
         "import sys\n"
         f"sys.path.insert(0, {os.path.join(ROOT, 'configs')!r})\n"
-        "import qwenimage\n\n"
+        f"import {module}\n\n"
         "def get_config():\n"
-        "    c = qwenimage.get_config('tiny')\n"
+        f"    c = {module}.get_config('tiny')\n"
         "    c.model.num_layers = 1\n"
         f"{overrides}"
         "    return c\n"
@@ -187,6 +188,51 @@ def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path, capsys):
         events = read_trace(os.path.join(os.path.splitext(path)[0] + "_traces", record["trace"]))
         assert {"rollout", "train", "update"} <= {e["args"]["kind"] for e in events}
     assert set(simulator.predict_from_profile(written)) == set(modes)  # the record is a simulator profile
+
+
+def test_system_mode_runs_diffusionnft(tmp_path, capsys):
+    """configs/qwenimage_nft.py:tiny in the best mode: the record names the algorithm, carries
+    DiffusionNFT's loss figures instead of GRPO's ratio figures, and its FLOPs per sample are
+    NFT's (CFG-free rollout, K = 3 levels a sample); the default file name says nft."""
+    from digen_jax.app import families
+    from digen_jax.app.bench import system
+    from digen_jax.app.costs import sample_flops
+    from digen_jax.runtime import simulator
+
+    out = tmp_path / "nft.json"
+    config_file = _tiny_qwenimage_config(
+        tmp_path / "nft_config.py",
+        "    c.runtime.rollout_devices, c.runtime.micro_batches = 4, 2  # the other 4 train\n"
+        "    c.rl.prompts_per_iteration, c.rl.micro_batch_size = 4, 12  # 2 prompts x 2 samples x 3 levels\n",
+        module="qwenimage_nft",
+    )
+    parse(
+        "--mode=system", f"--config={config_file}", "--modes=gap+tsp+tag+tcss", "--iterations=1",
+        "--warmup_iterations=0", f"--workdir={tmp_path / 'work'}", f"--out={out}",
+    )
+    result, _ = bench.run_from_flags()
+    printed = capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["config"]["rl"]["algorithm"] == "nft"
+    record = written["modes"]["gap+tsp+tag+tcss"]
+    assert record["algorithm"] == "nft" and record["samples_per_s"] > 0
+    assert not {"clip_frac", "lag0_units", "logp_diff_max", "ratio_mean"} & set(record)
+    assert 0 < record["nft_rho_mean"] < 1 and record["nft_old_deviation"] >= 0 and record["nft_ref_penalty"] >= 0
+    assert f"nft rho {record['nft_rho_mean']:.3f}" in printed
+    from configs import qwenimage_nft
+
+    config = qwenimage_nft.get_config("tiny")
+    config.model.num_layers = 1
+    model_cfg = families.model_config(config)
+    assert model_cfg.num_layers == 1 and record["flops_per_sample"] == sample_flops(config, model_cfg)
+    terms = flops.model_terms("qwenimage", model_cfg, batch=1, height=32, width=32, text_len=config.data.text_len)
+    assert record["flops_per_sample"]["rollout"] == 4 * terms.forward().total  # no CFG batch
+    assert set(simulator.predict_from_profile(written)) == {"gap+tsp+tag+tcss"}
+
+    name = bench.default_out(dict(result, created_utc="2026-01-01T00:00:00+00:00"))
+    assert os.path.basename(name).startswith("system_qwenimage_tiny_nft_")
+    with pytest.raises(ValueError, match="play no part"):
+        system.run_modes(config, ["gap"], str(tmp_path / "anchors"), onpolicy_anchors=["trainer"])
 
 
 def test_system_mode_compares_onpolicy_anchors_in_one_run(tmp_path):

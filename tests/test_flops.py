@@ -159,3 +159,87 @@ def test_bad_input_is_named():
         terms.lora_fwd_bwd(4, ["attn3/"])
     with pytest.raises(ValueError, match="blocks and proj_out"):
         terms.lora_fwd_bwd(4, ["time_proj"])
+
+
+# ------------------------------------------------------------------ one RL sample, against the trainers' programs
+def _tiny_run(tmp_path, module, **rl):
+    """A `loop.Run` of `configs/<module>.py:tiny` without remat (the traced program then has model
+    FLOPs only), with `rl` overrides."""
+    import importlib
+
+    from digen_jax.app import loop
+
+    config = importlib.import_module(f"configs.{module}").get_config("tiny")
+    config.model.remat_policy = "none"
+    config.rl.update(rl)
+    return config, loop.Run(config, str(tmp_path))
+
+
+@pytest.mark.parametrize("kl_beta", [1e-4, 0.0])
+def test_nft_sample_counts_equal_the_trainer_programs(tmp_path, kl_beta):
+    """DiffusionNFT (configs/qwenimage_nft.py:tiny): a rollout is one CFG-free forward per step with
+    either ODE solver; a training unit is the LoRA forward+backward of the trained adapters, the
+    old adapters' forward and, with rl.kl_beta > 0, the base model's forward, as the traced
+    programs of `NftTrainer.rollout` and its loss gradient say."""
+    from digen_jax.app.costs import _trained_steps, sample_flops
+    from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
+    from digen_jax.rl.rollout import FinalSamples
+
+    config, run = _tiny_run(tmp_path, "qwenimage_nft", kl_beta=kl_beta)
+    counted = sample_flops(config, run.workload.model_cfg)
+    trainer, state = run.trainer, run.state
+    _, cond = run.prompt_batch(0)
+    batch, steps, k = cond.text.shape[0], config.sampling.num_steps, _trained_steps(config)
+    keys = jax.random.split(jax.random.key(0), batch)
+
+    merged = trainer.sampling_params(state.old)  # a plain tree: the rollout's matmuls are the model's own
+    for solver in ("euler", "dpm2"):
+        solver_trainer = NftTrainer(trainer.sampler, trainer.frozen, trainer.optimizer, trainer.cfg,
+                                    NftConfig(solver, config.rl.nft_beta, config.rl.nft_decay))
+        rollout = lambda p: solver_trainer.rollout(p, cond, keys, None, run.latent_shape, 0).final  # noqa: E731
+        assert flops.jaxpr_matmul_flops(rollout, merged) == batch * counted["rollout"], solver
+
+    samples = FinalSamples(final=jnp.zeros((batch, *run.latent_shape)), sample_keys=keys, version=jnp.int32(0))
+    trained = jnp.tile(jnp.arange(k, dtype=jnp.int32), (batch, 1))
+    units = trainer.build_units(samples, cond, jnp.zeros((batch,)), trained)
+    grad = jax.value_and_grad(trainer._nft_loss, has_aux=True)
+    traced = flops.jaxpr_matmul_flops(grad, state.trainable, state.old, trainer.frozen, units)
+    assert traced == batch * counted["train"]
+    model_cfg = run.workload.model_cfg
+    terms = flops.model_terms("qwenimage", model_cfg, batch=1, height=config.sampling.height,
+                              width=config.sampling.width, text_len=config.data.text_len)
+    targets = list(config.rl.lora_targets)
+    rank = config.rl.lora_rank
+    by_hand = terms.lora_fwd_bwd(rank, targets).total + terms.lora_forward(rank, targets).total
+    by_hand += terms.forward().total if kl_beta > 0 else 0
+    assert counted["train"] == k * by_hand and counted["rollout"] == steps * terms.forward().total
+
+
+def test_grpo_unit_counts_the_reference_forward(tmp_path):
+    """Flow-GRPO with rl.kl_beta > 0 (configs/qwenimage.py:tiny, true CFG): a training unit is the
+    guided LoRA forward+backward plus the frozen base's guided forward, as the traced loss
+    gradient says."""
+    import numpy as np
+
+    from digen_jax.app.costs import _trained_steps, sample_flops
+    from digen_jax.rl.rollout import Trajectory
+
+    config, run = _tiny_run(tmp_path, "qwenimage", kl_beta=0.01)
+    counted = sample_flops(config, run.workload.model_cfg)
+    trainer, state = run.trainer, run.state
+    _, cond = run.prompt_batch(0)
+    batch, steps, k = cond.text.shape[0], config.sampling.num_steps, _trained_steps(config)
+    latent = tuple(run.latent_shape)
+    traj = Trajectory(
+        latents=jnp.zeros((batch, steps + 1, *latent)), log_probs=jnp.zeros((batch, steps)),
+        means=jnp.zeros((batch, steps, *latent)), noise_levels=jnp.ones((steps,)),
+        sample_keys=jax.random.split(jax.random.key(0), batch), version=jnp.int32(0),
+    )
+    units = trainer.build_units(traj, cond, jnp.zeros((batch,)), jnp.tile(jnp.arange(k, dtype=jnp.int32), (batch, 1)))
+    grad = jax.value_and_grad(trainer._loss, has_aux=True)
+    traced = flops.jaxpr_matmul_flops(grad, state.trainable, trainer.frozen, units, np.bool_(False))
+    assert traced == batch * counted["train"]
+    terms = flops.model_terms("qwenimage", run.workload.model_cfg, batch=2, height=config.sampling.height,
+                              width=config.sampling.width, text_len=config.data.text_len)
+    without_reference = k * terms.lora_fwd_bwd(config.rl.lora_rank, list(config.rl.lora_targets)).total
+    assert counted["train"] == without_reference + k * terms.forward().total

@@ -125,6 +125,67 @@ def test_cost_model_moves_with_efficiency(qwen):
     assert fast_train.costs.rollout == base.costs.rollout
 
 
+# ------------------------------------------------------------------ DiffusionNFT's cost profile
+def _qwen_work(module, size="full", **rl):
+    import importlib
+
+    config = importlib.import_module(f"configs.{module}").get_config(size)
+    config.rl.update(rl)
+    return config, app_costs.iteration_work(config)
+
+
+def test_nft_moves_work_from_rollout_to_training():
+    """Qwen-Image at the 2-GPU bench's batch (4 prompts x 8): DiffusionNFT's CFG-free ODE rollout costs
+    half of Flow-GRPO's guided one per step, its 9 trained levels per sample (3 forwards each) cost
+    more than GRPO's 2 guided steps, so the best mode goes from rollout-bound to train-bound."""
+    _, grpo = _qwen_work("qwenimage", prompts_per_iteration=4, group_size=8)
+    _, nft = _qwen_work("qwenimage_nft", prompts_per_iteration=4, group_size=8)
+    assert (grpo.trained_steps, grpo.unit_forwards) == (2, 1) and (nft.trained_steps, nft.unit_forwards) == (9, 3)
+    assert nft.step_flops == grpo.step_flops / 2  # one forward per step instead of a doubled batch
+    assert nft.trained_steps * nft.unit_flops > 4 * grpo.trained_steps * grpo.unit_flops
+    pool, eff = cm.Pool.parse("h100:2"), cm.Efficiency(step_call_s=0.0)
+    g, n = (sim.simulate(w, pool, FULL, microbatches=4, eff=eff) for w in (grpo, nft))
+    assert n.costs.rollout["rollout"] == pytest.approx(g.costs.rollout["rollout"] / 2)
+    assert n.costs.train > 3 * g.costs.train
+    assert g.costs.rollout["rollout"] > g.costs.train and n.costs.train > n.costs.rollout["rollout"]
+    assert n.samples_per_s < g.samples_per_s and n.bubble_frac["rollout"] > g.bubble_frac["rollout"]
+
+
+def test_nft_prediction_is_the_hand_count_of_a_tiny_setting():
+    """configs/qwenimage_nft.py:tiny (2 prompts x 2 samples, 4 steps, K = 3, KL weight > 0) on one
+    rollout and one train H100 in disagg_sync with one micro-batch: every task's seconds from the
+    exact counts by hand, and the iteration their sum."""
+    config, w = _qwen_work("qwenimage_nft", "tiny")
+    from digen_jax.models import FAMILIES
+
+    terms = flops.model_terms("qwenimage", FAMILIES["qwenimage"].variants["tiny"], batch=1, height=32, width=32,
+                              text_len=config.data.text_len)
+    rank, targets = config.rl.lora_rank, list(config.rl.lora_targets)
+    forward = terms.forward().total
+    unit = terms.lora_fwd_bwd(rank, targets).total + terms.lora_forward(rank, targets).total + forward
+    assert (w.samples, w.num_steps, w.trained_steps, w.unit_forwards) == (4, 4, 3, 3)
+    assert (w.step_flops, w.unit_flops) == (forward, unit)
+
+    eff = cm.Efficiency(step_call_s=0.0, train_call_s=0.0, update_call_s=0.0, reward_s_per_sample=0.0,
+                        decode_flops_per_pixel=0.0)
+    peak = cm.device_kind("h100").bf16_flops
+    p = sim.simulate(w, cm.Pool.parse("h100:2"), "disagg_sync", microbatches=1, eff=eff)
+    rollout = 4 * 4 * forward / (peak * eff.rollout)  # 4 steps of 4 samples, one forward each
+    train = 4 * 3 * unit / (peak * eff.train)  # 4 samples x 3 levels, chunks of 4 units on one device
+    assert p.costs.rollout["rollout"] == pytest.approx(rollout, rel=1e-12)
+    assert p.costs.train == pytest.approx(train, rel=1e-12)
+    assert p.iteration_s == pytest.approx(rollout + train + p.costs.update + p.costs.sync, rel=1e-9)
+    assert p.samples_per_s == pytest.approx(4 / p.iteration_s)
+
+    # Sharded over train devices, a chunk all-gathers the weights once per forward and once for the
+    # backward: with no compute, the three-forward unit's floor against a one-forward unit's.
+    free = dataclasses.replace(w, unit_flops=0.0)
+    pool, h100 = cm.Pool.parse("h100:8"), cm.device_kind("h100")
+    floor = {f: cm.train_mb_s(dataclasses.replace(free, unit_forwards=f), 4, h100, 4, pool, eff, tsp=True) for f in (1, 3)}
+    weights = w.params * w.param_bytes
+    assert floor[3] / floor[1] == pytest.approx((4 * weights + 4 * w.trainable) / (2 * weights + 4 * w.trainable))
+
+
 # ------------------------------------------------------------------ validation against bench runs
 class _Jittered(plan_lib.Costs):
     """Task times of a pretend run: every task a few percent off the mean, the first iteration slow (compile)."""

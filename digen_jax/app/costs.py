@@ -22,7 +22,12 @@ from digen_jax.runtime.cost_model import IterationWork, Pool, local_kind
 
 def sample_flops(config, model_cfg) -> dict[str, int] | None:
     """Exact FLOPs of one RL sample (rollout steps + trained units) of `config` with the transformer
-    config `model_cfg`, None for the shapes task."""
+    config `model_cfg`, None for the shapes task.
+
+    Flow-GRPO (`rl.algorithm='grpo'`): SDE rollout steps and trained steps with the config's CFG.
+    DiffusionNFT ('nft'): ODE rollout steps without CFG (validation requires cfg_scale 1), K
+    trained noise levels per sample, each unit also running the old policy's forward. Either
+    runs the frozen reference's forward per unit where rl.kl_beta > 0."""
     if is_shapes(config):  # the shapes task: no transformer FLOP model
         return None
     family = config.model.family
@@ -42,6 +47,8 @@ def sample_flops(config, model_cfg) -> dict[str, int] | None:
         cfg_forwards=2 if s.cfg_scale != 1.0 else 1,
         lora_rank=rl.lora_rank,
         lora_targets=lora_targets,
+        old_policy_forward=_is_nft(rl),
+        reference_forward=rl.kl_beta > 0,
     )
 
 
@@ -80,7 +87,12 @@ def iteration_work(config) -> IterationWork:
         merge_for_sampling=bool(rl.lora_rank) and rl.lora_merge_for_sampling,
         pixels=s.height * s.width * frames,
         updates=rl.num_updates_per_batch,
+        unit_forwards=1 + int(_is_nft(rl)) + int(rl.kl_beta > 0),
     )
+
+
+def _is_nft(rl) -> bool:
+    return rl.get("algorithm", "grpo") == "nft"
 
 
 def _trained_steps(config) -> int:

@@ -242,7 +242,7 @@ class IterationWork:
     num_steps: int
     trained_steps: int
     step_flops: float  # one denoising step of one sample (CFG included)
-    unit_flops: float  # one training unit's forward+backward (CFG included)
+    unit_flops: float  # one training unit: forward+backward, plus any old-policy and reference forwards (CFG included)
     params: float  # matmul weights of the transformer (biases and norms are < 0.1%)
     trainable: float  # LoRA adapter parameters, or `params` for full fine-tuning
     adapted_weights: float  # base weights under LoRA adapters (what a merge rewrites)
@@ -251,6 +251,9 @@ class IterationWork:
     pixels: int  # output pixels (x frames) per sample, what the VAE decodes
     updates: int  # optimizer updates per iteration in colocated mode
     param_bytes: int = 2  # bf16 weights
+    # model forwards per training unit: the trained pass, plus the old policy's (DiffusionNFT) and
+    # the frozen reference's (rl.kl_beta > 0); each all-gathers the FSDP weights
+    unit_forwards: int = 1
 
     @property
     def lora(self) -> bool:
@@ -314,7 +317,9 @@ def train_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int, p
     the devices and chunked on their own, so a step with fewer samples than devices leaves
     devices idle and every step pays its own chunks; with TSP the units of all steps are
     flattened first. Each chunk all-gathers the weights for its forward and again for its
-    backward (and reduce-scatters the trainable weights' gradients), overlapped with compute.
+    backward (and reduce-scatters the trainable weights' gradients), overlapped with compute;
+    a unit with more forwards (`w.unit_forwards`: DiffusionNFT's old policy, a reference model)
+    gathers once per forward.
     """
     cap = eff.train_units_per_device
     if tsp:
@@ -322,7 +327,7 @@ def train_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int, p
     else:
         per_device = [_split(samples, devices)] * w.trained_steps
     chunks = [min(cap, n - i) for n in per_device for i in range(0, n, cap)]
-    comm = pool.fsdp_gather_s(kind, devices, 2 * w.params * w.param_bytes + 4 * w.trainable, eff)
+    comm = pool.fsdp_gather_s(kind, devices, (w.unit_forwards + 1) * w.params * w.param_bytes + 4 * w.trainable, eff)
     per_unit = w.unit_flops / (kind.bf16_flops * eff.train)
     return sum(max(c * per_unit, comm) + eff.train_call_s for c in chunks)
 

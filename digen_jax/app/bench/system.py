@@ -10,7 +10,9 @@ micro-batches it prefetches are in flight when the timing starts, as in a long r
 up to `MAX_SETTLING_ITERATIONS`, until its split stops changing)
 `iterations` are timed from the trace: images (or
 videos) per second and per device, end-to-end MFU from exact FLOP counts, busy/bubble per
-device group, weight-sync time and the splits the elastic modes chose.
+device group, weight-sync time and the splits the elastic modes chose, and the timed updates'
+own figures: Flow-GRPO's ratio and lag-0 log-prob figures, or DiffusionNFT's `nft_*` loss
+figures (the record names its `rl.algorithm`).
 """
 from __future__ import annotations
 
@@ -116,6 +118,10 @@ def run_modes(
     """
     for mode in modes:
         plan_lib.mode_flags(mode)
+    algorithm = config.rl.get("algorithm", "grpo")
+    if onpolicy_anchors and algorithm == "nft":
+        raise ValueError("--onpolicy_anchors compares rl.onpolicy_anchor values, which play no part in "
+                         "rl.algorithm='nft' (no log-prob ratio)")
     if warmups < 0 or iterations < 1:
         raise ValueError(f"warmups must be >= 0 and iterations >= 1, got {warmups}, {iterations}")
     os.makedirs(workdir, exist_ok=True)
@@ -165,6 +171,7 @@ def run_modes(
         rate = statistics.mean(t["samples_per_s"] for t in timings)
         groups = timings[0]["bubble_frac"].keys()
         record = {
+            "algorithm": algorithm,
             "samples_per_s": rate,
             "samples_per_s_per_device": rate / devices,
             "devices": devices,
@@ -178,7 +185,7 @@ def run_modes(
             "micro_batches": mode_config.runtime.micro_batches,
             "warmup_iterations": warmup,
             "onpolicy_anchor": mode_config.rl.onpolicy_anchor,
-            **_ratio_figures(metrics),
+            **(_nft_figures(metrics) if algorithm == "nft" else _ratio_figures(metrics)),
         }
         costs = executor.measured_costs()
         if costs is not None:  # the measured task times, for the simulator (simulator.predict_from_profile)
@@ -195,7 +202,7 @@ def run_modes(
             f"[{name}] {rate:.3f} samples/s = {rate / devices:.3f} per device; bubbles "
             + ", ".join(f"{g} {f:.0%}" for g, f in record["bubble_frac"].items())
             + (f"; MFU {record['mfu']:.1%}" if "mfu" in record else "")
-            + f"; clip_frac {record['clip_frac']:.4f}, lag-0 |log-ratio| max {record['logp_diff_max']}"
+            + "; " + _figures_line(record)
         )
         del executor
         gc.collect()
@@ -218,6 +225,19 @@ def _ratio_figures(metrics: list[dict]) -> dict:
         out[f"{name}_mean"] = float(np.sum(np.where(units > 0, means * units, 0.0)) / units.sum())
         out[f"{name}_max"] = float(np.nanmax([m[f"{name}_max"] for m in metrics]))
     return out
+
+
+def _nft_figures(metrics: list[dict]) -> dict:
+    """The timed iterations' DiffusionNFT figures (`rl.nft.nft_loss`'s `nft_*`): their means."""
+    return {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0] if k.startswith("nft_")}
+
+
+def _figures_line(record: dict) -> str:
+    """The log line's part for the update figures of `record`'s algorithm."""
+    if record["algorithm"] == "nft":
+        return (f"nft rho {record['nft_rho_mean']:.3f}, old-policy deviation {record['nft_old_deviation']:.2e}, "
+                f"ref penalty {record['nft_ref_penalty']:.2e}")
+    return f"clip_frac {record['clip_frac']:.4f}, lag-0 |log-ratio| max {record['logp_diff_max']}"
 
 
 def _figures(records: dict, batch: int) -> dict:
