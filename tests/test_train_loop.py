@@ -257,9 +257,10 @@ def _overrides(config) -> list[str]:
     return [f"--config.{key}={config[key.split('.')[0]][key.split('.')[1]]}" for key in keys]
 
 
-def test_sample_script_restores_the_latest_state_and_checks_its_config(cache_dir, tmp_path):
+def test_sample_script_restores_the_latest_state_and_checks_its_config(cache_dir, compile_cache, tmp_path):
     """launch/sample.py as a user runs it on a training workdir: the latest checkpoint's weights
-    (read without an executor), its samples scored; a config that trains another state is refused."""
+    (read without an executor), its samples scored; a config that trains another state is refused.
+    The script loads the sampling programs the run compiled from the session's compilation cache."""
     config = small_config(cache_dir, iterations=2, checkpoint_every=2)
     workdir = str(tmp_path / "run")
     final = loop.train(config, workdir, log=lambda _: None)
@@ -274,7 +275,8 @@ def test_sample_script_restores_the_latest_state_and_checks_its_config(cache_dir
     run.checkpoints.close()
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_DEFAULT_MATMUL_PRECISION": "highest", "JAX_COMPILATION_CACHE_DIR": compile_cache}
     result = subprocess.run([sys.executable, "launch/sample.py", "--config=configs/tiny.py", f"--workdir={workdir}",
                              *_overrides(config)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
