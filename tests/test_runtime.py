@@ -387,7 +387,7 @@ def test_a_rollout_s_group_is_known_when_planned(runs, cache_dir, tmp_path, monk
     for k in range(2):
         executor.iteration(k)
     executor.close()
-    assert len(seen) == 2 * config.runtime.micro_batches
+    assert len(seen) >= 2 * config.runtime.micro_batches  # and the prefetched rollout of iteration 2
     assert all(planned == group for _, planned, group in seen), seen
     assert {group for *_, group in seen} == {"rollout", "train"}
 
