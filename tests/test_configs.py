@@ -28,9 +28,10 @@ CONFIGS = {"flux": "flux", "qwenimage": "qwenimage", "wan": "wan21", "hunyuan_vi
 PARAMS = {"flux": 11_901_408_320, "qwenimage": 20_430_401_088, "wan": 14_288_491_584, "hunyuan_video": 12_821_012_544}
 
 
-def get_config(family: str, size: str = "full"):
-    path = os.path.join(ROOT, "configs", CONFIGS[family] + ".py")
-    spec = importlib.util.spec_from_file_location(f"config_{family}", path)
+def get_config(family: str, size: str = "full", files: dict = CONFIGS):
+    """configs/<files[family]>.py's config of `size`."""
+    path = os.path.join(ROOT, "configs", files[family] + ".py")
+    spec = importlib.util.spec_from_file_location(f"config_{files[family]}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(size)
@@ -117,20 +118,12 @@ def test_tiny_flow_grpo_iteration_through_train(family, tmp_path):
 NFT_CONFIGS = {"flux": "flux_nft", "qwenimage": "qwenimage_nft"}
 
 
-def get_nft_config(family: str, size: str = "full"):
-    path = os.path.join(ROOT, "configs", NFT_CONFIGS[family] + ".py")
-    spec = importlib.util.spec_from_file_location(f"config_{family}_nft", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(size)
-
-
 @pytest.mark.parametrize("family", sorted(NFT_CONFIGS))
 def test_nft_zoo_configs_validate_with_the_reference_settings(family):
     """configs/<family>_nft.py at full size (no weights) validates and keeps its GRPO config's model
     and batch, with DiffusionNFT's reference settings: DPM2 over 10 steps without true CFG, 9 levels
     per sample, beta 1, the 'ramp' decay, KL weight 1e-4; its tiny size validates too."""
-    c, grpo = get_nft_config(family), get_config(family)
+    c, grpo = get_config(family, files=NFT_CONFIGS), get_config(family)
     c.model.random_init = c.data.random_embeddings = True
     loop.validate_config(c)
     rl = c.rl
@@ -139,11 +132,11 @@ def test_nft_zoo_configs_validate_with_the_reference_settings(family):
     assert int(c.sampling.num_steps * rl.timestep_fraction) == 9
     assert (c.model.to_dict(), rl.lora_rank, rl.prompts_per_iteration, rl.group_size) == (
         grpo.model.to_dict() | {"random_init": True}, grpo.rl.lora_rank, grpo.rl.prompts_per_iteration, grpo.rl.group_size)
-    loop.validate_config(get_nft_config(family, "tiny"))
+    loop.validate_config(get_config(family, "tiny", files=NFT_CONFIGS))
 
 
 def test_nft_rejects_true_cfg():
-    c = get_nft_config("qwenimage")
+    c = get_config("qwenimage", files=NFT_CONFIGS)
     c.model.random_init = c.data.random_embeddings = True
     c.sampling.cfg_scale = 4.0
     with pytest.raises(ConfigError, match=r"sampling\.cfg_scale=4\.0: rl\.algorithm='nft' samples without"):

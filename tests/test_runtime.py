@@ -180,28 +180,31 @@ def cache_dir(pretrain_cache_dir):
     return pretrain_cache_dir
 
 
-@pytest.fixture(scope="module")
-def runs(cache_dir, compile_cache, tmp_path_factory):
-    """Every mode for two iterations from the same Run (same initial weights, shared compiled steps)."""
-    workdir = tmp_path_factory.mktemp("runtime")
-    run = loop.Run(runtime_config(cache_dir, "colocated"), str(workdir), log=lambda _: None)
+def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable) -> dict:
+    """Every mode for two iterations from the same Run (same initial weights, shared compiled
+    steps), its configs from `make_config(mode)`; `snapshot(state)` after the first update."""
+    run = loop.Run(make_config("colocated"), str(workdir), log=lambda _: None)
     out = {"run": run, "initial": jax.device_get(run.state.trainable)}
     for mode in plan_lib.MODES:
-        config = runtime_config(cache_dir, mode)
         trace_path = os.path.join(workdir, mode.replace("+", "_") + ".json")
-        executor = Executor(run, config=config, trace_path=trace_path, log=lambda _: None)
+        executor = Executor(run, config=make_config(mode), trace_path=trace_path, log=lambda _: None)
         plans, metrics, after_first = [], [], None
         for k in range(ITERATIONS):
             plan, m = executor.iteration(k)
             plans.append(plan)
             metrics.append(m)
             if k == 0:
-                after_first = jax.device_get(executor.state.trainable)
+                after_first = jax.device_get(snapshot(executor.state))
         timings = [executor.timing(k, p) for k, p in enumerate(plans)]
         executor.close()
         out[mode] = dict(executor=executor, after_first=after_first, metrics=metrics, timings=timings,
                          trace=read_trace(trace_path), trace_path=trace_path)
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir, compile_cache, tmp_path_factory):
+    return run_every_mode(lambda mode: runtime_config(cache_dir, mode), tmp_path_factory.mktemp("runtime"))
 
 
 ITERATIONS = 2
@@ -294,25 +297,10 @@ def nft_config(cache_dir, mode):
 
 @pytest.fixture(scope="module")
 def nft_runs(cache_dir, compile_cache, tmp_path_factory):
-    """Every mode for two iterations of DiffusionNFT from one Run, like `runs`."""
-    workdir = tmp_path_factory.mktemp("runtime_nft")
-    run = loop.Run(nft_config(cache_dir, "colocated"), str(workdir), log=lambda _: None)
-    out = {"run": run, "initial": jax.device_get(run.state.trainable)}
-    for mode in plan_lib.MODES:
-        trace_path = os.path.join(workdir, mode.replace("+", "_") + ".json")
-        executor = Executor(run, config=nft_config(cache_dir, mode), trace_path=trace_path, log=lambda _: None)
-        plans, metrics = [], []
-        for k in range(ITERATIONS):
-            plan, m = executor.iteration(k)
-            plans.append(plan)
-            metrics.append(m)
-            if k == 0:
-                after_first = jax.device_get((executor.state.trainable, executor.state.old))
-        timings = [executor.timing(k, p) for k, p in enumerate(plans)]
-        executor.close()
-        out[mode] = dict(executor=executor, after_first=after_first, metrics=metrics, timings=timings,
-                         trace=read_trace(trace_path), trace_path=trace_path)
-    return out
+    """Every mode for two iterations of DiffusionNFT from one Run, like `runs` (after the first
+    update: the trained weights and the old policy)."""
+    return run_every_mode(lambda mode: nft_config(cache_dir, mode), tmp_path_factory.mktemp("runtime_nft"),
+                          snapshot=lambda state: (state.trainable, state.old))
 
 
 @pytest.mark.parametrize("mode", plan_lib.MODES)
