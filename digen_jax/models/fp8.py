@@ -26,15 +26,12 @@ Which layers: the kernels whose logical axes (models/layers.py) are in `QUANTIZE
 attention projections and MLPs of the blocks, which carry nearly all of a forward's FLOPs. The
 input embedders, the output projection, the AdaLN modulation and the timestep/text embedders
 stay in the compute dtype, as do norms, attention itself and the sampler's step math.
+`rl/fp8_weights.py` picks and quantises them in a parameter tree.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import traverse_util
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -84,28 +81,3 @@ def fp8_matmul(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, compute_dtype: 
 def _to_e4m3(v: jax.Array) -> jax.Array:
     # e4m3fn has no infinity: a value past the largest finite one would convert to NaN.
     return jnp.clip(v, -E4M3_MAX, E4M3_MAX).astype(E4M3)
-
-
-def quantized_kernel_paths(abstract_params: Mapping) -> frozenset[str]:
-    """'/'-joined paths of the `kernel` leaves of boxed (logically partitioned) parameters whose
-    last two logical axes are in `QUANTIZED_AXES` (a scanned kernel's leading `layers` axis aside)."""
-    flat = traverse_util.flatten_dict(abstract_params, sep="/", is_leaf=lambda _, v: isinstance(v, nn.Partitioned))
-    return frozenset(
-        path for path, leaf in flat.items()
-        if path.rsplit("/", 1)[-1] == "kernel" and isinstance(leaf, nn.Partitioned)
-        and tuple(leaf.names[-2:]) in QUANTIZED_AXES
-    )
-
-
-def quantize_params(params: Mapping, paths: frozenset[str]) -> dict[str, Any]:
-    """`params` (unboxed) with every kernel at `paths` replaced by its `QUANTIZED` e4m3 kernel and
-    `SCALE` per-output-channel scales (`quantize_weight`); every other leaf is the same object.
-    The dense layers read them as FP8 layers (models/layers.py `AdaptableDense`)."""
-    flat = traverse_util.flatten_dict(params, sep="/")
-    missing = sorted(p for p in paths if p not in flat)
-    if missing:
-        raise ValueError(f"parameters to quantise are missing (another block layout?): {missing[:4]}")
-    for path in paths:
-        prefix = path[: -len("kernel")]  # the module's path and '/', or '' for a lone layer's params
-        flat[prefix + QUANTIZED], flat[prefix + SCALE] = quantize_weight(flat.pop(path))
-    return traverse_util.unflatten_dict(flat, sep="/")

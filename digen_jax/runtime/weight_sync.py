@@ -6,11 +6,12 @@ adapters cross at each sync (onto a frozen base placed there once); full fine-tu
 whole trainable tree (sharded by `sharding.rollout_rules`). Colocated runs sample with the train
 state where it lives. Decoders (VAE weights) are replicated on every group that decodes.
 
-FP8 rollouts (`model.rollout_precision='fp8'`, `models/fp8.py`): the rollout role samples with
-the blocks' kernels quantised to e4m3. The frozen LoRA base is quantised once where it is placed
-(on the rollout role; colocated, once beside the train role's own copy, which training keeps
-using), and the adapters stay in their dtype, applied factored on top whatever
-`rl.lora_merge_for_sampling` says; full fine-tuning quantises the synced weights at every sync.
+FP8 rollouts (`model.rollout_precision='fp8'`; numerics in `models/fp8.py`, the tree in
+`rl/fp8_weights.py`): the rollout role samples with the blocks' kernels quantised to e4m3. With
+LoRA the frozen base is quantised once where it is placed (on the rollout role; colocated, once
+beside the train role's copy, which training keeps using) and the adapters stay in their dtype,
+applied factored on top (the config validation rejects merging them); full fine-tuning
+quantises the trainable weights each time sampling weights are made from them (every sync).
 
 Several processes: every process builds the same frozen base and decoder weights (same
 checkpoint, seed and pretraining cache), so each places its own copy on its own devices of
@@ -26,8 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from digen_jax.models import fp8
-from digen_jax.rl import lora
+from digen_jax.rl import fp8_weights, lora
 from digen_jax.rl.trainer import Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.distributed import own_copy_everywhere, put_own_copy, transfer
@@ -50,8 +50,8 @@ class RoleWeights:
         self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
         self._quantize = None
         if trainer.cfg.rollout_precision == "fp8":
-            paths = fp8.quantized_kernel_paths(abstract_params)
-            self._quantize = jax.jit(lambda params: fp8.quantize_params(params, paths))
+            paths = fp8_weights.quantized_kernel_paths(abstract_params)
+            self._quantize = jax.jit(lambda params: fp8_weights.quantize_params(params, paths))
         self._frozen_fp8_on_train = None  # colocated FP8 LoRA sampling: the frozen base quantised once
         self.frozen_on_rollout = None
         self.decoders: dict[str, Any] = {}
@@ -115,7 +115,7 @@ class RoleWeights:
         rollouts) where they live."""
         if self.lora_scale is None:
             return trainable if self._quantize is None else self._quantize(trainable)
-        if self.merge_for_sampling and self._quantize is None:
+        if self.merge_for_sampling and self._quantize is None:  # FP8 keeps adapters factored
             return self._merge(frozen, trainable)
         return lora.LoraWeights(frozen, trainable, self.lora_scale)
 
