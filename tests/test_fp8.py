@@ -1,6 +1,7 @@
 """FP8 rollout numerics (models/fp8.py, rl/fp8_weights.py): the FP8 dense layer against a float64 numpy
 fake-quantisation restatement, a tiny FLUX's velocity against its float32 one, LoRA on an FP8
 base, and the `model.rollout_precision` config key."""
+import json
 import sys
 
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from digen_jax.app import precision
+from digen_jax.app import loop, precision
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.validation import validate_config
 from digen_jax.models import flux, fp8
@@ -18,6 +19,7 @@ from digen_jax.rl import fp8_weights, lora
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_rollout import CFG, LATENT_SHAPE, make_cond, make_params, make_sampler  # noqa: E402
+from test_runtime import runtime_config  # noqa: E402
 
 IN, OUT = 48, 24
 
@@ -138,3 +140,19 @@ def test_fp8_grpo_defaults_to_truncated_importance_sampling():
     c = tiny.get_config()
     c.model.rollout_precision, c.rl.algorithm = "fp8", "nft"
     assert precision.decoupled_loss(c) == (False, None)  # DiffusionNFT has no ratio to correct
+
+
+def test_lora_grpo_with_fp8_rollouts_on_their_own_role(pretrain_cache_dir, tmp_path):
+    """LoRA, disaggregated ('gap'): the rollout role's frozen base is the FP8 one (its log-probs
+    differ from the trainer's), the decoupled loss is on by default with the ratio anchored on
+    the trainer's own pass, and the importance weights carry the FP8 gap, below the cap."""
+    config = runtime_config(pretrain_cache_dir, "gap")
+    config.rl.update(lora_rank=2, lora_merge_for_sampling=False)
+    config.model.rollout_precision = "fp8"
+    config.train.iterations = 1
+    loop.train(config, str(tmp_path), log=lambda _: None)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    for row in rows:
+        assert row["skipped"] == 0 and row["logp_diff_max"] == 0, row
+        assert 0 < row["rollout_logp_gap_max"] < 0.05, row  # FP8 rollouts, bf16/f32 training
+        assert row["is_truncated_frac"] == 0 and abs(row["is_weight_mean"] - 1) < 0.05, row
