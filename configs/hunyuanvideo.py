@@ -35,6 +35,8 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.model.attention_impl = "auto"
     c.model.remat_policy = "full"  # training these sizes needs it; sampling has no backward to save for
     c.model.scan_layers = True  # False unrolls blocks: no per-layer weight copies, longer compiles
+    # Numerics of the rollouts' forward: 'bf16' = the model's dtype, 'fp8' = e4m3 block matmuls (README).
+    c.model.rollout_precision = "bf16"
     c.model.vae_decode_batch = 1  # samples per VAE decode call
 
     c.data = ml_collections.ConfigDict()
@@ -74,8 +76,9 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.kl_beta = 0.0
     c.rl.num_updates_per_batch = 1
     c.rl.micro_batch_size = 4  # training units (sample, step) per gradient micro-batch
-    c.rl.decoupled = False
-    c.rl.is_cap = ml_collections.config_dict.placeholder(float)
+    # Decoupled PPO (proximal policy) for off-policy updates; None: on with model.rollout_precision='fp8'
+    c.rl.decoupled = ml_collections.config_dict.placeholder(bool)
+    c.rl.is_cap = ml_collections.config_dict.placeholder(float)  # None: untruncated (2 for FP8 rollouts, README)
     c.rl.onpolicy_anchor = "trainer"
     c.rl.learning_rate = 3e-4
     c.rl.weight_decay = 1e-4

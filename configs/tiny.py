@@ -39,6 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.attention_impl = "auto"
     c.model.remat_policy = "none"
     c.model.scan_layers = True  # False unrolls blocks: no per-layer weight copies, longer compiles
+    # Numerics of the rollouts' forward: 'bf16' = the model's dtype, 'fp8' = e4m3 block matmuls (README).
+    c.model.rollout_precision = "bf16"
     # A converted FLUX checkpoint dir with model.arch's in_channels and text widths (any depth);
     # empty: pretrain on the task (cached).
     c.model.checkpoint = ""
@@ -86,8 +88,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Disaggregated runtime.modes make one update per iteration: set it to 1 there.
     c.rl.num_updates_per_batch = 2
     c.rl.micro_batch_size = 112  # training units per gradient micro-batch
-    c.rl.decoupled = False  # decoupled PPO (proximal policy) for off-policy updates
-    c.rl.is_cap = ml_collections.config_dict.placeholder(float)
+    # Decoupled PPO (proximal policy) for off-policy updates; None: on with model.rollout_precision='fp8'
+    c.rl.decoupled = ml_collections.config_dict.placeholder(bool)
+    c.rl.is_cap = ml_collections.config_dict.placeholder(float)  # None: untruncated (2 for FP8 rollouts, README)
     # Anchor of the ratio for samples of the weights being trained (version lag 0, first update):
     # 'trainer' = the training pass's own log-prob (ratio exactly 1 whatever numerics the rollout
     # ran with); 'rollout' = the log-prob the rollout recorded. Stale samples always use the latter.

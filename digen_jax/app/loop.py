@@ -29,7 +29,7 @@ from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning
 from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
 from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
-from digen_jax.app import checkpoints
+from digen_jax.app import checkpoints, precision
 from digen_jax.app.validation import validate_config
 from digen_jax.runtime.executor import Executor, read_figures
 
@@ -59,19 +59,21 @@ class Run:
             trainable, frozen, scale = base, (base if rl.kl_beta > 0 else None), None
             if frozen is not None:
                 trainable = jax.tree.map(jnp.copy, base)
+        decoupled, is_cap = precision.decoupled_loss(config)
         loss_cfg = LossConfig(
             clip_range=rl.clip_range,
             adv_clip=rl.adv_clip,
             policy_loss=rl.policy_loss,
             kl_beta=rl.kl_beta,
-            decoupled=rl.decoupled,
-            is_cap=rl.is_cap,
+            decoupled=decoupled,
+            is_cap=is_cap,
             onpolicy_anchor=rl.onpolicy_anchor,
             lora_scale=scale,
             ema_decay=rl.ema_decay,
             ema_every=rl.ema_every,
             use_ema=rl.ema,
             max_update_ratio=rl.max_update_ratio,
+            rollout_precision=precision.rollout_precision(config),
         )
         if rl.algorithm == "nft":
             self.trainer = NftTrainer(self.sampler, frozen, optimizer, loss_cfg,

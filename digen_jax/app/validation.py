@@ -13,6 +13,7 @@ from digen_jax import diffusion
 from digen_jax.app import checkpoints
 from digen_jax.app.config_ranges import check_ranges
 from digen_jax.app.errors import ConfigError
+from digen_jax.app.precision import decoupled_loss, validate_rollout_precision
 from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, model_config, read_model_json,
                                     latent_shape, vae_config)
 from digen_jax.app.workload import is_shapes, open_cache, shapes_task
@@ -39,11 +40,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(str(e)) from None
     rl = config.rl
     _validate_algorithm(config)
+    validate_rollout_precision(config)
     try:
         adv_lib.validate_group_size(rl.group_size)
         adv_lib.validate_advantage_modes(rl.mean_mode, rl.std_mode)
         if rl.algorithm == "grpo":
-            losses.validate_policy_loss(rl.policy_loss, config.sampling.sde_type, rl.decoupled,
+            losses.validate_policy_loss(rl.policy_loss, config.sampling.sde_type, decoupled_loss(config)[0],
                                         config.sampling.noise_level)
             validate_step_selection(rl, config.sampling.num_steps)
         else:

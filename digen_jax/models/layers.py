@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from digen_jax.models import fp8
+
 AttentionImpl = Literal["auto", "cudnn", "xla"]
 
 # cuDNN's fused attention backward rejects odd sequence lengths; padding to a
@@ -53,17 +55,29 @@ class AdaptableDense(nn.Dense):
     `W + A @ B` is what keeps LoRA training cheap: the backward pass needs `dx` through
     the frozen `W` and the small adapter gradients, not a kernel-sized `dW`. Without a
     `lora` entry it is exactly `nn.Dense`; `init` creates no `lora` variables.
+
+    Where the params hold an FP8 kernel in place of `kernel` (`fp8.quantize_params`), the base
+    product `x @ W` runs in FP8 (`fp8.fp8_matmul`, float32 accumulation, cast to `dtype`);
+    the bias and the adapters' term stay in `dtype`.
     """
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        out = super().__call__(inputs)
+        out = self._fp8_base(inputs) if self.has_variable("params", fp8.QUANTIZED) else super().__call__(inputs)
         if not self.has_variable("lora", "lora_a"):
             return out
         a, b = self.get_variable("lora", "lora_a"), self.get_variable("lora", "lora_b")
         x, a, b = nn.dtypes.promote_dtype(inputs, a, b, dtype=self.dtype)
         down = jnp.dot(x, a, precision=self.precision)
         return out + jnp.dot(down, b, precision=self.precision).astype(out.dtype)
+
+    def _fp8_base(self, inputs: jax.Array) -> jax.Array:
+        dtype = self.dtype or inputs.dtype
+        kernel, scale = self.get_variable("params", fp8.QUANTIZED), self.get_variable("params", fp8.SCALE)
+        out = fp8.fp8_matmul(inputs.astype(dtype), kernel, scale, dtype).astype(dtype)
+        if self.use_bias:
+            out = out + self.get_variable("params", "bias").astype(dtype)
+        return out
 
 
 def logical_dense(

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from digen_jax.models import fp8
+
 Params = Mapping[str, Any]
 LoraParams = dict[str, Any]
 
@@ -118,7 +120,10 @@ def merge_lora(params: Params, lora: LoraParams, *, scale: float) -> dict[str, A
     per adapted module.
     """
     flat = traverse_util.flatten_dict(params, sep="/")
-    for path, kernel, a, b in _adapted_kernels(flat, lora):
+    for _, path, kernel, a, b in _adapted_kernels(flat, lora):
+        if not path.endswith(f"/{_KERNEL}"):
+            raise ValueError(f"{path!r} is an FP8 kernel: adapters on an FP8 base are applied factored, "
+                             "never merged into it")
         delta = jnp.einsum(
             "...ir,...ro->...io",
             a.astype(jnp.float32),
@@ -136,22 +141,26 @@ def factored_variables(params: Params, lora: LoraParams, *, scale: float) -> dic
     compute ``x @ W + (x @ A) @ (scale * B)``; gradients w.r.t. ``lora`` are those of
     :func:`merge_lora`'s form. Every adapter is checked against its kernel as in
     :func:`merge_lora`, so an adapter that no layer would read is an error, not a silent no-op.
+    ``params`` may be an FP8 base (``models.fp8.quantize_params``): the adapters stay in their own
+    dtype on top of the FP8 base product.
     """
     flat = traverse_util.flatten_dict(params, sep="/")
     scaled = {}
-    for path, _, a, b in _adapted_kernels(flat, lora):
-        module = path[: -len(_KERNEL) - 1]
+    for module, _, _, a, b in _adapted_kernels(flat, lora):
         scaled[f"{module}/{_A}"] = a
         scaled[f"{module}/{_B}"] = b * jnp.asarray(scale, b.dtype)
     return {"params": params, "lora": traverse_util.unflatten_dict(scaled, sep="/")}
 
 
 def _adapted_kernels(flat: dict[str, Any], lora: LoraParams):
-    """(kernel path, kernel, A, B) of every adapter in ``lora``, shapes checked against ``flat``."""
+    """(module, kernel path, kernel, A, B) of every adapter in ``lora``, shapes checked against
+    ``flat``; the kernel is the module's ``kernel`` or its FP8 one (``models.fp8.QUANTIZED``)."""
     adapters = traverse_util.flatten_dict(lora, sep="/")
     for module in sorted({p.rsplit("/", 1)[0] for p in adapters}):
         a, b = adapters.get(f"{module}/{_A}"), adapters.get(f"{module}/{_B}")
         path = f"{module}/{_KERNEL}"
+        if path not in flat and f"{module}/{fp8.QUANTIZED}" in flat:
+            path = f"{module}/{fp8.QUANTIZED}"
         if a is None or b is None or path not in flat:
             raise ValueError(
                 f"LoRA entry {module!r} needs {_A!r} and {_B!r} and a matching {path!r} in params"
@@ -165,7 +174,7 @@ def _adapted_kernels(flat: dict[str, Any], lora: LoraParams):
                 f"LoRA shapes for {path!r} do not fit kernel {kernel.shape}: "
                 f"A {a.shape}, B {b.shape}"
             )
-        yield path, kernel, a, b
+        yield module, path, kernel, a, b
 
 
 def lora_param_count(lora: LoraParams) -> int:

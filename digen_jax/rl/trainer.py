@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from digen_jax.models import fp8
 from digen_jax.rl import losses, lora, optim
 from digen_jax.rl.rollout import Conditioning, Sampler, Trajectory, kl_divisor
 
@@ -117,8 +118,13 @@ class LossConfig:
     # bound). A healthy AdamW step moves each weight by about the learning rate, a small fraction
     # of the weights' typical magnitude; a step as large as the weights themselves replaces the model.
     max_update_ratio: float = 1.0
+    # Numerics of the rollouts' forward (models.fp8.ROLLOUT_PRECISIONS): 'fp8' runs the blocks'
+    # matmuls of the sampling weights in FP8 (runtime/weight_sync.py quantises them); the
+    # trainer's own forward always runs the model's dtype.
+    rollout_precision: str = "bf16"
 
     def __post_init__(self):
+        fp8.check_rollout_precision(self.rollout_precision)
         if self.policy_loss not in losses.POLICY_LOSSES:
             raise ValueError(f"policy_loss must be one of {losses.POLICY_LOSSES}, got {self.policy_loss!r}")
         if self.onpolicy_anchor not in ONPOLICY_ANCHORS:

@@ -6,6 +6,13 @@ adapters cross at each sync (onto a frozen base placed there once); full fine-tu
 whole trainable tree (sharded by `sharding.rollout_rules`). Colocated runs sample with the train
 state where it lives. Decoders (VAE weights) are replicated on every group that decodes.
 
+FP8 rollouts (`model.rollout_precision='fp8'`; numerics in `models/fp8.py`, the tree in
+`rl/fp8_weights.py`): the rollout role samples with the blocks' kernels quantised to e4m3. With
+LoRA the frozen base is quantised once where it is placed (on the rollout role; colocated, once
+beside the train role's copy, which training keeps using) and the adapters stay in their dtype,
+applied factored on top (the config validation rejects merging them); full fine-tuning
+quantises the trainable weights each time sampling weights are made from them (every sync).
+
 Several processes: every process builds the same frozen base and decoder weights (same
 checkpoint, seed and pretraining cache), so each places its own copy on its own devices of
 every role (`distributed.put_own_copy`); nothing crosses between processes for them, and a
@@ -20,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from digen_jax.rl import lora
+from digen_jax.rl import fp8_weights, lora
 from digen_jax.rl.trainer import Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.distributed import own_copy_everywhere, put_own_copy, transfer
@@ -41,6 +48,11 @@ class RoleWeights:
             "rollout": mesh_lib.param_shardings(abstract_params, meshes.rollout, rules.rollout_rules),
         }
         self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
+        self._quantize = None
+        if trainer.cfg.rollout_precision == "fp8":
+            paths = fp8_weights.quantized_kernel_paths(abstract_params)
+            self._quantize = jax.jit(lambda params: fp8_weights.quantize_params(params, paths))
+        self._frozen_fp8_on_train = None  # colocated FP8 LoRA sampling: the frozen base quantised once
         self.frozen_on_rollout = None
         self.decoders: dict[str, Any] = {}
         self.rollout_params = None
@@ -83,6 +95,8 @@ class RoleWeights:
                 self.frozen_on_rollout = transfer(self.trainer.frozen, self.sharding["rollout"])
             else:
                 self.frozen_on_rollout = put_own_copy(own, self.sharding["rollout"])
+            if self._quantize is not None:
+                self.frozen_on_rollout = self._quantize(self.frozen_on_rollout)
 
     def place_decoders(self, decoder_params: Any) -> None:
         """The decoder's weights replicated on every group that decodes (none in pixel space).
@@ -97,10 +111,11 @@ class RoleWeights:
             self.decoders = {g: put(decoder_params, mesh_lib.replicated(m)) for g, m in groups.items()}
 
     def for_sampling(self, trainable, frozen):
-        """Sampling weights from trainable (+ frozen base for LoRA) where they live."""
+        """Sampling weights from trainable (+ frozen base for LoRA, already quantised for FP8
+        rollouts) where they live."""
         if self.lora_scale is None:
-            return trainable
-        if self.merge_for_sampling:
+            return trainable if self._quantize is None else self._quantize(trainable)
+        if self.merge_for_sampling and self._quantize is None:  # FP8 keeps adapters factored
             return self._merge(frozen, trainable)
         return lora.LoraWeights(frozen, trainable, self.lora_scale)
 
@@ -122,7 +137,12 @@ class RoleWeights:
 
     def on_train(self, trainable):
         """Sampling weights of `trainable` on the train role (colocated, or the trainer's rollouts)."""
-        return self.for_sampling(trainable, self.trainer.frozen)
+        frozen = self.trainer.frozen
+        if self._quantize is not None and self.lora_scale is not None:
+            if self._frozen_fp8_on_train is None:
+                self._frozen_fp8_on_train = self._quantize(frozen)
+            frozen = self._frozen_fp8_on_train
+        return self.for_sampling(trainable, frozen)
 
     def fresh_state(self, state: TrainState, sharding: TrainState) -> TrainState:
         """`state` copied onto `sharding`: the update donates the state it is given, so the caller's

@@ -1,0 +1,52 @@
+"""The rollout role's numerics (`model.rollout_precision`, models/fp8.py): what a config may pair
+with FP8 rollouts, and the off-policy correction they imply for Flow-GRPO.
+
+An FP8 rollout samples from a policy slightly different from the bf16 one the trainer
+differentiates, so every sample is off-policy by the numerics. Flow-GRPO runs with
+`rollout_precision='fp8'` therefore take the decoupled loss with truncated importance sampling
+unless the config says otherwise: an unset `rl.decoupled` (None) means True there (False
+everywhere else) and an unset `rl.is_cap` means `FP8_IS_CAP`. The ratio stays anchored on the
+trainer's own log-prob at version lag 0 (`rl.onpolicy_anchor='trainer'`), and the importance
+weight `min(exp(logp_bf16 - logp_fp8), cap)` carries the rollout's numerics into the loss;
+`is_weight_mean` and `is_truncated_frac` record it. DiffusionNFT has no likelihood: FP8 enters its
+loss only through the samples.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from digen_jax.app.errors import ConfigError
+from digen_jax.models import fp8
+
+# The truncation of the importance weights of FP8-rollout GRPO runs that leave `rl.is_cap` unset.
+FP8_IS_CAP = 2.0
+
+
+def rollout_precision(config: ml_collections.ConfigDict) -> str:
+    return config.model.get("rollout_precision", "bf16")
+
+
+def decoupled_loss(config: ml_collections.ConfigDict) -> tuple[bool, float | None]:
+    """(decoupled, is_cap) of the run: `rl.decoupled` / `rl.is_cap` as set, their unset (None)
+    values resolved as the module docstring says."""
+    rl = config.rl
+    fp8_grpo = rollout_precision(config) == "fp8" and rl.get("algorithm", "grpo") == "grpo" and rl.policy_loss == "ppo"
+    decoupled = fp8_grpo if rl.get("decoupled") is None else bool(rl.decoupled)
+    is_cap = rl.is_cap
+    if is_cap is None and decoupled and fp8_grpo:
+        is_cap = FP8_IS_CAP
+    return decoupled, is_cap
+
+
+def validate_rollout_precision(config: ml_collections.ConfigDict) -> None:
+    """Reject an unknown `model.rollout_precision`, or FP8 rollouts with LoRA merged for sampling
+    (FP8 keeps the adapters factored in their own dtype on top of the FP8 base)."""
+    precision = rollout_precision(config)
+    try:
+        fp8.check_rollout_precision(precision)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    rl = config.rl
+    if precision == "fp8" and rl.lora_rank and rl.lora_merge_for_sampling:
+        raise ConfigError("model.rollout_precision='fp8' applies LoRA adapters factored, in their own dtype, on "
+                          "top of the FP8 base; it cannot merge them into it: set rl.lora_merge_for_sampling=False")
