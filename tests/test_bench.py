@@ -67,6 +67,23 @@ def test_model_mode_writes_every_figure(tmp_path, monkeypatch):
     assert written["param_count"] == 89328 and written["lora_param_count"] > 0  # docs/models.md: the tiny Qwen-Image
 
 
+def test_model_mode_fp8_forward_against_bf16(tmp_path):
+    """`forward_fp8`: the same model with its block kernels in e4m3 (models/fp8.py), timed and
+    compared with the bf16 forward of the same inputs."""
+    out = tmp_path / "fp8.json"
+    parse("--family=flux", "--what=forward,forward_fp8", "--matmul_size=0", f"--out={out}")
+    bench.run_from_flags()
+    written = json.loads(out.read_text())
+    bf16, fp8 = written["results"]["forward"], written["results"]["forward_fp8"]
+    assert "error" not in fp8, fp8.get("error")
+    assert fp8["flops"] == bf16["flops"] == fp8["traced_matmul_flops"]
+    # The e4m3 kernels and their scales replace the bf16 kernels: fewer argument bytes.
+    assert fp8["memory_bytes"]["argument"] < bf16["memory_bytes"]["argument"]
+    assert written["fp8"]["speedup_vs_bf16"] == pytest.approx(bf16["median_s"] / fp8["median_s"])
+    # e4m3 keeps 3 mantissa bits: a few percent of error, never zero (the kernels are quantised).
+    assert 1e-4 < written["fp8"]["velocity_rel_err"] < 0.1
+
+
 def test_model_mode_unrolled_blocks_time_the_same_program(tmp_path):
     """`--scan_layers=false`: weights and adapters drawn stacked, then split per block."""
     written = {}
@@ -92,9 +109,10 @@ def test_model_mode_unrolled_blocks_time_the_same_program(tmp_path):
 def test_peer_runs_the_diffusers_module(family, tmp_path):
     """The PyTorch peer in-process: the same config and shapes, LoRA on the same layers."""
     frames = ["--frames=5"] if family in ("wan", "hunyuan_video") else []
-    parse(f"--family={family}", "--what=forward,lora_fwd_bwd", *frames)
+    parse(f"--family={family}", "--what=forward,forward_fp8,lora_fwd_bwd", *frames)
     bench.run_peer(str(tmp_path / "peer.json"))
     peer = json.loads((tmp_path / "peer.json").read_text())
+    assert "forward_fp8" not in peer["results"]  # the peer has no FP8 path
     for what in ("forward", "lora_fwd_bwd"):
         entry = peer["results"][what]
         assert "error" not in entry, entry.get("error")

@@ -1,5 +1,10 @@
 """The model bench (`--mode=model`): one transformer of a family with random weights, initialised
-on the device in the benchmark dtype and timed on one device, per measurement of `WHATS`."""
+on the device in the benchmark dtype and timed on one device, per measurement of `WHATS`.
+
+`forward_fp8` is the rollout role's FP8 forward (`model.rollout_precision='fp8'`, models/fp8.py):
+the same weights with the blocks' kernels quantised to e4m3 (`rl.fp8_weights`), the same inputs.
+With `forward` in the same run the result's `fp8` entry gives its speed-up over the bf16 forward
+and the relative error of its velocity against the bf16 one."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +18,9 @@ from digen_jax.app.bench import peaks as peaks_lib
 from digen_jax.app.bench import profiler, provenance
 from digen_jax.app.bench.timing import summary, time_calls
 
-WHATS = ("forward", "lora_fwd_bwd", "full_fwd_bwd")
+WHATS = ("forward", "forward_fp8", "lora_fwd_bwd", "full_fwd_bwd")
+# The measurements the PyTorch peer makes (it has no FP8 path).
+PEER_WHATS = ("forward", "lora_fwd_bwd", "full_fwd_bwd")
 # Text-encoder sequence lengths of the pipelines (docs/models.md section 7; Qwen-Image's is the
 # prompt length, assumed 128).
 DEFAULT_TEXT_LEN = {"flux": 512, "qwenimage": 128, "wan": 512, "hunyuan_video": 256}
@@ -77,6 +84,7 @@ def setup(bench: ModelBench) -> dict[str, Any]:
     targets = list(bench.lora_targets)
     counts = {
         "forward": terms.forward(),
+        "forward_fp8": terms.forward(),
         "lora_fwd_bwd": terms.lora_fwd_bwd(bench.lora_rank, targets),
         "full_fwd_bwd": terms.full_fwd_bwd(),
     }
@@ -187,7 +195,7 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
 
     from digen_jax import flops
     from digen_jax.models import layers
-    from digen_jax.rl import lora
+    from digen_jax.rl import fp8_weights, lora
     from digen_jax.app.families import ZOO
     from digen_jax.rl.rollout import make_denoiser
 
@@ -231,6 +239,10 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
         "forward": (denoise, (params, latents, cond, sigma)),
         "full_fwd_bwd": (full_grad, (params, latents, cond, sigma)),
     }
+    if "forward_fp8" in bench.what:
+        paths = fp8_weights.quantized_kernel_paths(fam.abstract_params(cfg))
+        params_fp8 = jax.block_until_ready(jax.jit(lambda p: fp8_weights.quantize_params(p, paths))(params))
+        fns["forward_fp8"] = (denoise, (params_fp8, latents, cond, sigma))
     if "lora_fwd_bwd" in bench.what:
         # Drawn in the stored (stacked) layout like the weights, then split: drawn per block, one
         # RNG program per unrolled adapter took GPU XLA 48 s to compile at 12 Qwen-Image blocks.
@@ -253,7 +265,7 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
         out["lora_param_count"] = lora.lora_param_count(adapters)
         fns["lora_fwd_bwd"] = (lora_grad, (adapters, params, latents, cond, sigma))
 
-    results = {}
+    results, compiled_fns = {}, {}
     for what in bench.what:
         fn, args = fns[what]
         entry: dict[str, Any] = {"flops": prepared["flops"][what].total,
@@ -268,6 +280,8 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
             compiled = jax.jit(fn).lower(*args).compile()
             entry["compile_s"] = time.perf_counter() - start
             entry["memory_bytes"] = compiled_memory(compiled)
+            if what in ("forward", "forward_fp8"):
+                compiled_fns[what] = compiled
             entry.update(summary(
                 time_calls(lambda: compiled(*args), jax.block_until_ready, bench.repeats, bench.warmup),
                 entry["flops"], peaks,
@@ -280,7 +294,22 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
         results[what] = entry
         print(_row(what, entry), flush=True)
     out["results"] = results
+    if {"forward", "forward_fp8"} <= compiled_fns.keys():
+        out["fp8"] = fp8_record(results, *(compiled_fns[w](*fns[w][1]) for w in ("forward", "forward_fp8")))
+        print(f"fp8 forward: {out['fp8']['speedup_vs_bf16']:.2f}x the bf16 forward, velocity relative error "
+              f"{out['fp8']['velocity_rel_err']:.2e}", flush=True)
     return out
+
+
+def fp8_record(results: dict[str, Any], velocity_bf16, velocity_fp8) -> dict[str, Any]:
+    """The FP8 forward against the bf16 one of the same run: speed-up (ratio of medians) and the
+    relative error of the velocity, ||v_fp8 - v_bf16|| / ||v_bf16|| over the whole batch."""
+    import jax.numpy as jnp
+
+    ref = velocity_bf16.astype(jnp.float32)
+    err = jnp.linalg.norm(velocity_fp8.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
+    return {"speedup_vs_bf16": results["forward"]["median_s"] / results["forward_fp8"]["median_s"],
+            "velocity_rel_err": float(err)}
 
 
 def _row(what: str, entry: dict[str, Any]) -> str:

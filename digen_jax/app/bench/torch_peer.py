@@ -175,7 +175,7 @@ def measure(bench: model.ModelBench, path: str) -> None:
                            "torch": torch.__version__, "diffusers": diffusers.__version__,
                            "attention": "sdpa (flash, efficient)" if device.type == "cuda" else "sdpa (default)",
                            "results": {}}
-    for what in bench.what:
+    for what in (w for w in bench.what if w in model.PEER_WHATS):
         entry: dict[str, Any] = {}
         try:
             module = build()
