@@ -353,3 +353,20 @@ def test_elastic_warm_up_runs_until_the_split_settles():
     assert system._keep_warming(Executor((0, 2)), 2, last, extra=1)
     assert system._keep_warming(Executor((1, 3)), 2, last, extra=2)
     assert not system._keep_warming(Executor((0, 2)), 4, last, extra=system.MAX_SETTLING_ITERATIONS)
+
+
+def test_fp8_linear_forms_bench(tmp_path, monkeypatch):
+    """benchmarks/fp8_linear.py at a tiny shape: every form runs and the FP8 ones stay within
+    e4m3's error of the bf16 layer."""
+    spec = importlib.util.spec_from_file_location("fp8_linear", os.path.join(ROOT, "benchmarks", "fp8_linear.py"))
+    fp8_linear = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fp8_linear)
+    out = tmp_path / "fp8_linear.json"
+    monkeypatch.setattr(sys, "argv", ["fp8_linear.py", "--shape=32,64,48", "--repeats=1", f"--out={out}"])
+    fp8_linear.main()
+    forms = json.loads(out.read_text())["forms"]
+    assert set(forms) == set(fp8_linear.FORMS)
+    for name, entry in forms.items():
+        assert entry["median_ms"] > 0
+        if name != "bf16" and "rel_err_vs_bf16" in entry:
+            assert 1e-3 < entry["rel_err_vs_bf16"] < 0.1, (name, entry)

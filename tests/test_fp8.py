@@ -3,9 +3,11 @@ fake-quantisation restatement, a tiny FLUX's velocity against its float32 one, L
 base, and the `model.rollout_precision` config key."""
 import json
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -16,6 +18,7 @@ from digen_jax.app.validation import validate_config
 from digen_jax.models import flux, fp8
 from digen_jax.models.layers import logical_dense
 from digen_jax.rl import fp8_weights, lora
+from digen_jax.runtime import mesh as mesh_lib, weight_sync
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_rollout import CFG, LATENT_SHAPE, make_cond, make_params, make_sampler  # noqa: E402
@@ -156,3 +159,22 @@ def test_lora_grpo_with_fp8_rollouts_on_their_own_role(pretrain_cache_dir, tmp_p
         assert row["skipped"] == 0 and row["logp_diff_max"] == 0, row
         assert 0 < row["rollout_logp_gap_max"] < 0.05, row  # FP8 rollouts, bf16/f32 training
         assert row["is_truncated_frac"] == 0 and abs(row["is_weight_mean"] - 1) < 0.05, row
+
+
+@pytest.mark.parametrize("mode", ["colocated", "gap+tsp+tag"])
+def test_train_role_samples_in_fp8_only_where_it_is_the_rollout_role(mode):
+    """The rollout role always samples with the FP8 tree; the train role does only when colocated
+    (it is the rollout role then). Disaggregated, its trainer-assisted rollouts keep the training
+    precision rather than hold a quantised copy of the base beside the one training reads."""
+    runtime = ml_collections.ConfigDict(dict(mode=mode, rollout_devices=4, train_devices=4, reward_devices=0))
+    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(lora_scale=None, rollout_precision="fp8"), frozen=None)
+    weights = weight_sync.RoleWeights(mesh_lib.build_role_meshes(runtime), tiny.get_config().sharding,
+                                      flux.FAMILY.abstract_params(CFG), trainer, merge_for_sampling=False)
+    params = make_params()
+
+    def kernels(tree):
+        return {str(path[-1].key) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    assert fp8.QUANTIZED in kernels(weights.to_rollout(params)[1])
+    on_train = kernels(weights.on_train(params))
+    assert (fp8.QUANTIZED in on_train) == (mode == "colocated")

@@ -43,6 +43,27 @@ def test_workload_is_the_exact_flop_count(qwen):
     assert 0.3e9 < qwen.trainable < 0.5e9 and qwen.lora
 
 
+def test_fp8_rollouts_speed_up_the_rollout_role_only(qwen):
+    """`model.rollout_precision='fp8'`: the rollout role's (and the colocated shared role's) rollouts
+    run `fp8_rollout_speedup` times faster; the train role's assisted rollouts stay bf16."""
+    c = paper_qwen.get_config()
+    c.model.rollout_precision = "fp8"
+    fp8 = app_costs.iteration_work(c)
+    assert fp8.rollout_precision == "fp8" and qwen.rollout_precision == "bf16"
+    eff, pool = cm.Efficiency(step_call_s=0.0), cm.Pool.parse("h100:4")
+    bf16_costs = cm.model_costs(qwen, pool, "gap+tsp+tag", 8, eff=eff)
+    fp8_costs = cm.model_costs(fp8, pool, "gap+tsp+tag", 8, eff=eff)
+    assert fp8_costs.rollout["rollout"] == pytest.approx(bf16_costs.rollout["rollout"] / eff.fp8_rollout_speedup)
+    assert fp8_costs.rollout["train"] == bf16_costs.rollout["train"]
+    assert fp8_costs.train == bf16_costs.train and fp8_costs.sync == bf16_costs.sync
+    shared = cm.model_costs(fp8, pool, "colocated", 8, eff=eff, style="offload").rollout["shared"]
+    assert shared == pytest.approx(cm.model_costs(qwen, pool, "colocated", 8, eff=eff, style="offload").rollout["shared"]
+                                   / eff.fp8_rollout_speedup)
+    # one-byte weights: 20B parameters fit one 24 GiB-usable share where bf16 needs two devices
+    small = dataclasses.replace(cm.device_kind("h100"), hbm_bytes=28 * 2**30)
+    assert cm._replica_size(qwen, small, 4, eff) == 2 and cm._replica_size(qwen, small, 4, eff, fp8=True) == 1
+
+
 def test_cost_model_divides_work_over_devices(qwen):
     h100, eff = cm.device_kind("h100"), cm.Efficiency(step_call_s=0.0, train_call_s=0.0)
     one = cm.rollout_mb_s(qwen, 64, h100, 4, eff)

@@ -88,6 +88,7 @@ def iteration_work(config) -> IterationWork:
         pixels=s.height * s.width * frames,
         updates=rl.num_updates_per_batch,
         unit_forwards=1 + int(_is_nft(rl)) + int(rl.kl_beta > 0),
+        rollout_precision=config.model.get("rollout_precision", "bf16"),
     )
 
 

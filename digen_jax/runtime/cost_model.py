@@ -126,12 +126,18 @@ class Efficiency:
     reward_s_per_sample: float = 0.002  # host-side scoring after decode (a cheap reward)
     decode_flops_per_pixel: float = 5e6  # VAE decoder, per output pixel (and frame)
     usable_hbm: float = 0.85  # share of HBM a rollout weight replica (+ activations) may take
+    # A rollout forward with FP8 block matmuls (`model.rollout_precision='fp8'`) against bf16:
+    # 1.25x for Qwen-Image-20B (batch 16) and 1.27x for FLUX.1 (batch 8) at 512x512 on one H100
+    # (launch/bench.py --mode=model --what=forward,forward_fp8; benchmarks/README.md).
+    fp8_rollout_speedup: float = 1.25
     train_units_per_device: int = 4  # training units one device holds in a gradient chunk (activation memory)
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             if getattr(self, field.name) < 0:
                 raise ValueError(f"Efficiency.{field.name} must be >= 0, got {getattr(self, field.name)}")
+        if self.fp8_rollout_speedup <= 0:
+            raise ValueError(f"Efficiency.fp8_rollout_speedup must be > 0, got {self.fp8_rollout_speedup}")
         if self.train_units_per_device < 1:
             raise ValueError(f"Efficiency.train_units_per_device must be >= 1, got {self.train_units_per_device}")
         for name in ("rollout", "train", "decode", "memory", "link", "usable_hbm"):
@@ -254,6 +260,10 @@ class IterationWork:
     # model forwards per training unit: the trained pass, plus the old policy's (DiffusionNFT) and
     # the frozen reference's (rl.kl_beta > 0); each all-gathers the FSDP weights
     unit_forwards: int = 1
+    # numerics of the rollout role's forwards (`model.rollout_precision`): 'fp8' runs them
+    # `Efficiency.fp8_rollout_speedup` times faster from weights of one byte; the train role's own
+    # rollouts (trainer-assisted generation) stay in the training precision
+    rollout_precision: str = "bf16"
 
     @property
     def lora(self) -> bool:
@@ -279,9 +289,9 @@ def _ring_s(nbytes: float, devices: int, bw: float, eff: Efficiency) -> float:
     return 0.0 if devices <= 1 else nbytes * (devices - 1) / devices / (bw * eff.link)
 
 
-def _replica_size(w: IterationWork, kind: DeviceKind, devices: int, eff: Efficiency) -> int:
+def _replica_size(w: IterationWork, kind: DeviceKind, devices: int, eff: Efficiency, fp8: bool = False) -> int:
     """Devices per rollout weight replica: 1, or the least power of two whose share of the weights fits."""
-    weights = w.params * w.param_bytes
+    weights = w.params * (1 if fp8 else w.param_bytes)
     size = 1
     while weights / size > eff.usable_hbm * kind.hbm_bytes:
         size *= 2
@@ -291,20 +301,23 @@ def _replica_size(w: IterationWork, kind: DeviceKind, devices: int, eff: Efficie
 
 
 def rollout_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int, eff: Efficiency, *,
-                 sharded_in: Pool | None = None) -> float:
+                 sharded_in: Pool | None = None, fp8: bool = False) -> float:
     """Seconds to roll out `samples` on `devices` of `kind`.
 
     Replicated weights (rollout role, offload-style colocated) by default; with `sharded_in`
     (the pool) the weights stay FSDP-sharded and every step all-gathers them, overlapped with
-    the step's compute (trainer rollouts, GenRL-style colocated).
+    the step's compute (trainer rollouts, GenRL-style colocated). `fp8`: the forwards run FP8
+    block matmuls (`Efficiency.fp8_rollout_speedup`) from one-byte weights.
     """
+    rate = kind.bf16_flops * eff.rollout * (eff.fp8_rollout_speedup if fp8 else 1.0)
     if sharded_in is None:
-        replica = _replica_size(w, kind, devices, eff)
+        replica = _replica_size(w, kind, devices, eff, fp8)
         per_replica = _split(samples, devices // replica)
-        step = per_replica * w.step_flops / (replica * kind.bf16_flops * eff.rollout)
+        step = per_replica * w.step_flops / (replica * rate)
     else:
-        compute = _split(samples, devices) * w.step_flops / (kind.bf16_flops * eff.rollout)
-        step = max(compute, sharded_in.fsdp_gather_s(kind, devices, w.params * w.param_bytes, eff))
+        compute = _split(samples, devices) * w.step_flops / rate
+        weight_bytes = w.params * (1 if fp8 else w.param_bytes)
+        step = max(compute, sharded_in.fsdp_gather_s(kind, devices, weight_bytes, eff))
     return w.num_steps * (step + eff.step_call_s)
 
 
@@ -370,9 +383,10 @@ def model_costs(w: IterationWork, pool: Pool, mode: str, microbatches: int, *, s
     if style not in COLOCATED_STYLES:
         raise ValueError(f"colocated style {style!r} is unknown; known: {COLOCATED_STYLES}")
     samples = w.samples // microbatches
+    fp8 = w.rollout_precision == "fp8"
     if flags.colocated:
         kind, n = pool.slowest, pool.total
-        rollout = rollout_mb_s(w, samples, kind, n, eff, sharded_in=None if style == "offload" else pool)
+        rollout = rollout_mb_s(w, samples, kind, n, eff, sharded_in=None if style == "offload" else pool, fp8=fp8)
         update = update_s(w, kind, n, pool, eff)
         if style == "offload":
             update += _phase_switch_s(w, kind, n, pool, eff) / w.updates
@@ -387,7 +401,7 @@ def model_costs(w: IterationWork, pool: Pool, mode: str, microbatches: int, *, s
     r_n, t_n = pool.rollout_devices, pool.train_devices
     return plan_lib.Costs(
         rollout={
-            "rollout": rollout_mb_s(w, samples, r_kind, r_n, eff),
+            "rollout": rollout_mb_s(w, samples, r_kind, r_n, eff, fp8=fp8),
             "train": rollout_mb_s(w, samples, t_kind, t_n, eff, sharded_in=pool),
         },
         reward=reward_mb_s(w, samples, r_kind, r_n, eff),

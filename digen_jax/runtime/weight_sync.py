@@ -12,6 +12,8 @@ LoRA the frozen base is quantised once where it is placed (on the rollout role; 
 beside the train role's copy, which training keeps using) and the adapters stay in their dtype,
 applied factored on top (the config validation rejects merging them); full fine-tuning
 quantises the trainable weights each time sampling weights are made from them (every sync).
+The train role's own rollouts of a disaggregated run (trainer-assisted generation) stay in the
+training precision (`WeightSync.on_train`).
 
 Several processes: every process builds the same frozen base and decoder weights (same
 checkpoint, seed and pretraining cache), so each places its own copy on its own devices of
@@ -110,12 +112,13 @@ class RoleWeights:
             put = put_own_copy if own else transfer
             self.decoders = {g: put(decoder_params, mesh_lib.replicated(m)) for g, m in groups.items()}
 
-    def for_sampling(self, trainable, frozen):
+    def for_sampling(self, trainable, frozen, fp8: bool = True):
         """Sampling weights from trainable (+ frozen base for LoRA, already quantised for FP8
-        rollouts) where they live."""
+        rollouts) where they live; `fp8=False`: in the training precision whatever the config."""
+        quantize = self._quantize if fp8 else None
         if self.lora_scale is None:
-            return trainable if self._quantize is None else self._quantize(trainable)
-        if self.merge_for_sampling and self._quantize is None:  # FP8 keeps adapters factored
+            return trainable if quantize is None else quantize(trainable)
+        if self.merge_for_sampling and quantize is None:  # FP8 keeps adapters factored
             return self._merge(frozen, trainable)
         return lora.LoraWeights(frozen, trainable, self.lora_scale)
 
@@ -136,13 +139,22 @@ class RoleWeights:
         return moved
 
     def on_train(self, trainable):
-        """Sampling weights of `trainable` on the train role (colocated, or the trainer's rollouts)."""
+        """Sampling weights of `trainable` on the train role.
+
+        Colocated, that role is the rollout role too and samples in `model.rollout_precision`.
+        Disaggregated, the train role's own rollouts (trainer-assisted generation) sample in the
+        training precision: FP8 there would hold a quantised copy of the base beside the one
+        training reads (Qwen-Image-20B: 20 GB on top of 41 GB, which ran an 80 GB card out of
+        memory with training's activations). Each rollout records the log-probabilities of the
+        numerics it ran, so the decoupled loss weighs both kinds correctly.
+        """
+        fp8 = self.meshes.colocated
         frozen = self.trainer.frozen
-        if self._quantize is not None and self.lora_scale is not None:
+        if fp8 and self._quantize is not None and self.lora_scale is not None:
             if self._frozen_fp8_on_train is None:
                 self._frozen_fp8_on_train = self._quantize(frozen)
             frozen = self._frozen_fp8_on_train
-        return self.for_sampling(trainable, frozen)
+        return self.for_sampling(trainable, frozen, fp8=fp8)
 
     def fresh_state(self, state: TrainState, sharding: TrainState) -> TrainState:
         """`state` copied onto `sharding`: the update donates the state it is given, so the caller's
