@@ -9,7 +9,7 @@ import pytest
 
 from configs.sections import ATTENTION_MLP_TARGETS
 from digen_jax import flops
-from digen_jax.app.bench import peaks, profiler, provenance
+from digen_jax.app.bench import model, peaks, profiler, provenance
 from digen_jax.models import FAMILIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,6 +80,9 @@ def test_model_mode_fp8_forward_against_bf16(tmp_path):
     # The e4m3 kernels and their scales replace the bf16 kernels: fewer argument bytes.
     assert fp8["memory_bytes"]["argument"] < bf16["memory_bytes"]["argument"]
     assert written["fp8"]["speedup_vs_bf16"] == pytest.approx(bf16["median_s"] / fp8["median_s"])
+    assert fp8["matmul_custom_calls"] == {}  # the CPU backend emits its own dots, no library GEMMs
+    hlo = 'x = f32[2] custom-call(a, b), custom_call_target="__cublas$lt$matmul$f8", y = custom_call_target="__cublas$lt$matmul$f8"'
+    assert model.matmul_custom_calls(hlo) == {"__cublas$lt$matmul$f8": 2}
     # e4m3 keeps 3 mantissa bits: a few percent of error, never zero (the kernels are quantised).
     assert 1e-4 < written["fp8"]["velocity_rel_err"] < 0.1
 

@@ -7,9 +7,11 @@ With `forward` in the same run the result's `fp8` entry gives its speed-up over 
 and the relative error of its velocity against the bf16 one."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
+import re
 import time
 import traceback
 from typing import Any, Callable
@@ -156,6 +158,14 @@ def compiled_memory(compiled) -> dict[str, int] | None:
     return {name: int(getattr(stats, f"{name}_size_in_bytes")) for name in ("argument", "output", "alias", "temp")}
 
 
+def matmul_custom_calls(hlo_text: str) -> dict[str, int]:
+    """Library GEMM calls of a compiled program by target (`__cublas$lt$matmul$f8` is cuBLASLt's FP8
+    GEMM, which XLA's GEMM rewriter makes of an f8 dot on Hopper); empty where XLA emits its own
+    dots (the CPU)."""
+    targets = re.findall(r'custom_call_target="([^"]*(?:gemm|matmul)[^"]*)"', hlo_text)
+    return dict(collections.Counter(targets))
+
+
 def _jax_inputs(bench: ModelBench, prepared: dict[str, Any], key):
     """Random latents, conditioning and sigmas of the benchmark shape (on the device)."""
     import jax
@@ -280,6 +290,7 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
             compiled = jax.jit(fn).lower(*args).compile()
             entry["compile_s"] = time.perf_counter() - start
             entry["memory_bytes"] = compiled_memory(compiled)
+            entry["matmul_custom_calls"] = matmul_custom_calls(compiled.as_text())
             if what in ("forward", "forward_fp8"):
                 compiled_fns[what] = compiled
             entry.update(summary(
