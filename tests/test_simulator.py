@@ -43,6 +43,15 @@ def test_workload_is_the_exact_flop_count(qwen):
     assert 0.3e9 < qwen.trainable < 0.5e9 and qwen.lora
 
 
+def test_workload_follows_a_shortened_random_weight_model(qwen):
+    """`model.num_layers` keeps that many blocks of the variant: FLOPs and weights shrink with them."""
+    c = paper_qwen.get_config()
+    c.model.num_layers = 12
+    short = app_costs.iteration_work(c)
+    assert short.params == pytest.approx(qwen.params * 12 / 60, rel=0.02)  # embedders and output aside
+    assert short.step_flops < 0.25 * qwen.step_flops
+
+
 def test_fp8_rollouts_speed_up_the_rollout_role_only(qwen):
     """`model.rollout_precision='fp8'`: the rollout role's (and the colocated shared role's) rollouts
     run `fp8_rollout_speedup` times faster; the train role's assisted rollouts stay bf16."""

@@ -6,6 +6,7 @@ The runtime's cost model and simulator (`digen_jax.runtime.cost_model`, `.simula
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
@@ -103,13 +104,14 @@ def _trained_steps(config) -> int:
 
 
 def _model_config(config):
-    """The transformer config of `config`: its checkpoint's, or the named variant's (no weights read)."""
+    """The transformer config of `config`: its checkpoint's, or the named variant's at the depth
+    `model.num_layers` / `model.num_single_layers` ask for (no weights read)."""
     if config.model.checkpoint:
         return families.model_config(config)
     variants = FAMILIES[config.model.family].variants
     if config.model.variant not in variants:
         raise ValueError(f"model.variant={config.model.variant!r} is unknown for {config.model.family}; known: {sorted(variants)}")
-    return variants[config.model.variant]
+    return dataclasses.replace(variants[config.model.variant], **families.depth_overrides(config.model))
 
 
 def size_config(config, spec: str, devices: Sequence[Any]) -> tuple[Pool, simulator.Sizing]:

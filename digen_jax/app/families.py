@@ -170,11 +170,11 @@ def model_config(config: ml_collections.ConfigDict):
     c = config.model
     family = FAMILIES[c.family]
     if c.random_init:
-        return dataclasses.replace(family.variants[c.variant], **policy(config), **_depth_overrides(c))
+        return dataclasses.replace(family.variants[c.variant], **policy(config), **depth_overrides(c))
     return family.config_from_diffusers(read_model_json(c.checkpoint)["config"], **policy(config))
 
 
-def _depth_overrides(model: ml_collections.ConfigDict) -> dict[str, int]:
+def depth_overrides(model: ml_collections.ConfigDict) -> dict[str, int]:
     """`model.num_layers` / `model.num_single_layers` when > 0: a shallower stack of the variant's
     blocks (random weights only), for throughput runs that must fit a short device budget."""
     return {key: model[key] for key in DEPTH_KEYS if model.get(key, 0) > 0}
