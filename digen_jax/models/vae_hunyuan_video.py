@@ -303,10 +303,14 @@ class Tiling:
         if not self.use_framewise_decoding or latent_frames <= size:
             return None
         if stride < 1:
-            raise ValueError(f"tile_sample_stride_num_frames={self.tile_sample_stride_num_frames} is under one latent frame")
+            raise ValueError(
+                f"tile_sample_stride_num_frames={self.tile_sample_stride_num_frames} is under one latent frame"
+            )
         return [slice(i, i + size + 1) for i in range(0, latent_frames, stride)]
 
-    def spatial_tiles(self, cfg: HunyuanVideoVAEConfig, height: int, width: int) -> list[list[tuple[slice, slice]]] | None:
+    def spatial_tiles(
+        self, cfg: HunyuanVideoVAEConfig, height: int, width: int
+    ) -> list[list[tuple[slice, slice]]] | None:
         """Rows of (height, width) latent slices of the spatial tiles, or None for one piece."""
         r = cfg.spatial_compression_ratio
         size_h, size_w = self.tile_sample_min_height // r, self.tile_sample_min_width // r
@@ -358,7 +362,9 @@ def _decode_pieces(params: dict, cfg: HunyuanVideoVAEConfig, pieces: list[jax.Ar
     return out
 
 
-def _join_spatial(cfg: HunyuanVideoVAEConfig, tiling: Tiling, grid: list[list[jax.Array]], height: int, width: int) -> jax.Array:
+def _join_spatial(
+    cfg: HunyuanVideoVAEConfig, tiling: Tiling, grid: list[list[jax.Array]], height: int, width: int
+) -> jax.Array:
     """diffusers' `tiled_decode` after the tiles are decoded: fade each tile from the (already
     faded) tile above and the one to its left, keep its first stride pixels, join, crop."""
     r = cfg.spatial_compression_ratio
@@ -373,10 +379,8 @@ def _join_spatial(cfg: HunyuanVideoVAEConfig, tiling: Tiling, grid: list[list[ja
             if j > 0:
                 tile = _blend(faded[i][j - 1], tile, blend_w, axis=4)
             faded[i].append(tile)
-    rows = [
-        jnp.concatenate([t[..., : tiling.tile_sample_stride_height, : tiling.tile_sample_stride_width] for t in row], axis=4)
-        for row in faded
-    ]
+    stride_h, stride_w = tiling.tile_sample_stride_height, tiling.tile_sample_stride_width
+    rows = [jnp.concatenate([t[..., :stride_h, :stride_w] for t in row], axis=4) for row in faded]
     return jnp.concatenate(rows, axis=3)[..., : height * r, : width * r]
 
 
