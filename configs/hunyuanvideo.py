@@ -12,13 +12,37 @@ Real run (converted weights and an embedding cache, see README "Model-zoo config
 
 Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
 CPU smoke run of the tiny variant: --config=configs/hunyuanvideo.py:tiny
+
+`:81f`: 81 frames (21 latent frames) at 480x848 (`LONG_SIZES`), remat 'full', 4 training
+units per gradient chunk as at 33 frames. 33,390 video tokens (plus 256 text tokens) per unit,
+about 17 GB of activations per unit on one device (block inputs kept for the backward pass,
+12.4 GB, plus one block's recomputation). Meant for `runtime.seq_parallel=2`: about 33 GB per
+chunk and device next to the 25.6 GB of bf16 weights. Without sequence parallelism two units
+per chunk fit (`--config.rl.micro_batch_size=2`). With more sequence groups than one, raise
+`rl.micro_batch_size` by their number. The VAE decodes as diffusers' default does: 7 temporal
+tiles of 5 latent frames (17 frames), 3 apart, blended over 4 frames, no spatial tiles
+(`vae_hunyuan_video.DEFAULT_TILING`, docs/models.md section 4); its mid attention scores of
+one tile (31,800 pixels) take about 4 GB in fp32.
 """
 import ml_collections
 
-from configs.sections import ATTENTION_MLP_TARGETS, algorithm_keys, runtime_section, sharding_section, tiny_overrides
+from configs.sections import (
+    ATTENTION_MLP_TARGETS,
+    algorithm_keys,
+    long_video_overrides,
+    runtime_section,
+    sharding_section,
+    tiny_overrides,
+)
+
+# Clip-length sizes (module docstring); seq_parallel is the runtime.seq_parallel each is sized for.
+LONG_SIZES = {"81f": dict(num_frames=81, height=480, width=848, micro_batch_size=4, seq_parallel=2)}
+SIZES = ("full", "tiny", *LONG_SIZES)
 
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} for configs/hunyuanvideo.py; one of {SIZES}")
     c = ml_collections.ConfigDict()
     c.seed = 0
 
@@ -117,4 +141,6 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     # LoRA: the frozen base is replicated on every train device (data parallel, one adapter-gradient
     # all-reduce per micro-batch) instead of FSDP's per-layer gathers; docs/known_issues.md "Training shards" says why.
     c.sharding = sharding_section(fsdp=False)
-    return tiny_overrides(c, video=True, trained_steps=1) if size == "tiny" else c
+    if size == "tiny":
+        return tiny_overrides(c, video=True, trained_steps=1)
+    return long_video_overrides(c, **LONG_SIZES[size]) if size in LONG_SIZES else c

@@ -1,6 +1,6 @@
 """What the configs share, as data: the `runtime` and `sharding` sections, the `rl.algorithm` keys,
-the LoRA target sets of the model families, the CPU-size (`:tiny`) overrides of the model-zoo
-configs and the DiffusionNFT recipe of the `*_nft.py` zoo configs."""
+the LoRA target sets of the model families, the CPU-size (`:tiny`) and clip-length (`:81f...`)
+overrides of the model-zoo configs and the DiffusionNFT recipe of the `*_nft.py` zoo configs."""
 from __future__ import annotations
 
 import ml_collections
@@ -128,4 +128,23 @@ def tiny_overrides(c: ml_collections.ConfigDict, *, video: bool, trained_steps: 
     c.train.iterations = 1
     c.train.eval_every = c.train.image_every = c.train.checkpoint_every = 0
     c.train.eval_prompts = 2
+    return c
+
+
+def long_video_overrides(
+    c: ml_collections.ConfigDict, *, num_frames: int, height: int, width: int, micro_batch_size: int, seq_parallel: int
+) -> ml_collections.ConfigDict:
+    """`c` (a video model-zoo config) at clip length: `num_frames` frames at `height` x `width`,
+    every block recomputed in the backward pass (remat 'full'), `micro_batch_size` training
+    units per gradient chunk (what one sequence group holds on the devices the size is written
+    for).
+
+    `seq_parallel`: the devices per sequence group (`runtime.seq_parallel`) the size is sized
+    for; set wherever the runtime section has that key.
+    """
+    c.sampling.num_frames, c.sampling.height, c.sampling.width = num_frames, height, width
+    c.model.remat_policy = "full"
+    c.rl.micro_batch_size = micro_batch_size
+    if "seq_parallel" in c.runtime:
+        c.runtime.seq_parallel = seq_parallel
     return c

@@ -12,13 +12,42 @@ Real run (converted weights and an embedding cache, see README "Model-zoo config
 
 Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
 CPU smoke run of the tiny variant: --config=configs/wan21.py:tiny
+
+81 frames (21 latent frames; `LONG_SIZES`), remat 'full', 2 training units per gradient chunk:
+
+* `:81f_480p`, 480x832: 32,760 tokens per video, twice that per unit with true CFG. Meant for
+  `runtime.seq_parallel=2`: about 18 GB of activations per unit and device (block inputs kept
+  for the backward pass, 13.4 GB, plus one block's recomputation), 36 GB per chunk next to the
+  28.6 GB of bf16 weights. Without sequence parallelism one unit per chunk fits
+  (`--config.rl.micro_batch_size=1`, about 36 GB).
+* `:81f_720p`, 720x1280: 75,600 tokens per video, about 84 GB of activations per unit on one
+  device. Meant for `runtime.seq_parallel=4` (about 42 GB per chunk and device) or 8 (21 GB).
+
+With more sequence groups than one, raise `rl.micro_batch_size` by their number. The Wan VAE
+decodes frame by frame with causal caches at any length (docs/models.md section 4).
 """
 import ml_collections
 
-from configs.sections import ATTENTION_MLP_TARGETS, algorithm_keys, runtime_section, sharding_section, tiny_overrides
+from configs.sections import (
+    ATTENTION_MLP_TARGETS,
+    algorithm_keys,
+    long_video_overrides,
+    runtime_section,
+    sharding_section,
+    tiny_overrides,
+)
+
+# Clip-length sizes (module docstring); seq_parallel is the runtime.seq_parallel each is sized for.
+LONG_SIZES = {
+    "81f_480p": dict(num_frames=81, height=480, width=832, micro_batch_size=2, seq_parallel=2),
+    "81f_720p": dict(num_frames=81, height=720, width=1280, micro_batch_size=2, seq_parallel=4),
+}
+SIZES = ("full", "tiny", *LONG_SIZES)
 
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} for configs/wan21.py; one of {SIZES}")
     c = ml_collections.ConfigDict()
     c.seed = 0
 
@@ -116,4 +145,6 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     # LoRA: the frozen base is replicated on every train device (data parallel, one adapter-gradient
     # all-reduce per micro-batch) instead of FSDP's per-layer gathers; docs/known_issues.md "Training shards" says why.
     c.sharding = sharding_section(fsdp=False)
-    return tiny_overrides(c, video=True, trained_steps=3) if size == "tiny" else c
+    if size == "tiny":
+        return tiny_overrides(c, video=True, trained_steps=3)
+    return long_video_overrides(c, **LONG_SIZES[size]) if size in LONG_SIZES else c

@@ -53,11 +53,20 @@ def no_device_work(monkeypatch):
     monkeypatch.setattr(workload, "load_checkpoint", forbidden)
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_full_size_config_validates_and_fits_its_model(family):
-    """At full size, with no weights: the config validates, the latents fit the transformer and the
-    VAE (jax.eval_shape), the LoRA targets match, and the parameter count is the released model's."""
-    c = get_config(family)
+# Clip-length sizes of the video configs: (frames, height, width, runtime.seq_parallel it is sized for).
+LONG_SIZES = {
+    ("wan", "81f_480p"): (81, 480, 832, 2),
+    ("wan", "81f_720p"): (81, 720, 1280, 4),
+    ("hunyuan_video", "81f"): (81, 480, 848, 2),
+}
+
+
+@pytest.mark.parametrize("family,size", [(f, "full") for f in sorted(CONFIGS)] + sorted(LONG_SIZES))
+def test_full_size_config_validates_and_fits_its_model(family, size):
+    """At full size (and the video configs' 81-frame sizes), with no weights: the config validates,
+    the latents fit the transformer and the VAE (jax.eval_shape), the LoRA targets match, and the
+    parameter count is the released model's."""
+    c = get_config(family, size)
     assert c.model.family == family and not c.model.random_init and not c.data.random_embeddings
     c.model.random_init = c.data.random_embeddings = True
     loop.validate_config(c)
@@ -65,8 +74,13 @@ def test_full_size_config_validates_and_fits_its_model(family):
     s, zoo = c.sampling, families.ZOO[family]
     model_cfg, vae_cfg = families.model_config(c), families.vae_config(c)
     shape = families.latent_shape(c, vae_cfg)
+    if size != "full":
+        frames, height, width, seq_parallel = LONG_SIZES[family, size]
+        assert (s.num_frames, s.height, s.width, c.model.remat_policy) == (frames, height, width, "full")
+        assert c.runtime.get("seq_parallel", seq_parallel) == seq_parallel
+        assert c.rl.micro_batch_size <= get_config(family).rl.micro_batch_size  # longer clips: no more units per chunk
     if zoo.video:
-        assert shape == (16, 9, s.height // 8, s.width // 8)  # 33 frames -> 9 latent frames
+        assert shape == (16, (s.num_frames - 1) // 4 + 1, s.height // 8, s.width // 8)  # 33 frames -> 9 latent frames
     else:
         assert shape == (s.height * s.width // 256, 64)
     fam = FAMILIES[family]
@@ -133,6 +147,12 @@ def test_nft_zoo_configs_validate_with_the_reference_settings(family):
     assert (c.model.to_dict(), rl.lora_rank, rl.prompts_per_iteration, rl.group_size) == (
         grpo.model.to_dict() | {"random_init": True}, grpo.rl.lora_rank, grpo.rl.prompts_per_iteration, grpo.rl.group_size)
     loop.validate_config(get_config(family, "tiny", files=NFT_CONFIGS))
+
+
+@pytest.mark.parametrize("family", ["wan", "hunyuan_video"])
+def test_video_config_rejects_an_unknown_size(family):
+    with pytest.raises(ValueError, match="unknown size '81f_1080p'"):
+        get_config(family, "81f_1080p")
 
 
 def test_nft_rejects_true_cfg():

@@ -1,4 +1,7 @@
-"""HunyuanVideo VAE decoder port: fp32 parity with diffusers' untiled `decode`, full-size shapes, conversion errors."""
+"""HunyuanVideo VAE decoder port: fp32 parity with diffusers' `decode` (tiled as diffusers
+tiles, and untiled), full-size shapes, conversion errors."""
+import dataclasses
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -16,7 +19,7 @@ TINY = dict(block_out_channels=[8, 16, 32, 32], layers_per_block=2, norm_num_gro
 @pytest.fixture(scope="module")
 def tiny_vae():
     """A tiny diffusers VAE with every weight perturbed (so unit norm scales and zero biases
-    are non-trivial and a wrong mapping shows), decoding untiled, and its conversion."""
+    are non-trivial and a wrong mapping shows), with diffusers' default tiling, and its conversion."""
     torch.manual_seed(0)
     model = AutoencoderKLHunyuanVideo(**TINY).eval()
     with torch.no_grad():
@@ -24,8 +27,6 @@ def tiny_vae():
             p.add_(0.05 * torch.randn_like(p))
         # Push one output channel well past 1 so clamping (which diffusers does not do) would show.
         model.decoder.conv_out.conv.bias[0] += 3.0
-    # Framewise decoding tiles and blends clips of more than 4 latent frames; the port decodes untiled.
-    model.use_framewise_decoding = False
     cfg = vae_hv.FAMILY.config_from_diffusers(dict(model.config))
     params = convert_weights(vae_hv.FAMILY, cfg, torch_state_dict_arrays(model))
     return model, cfg, params
@@ -51,6 +52,68 @@ def test_decode_latents_parity(tiny_vae, latent_frames, batch, latent_hw):
     assert float(out.max()) > 1.5  # unclamped, like diffusers
 
 
+def torch_decode(model, z, tiling):
+    """diffusers' `model.decode(z)` with `tiling`'s attributes set on the model, restored afterwards."""
+    fields = dataclasses.asdict(tiling)
+    saved = {k: getattr(model, k) for k in fields}
+    try:
+        for k, v in fields.items():
+            setattr(model, k, v)
+        with torch.no_grad():
+            return model.decode(z).sample.numpy()
+    finally:
+        for k, v in saved.items():
+            setattr(model, k, v)
+
+
+# Latent lengths past 4 frames: diffusers' default decode blends 5-frame tiles 3 apart, the last
+# ones short. Small tiles (3 + 1 latent frames, 2 apart; 4 x 3 latent pixels, 2 apart) give 2 x 2
+# spatial tiles in each of 2 temporal ones, every direction with a short last tile; few distinct
+# shapes keep compilation short. (Tiles of one or two latent pixels are ill-conditioned in fp32,
+# decoded alone or not, as their GroupNorms see few values: a 1 x 2 tile exceeds 1e-5 relative
+# error against diffusers, so the shapes avoid it.)
+SMALL_TILES = vae_hv.Tiling(
+    use_tiling=True, tile_sample_min_num_frames=12, tile_sample_stride_num_frames=8,
+    tile_sample_min_height=32, tile_sample_stride_height=16, tile_sample_min_width=24, tile_sample_stride_width=16,
+)
+
+
+@pytest.mark.parametrize(
+    "tiling,latent_frames,latent_hw",
+    [
+        (vae_hv.DEFAULT_TILING, 8, (2, 3)),  # temporal tiles 0:5, 3:8, 6:8
+        (vae_hv.UNTILED, 6, (2, 3)),  # the whole clip at once
+        (SMALL_TILES, 4, (4, 4)),  # temporal tiles 0:4, 2:4, each in spatial tiles (0:4, 2:4) x (0:3, 2:4)
+    ],
+    ids=["default", "untiled", "small_tiles"],
+)
+def test_tiled_decode_parity(tiny_vae, tiling, latent_frames, latent_hw):
+    model, cfg, params = tiny_vae
+    z = torch.randn(1, 4, latent_frames, *latent_hw, generator=torch.Generator().manual_seed(2))
+    ref = torch_decode(model, z, tiling)
+    out = np.asarray(vae_hv.decode(params, cfg, z.numpy(), tiling=tiling))
+    assert out.shape == ref.shape == (1, 3, cfg.num_frames(latent_frames), 8 * latent_hw[0], 8 * latent_hw[1])
+    assert rel_err(out, ref) <= 1e-5
+    # The tiled decodes differ from the untiled one (else the test would not tell tiling apart).
+    if tiling != vae_hv.UNTILED:
+        untiled = torch_decode(model, z, vae_hv.UNTILED)
+        assert rel_err(untiled, ref) > 1e-3
+
+
+def test_tiling_plan():
+    cfg = vae_hv.VARIANTS["hunyuan_video"]
+    # 81 frames are 21 latent frames: seven tiles of up to 5 latent frames, 3 apart.
+    tiles = vae_hv.DEFAULT_TILING.temporal_tiles(cfg, 21)
+    assert [(s.start, s.stop) for s in tiles] == [(i, i + 5) for i in range(0, 21, 3)]
+    assert vae_hv.DEFAULT_TILING.temporal_tiles(cfg, 4) is None  # up to 4 latent frames: one piece
+    assert vae_hv.UNTILED.temporal_tiles(cfg, 21) is None
+    assert vae_hv.DEFAULT_TILING.spatial_tiles(cfg, 60, 106) is None  # spatial tiling is off by default
+    grid = dataclasses.replace(vae_hv.DEFAULT_TILING, use_tiling=True).spatial_tiles(cfg, 60, 106)
+    assert [len(row) for row in grid] == [5, 5, 5]  # rows at 0, 24, 48; columns at 0, 24, ..., 96
+    with pytest.raises(ValueError, match="tile_sample_stride_num_frames"):
+        vae_hv.Tiling(tile_sample_stride_num_frames=20)
+
+
 def test_full_size_parameter_count_and_logical_axes():
     cfg = vae_hv.FAMILY.config_from_diffusers(
         dict(_class_name="AutoencoderKLHunyuanVideo", block_out_channels=[128, 256, 512, 512], latent_channels=16)
@@ -73,6 +136,9 @@ def test_full_size_parameter_count_and_logical_axes():
         vae_hv.example_inputs(cfg, 1, 9, 60, 106),
     )
     assert out.shape == (1, 3, 33, 480, 848)
+    # 81 frames decode in temporal tiles by default, to the same shape as untiled.
+    z81 = vae_hv.example_inputs(cfg, 1, 21, 60, 106)["z"]
+    assert jax.eval_shape(lambda p, z: vae_hv.decode(p, cfg, z), nn.unbox(abstract), z81).shape == (1, 3, 81, 480, 848)
 
 
 def test_conversion_rejects_bad_checkpoints(tiny_vae):

@@ -1,6 +1,6 @@
 """HunyuanVideo VAE decoder (diffusers `AutoencoderKLHunyuanVideo.decode`) in flax.linen.
 
-Computes what diffusers' untiled `decode` computes (fp32 parity is tested): a 1x1x1
+Computes what diffusers' `decode` computes (fp32 parity is tested, tiled and untiled): a 1x1x1
 `post_quant_conv`, then `HunyuanVideoDecoder3D`: a causal `conv_in`, a mid block
 (ResNet, single-head self-attention over all pixels of all frames with a causal
 frame mask, ResNet), four up blocks (`layers_per_block + 1` ResNets, then an
@@ -18,11 +18,18 @@ Quirks reproduced:
 * The mid attention lets a pixel of frame i attend to every pixel of frames <= i
   (`prepare_causal_attention_mask`), so its output is causal in time.
 
-The whole clip is decoded at once. diffusers' `use_framewise_decoding` (on by
-default) instead decodes more than 4 latent frames in overlapping temporal tiles and
-blends them, which changes the output; set `vae.use_framewise_decoding = False`
-(and leave tiling off) for the reference this module matches. Not ported: the
-encoder (`IGNORED_PREFIXES`), temporal / spatial tiling and blending.
+`decode` splits long or large latents into overlapping tiles as diffusers' `decode` does
+(`Tiling`, defaults as diffusers sets them): with `use_framewise_decoding` (on) more than
+`tile_sample_min_num_frames // 4` latent frames are decoded in temporal tiles of that many
+plus one, `tile_sample_stride_num_frames // 4` apart; each tile after the first drops its
+first frame, its first `min - stride` frames fade linearly from the previous tile's last
+ones, and the tiles are cut to the stride and joined. With `use_tiling` (diffusers'
+`enable_tiling`, off by default) latents wider or taller than `tile_sample_min_* // 8`
+are decoded in spatial tiles the same way (fade from the tile above, then from the tile to
+the left, each already faded). Tiles of one shape run in one sequential `lax.map`, so
+activations are held for one tile at a time. `UNTILED` decodes the whole clip at once
+(`HunyuanVideoVAEDecoder`, diffusers with framewise decoding and tiling off). The
+encoder is not ported (`IGNORED_PREFIXES`).
 
 Layout: activations are channels-last (B, T, H, W, C) inside; the public entry
 points take and return diffusers' channels-first (B, C, T, H, W). Conv kernels are
@@ -43,6 +50,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from digen_jax.models import layers
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
@@ -268,20 +276,153 @@ def _check_latents(cfg: HunyuanVideoVAEConfig, z: jax.Array) -> None:
         raise ValueError(f"z must have shape (B, {cfg.latent_channels}, T', h, w), got {z.shape}")
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def decode(params: dict, cfg: HunyuanVideoVAEConfig, z: jax.Array) -> jax.Array:
-    """diffusers' `vae.decode(z).sample` (untiled) for already de-normalised latents (B, C, T', h, w)."""
-    return HunyuanVideoVAEDecoder(cfg).apply({"params": params}, z)
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How `decode` tiles: diffusers' `AutoencoderKLHunyuanVideo` attributes of the same names,
+    defaults as diffusers sets them (sizes and strides in video frames and pixels)."""
+
+    use_framewise_decoding: bool = True  # temporal tiles beyond tile_sample_min_num_frames // 4 latent frames
+    use_tiling: bool = False  # spatial tiles (diffusers' `enable_tiling`)
+    tile_sample_min_height: int = 256
+    tile_sample_min_width: int = 256
+    tile_sample_min_num_frames: int = 16
+    tile_sample_stride_height: int = 192
+    tile_sample_stride_width: int = 192
+    tile_sample_stride_num_frames: int = 12
+
+    def __post_init__(self):
+        for axis in ("height", "width", "num_frames"):
+            size, stride = getattr(self, f"tile_sample_min_{axis}"), getattr(self, f"tile_sample_stride_{axis}")
+            if not 0 < stride <= size:
+                raise ValueError(f"tile_sample_stride_{axis}={stride} must be in (0, tile_sample_min_{axis}={size}]")
+
+    def temporal_tiles(self, cfg: HunyuanVideoVAEConfig, latent_frames: int) -> list[slice] | None:
+        """The latent-frame slices of the temporal tiles, or None where the clip decodes in one piece."""
+        size = self.tile_sample_min_num_frames // cfg.temporal_compression_ratio
+        stride = self.tile_sample_stride_num_frames // cfg.temporal_compression_ratio
+        if not self.use_framewise_decoding or latent_frames <= size:
+            return None
+        if stride < 1:
+            raise ValueError(
+                f"tile_sample_stride_num_frames={self.tile_sample_stride_num_frames} is under one latent frame"
+            )
+        return [slice(i, i + size + 1) for i in range(0, latent_frames, stride)]
+
+    def spatial_tiles(
+        self, cfg: HunyuanVideoVAEConfig, height: int, width: int
+    ) -> list[list[tuple[slice, slice]]] | None:
+        """Rows of (height, width) latent slices of the spatial tiles, or None for one piece."""
+        r = cfg.spatial_compression_ratio
+        size_h, size_w = self.tile_sample_min_height // r, self.tile_sample_min_width // r
+        stride_h, stride_w = self.tile_sample_stride_height // r, self.tile_sample_stride_width // r
+        if not self.use_tiling or (height <= size_h and width <= size_w):
+            return None
+        if min(stride_h, stride_w) < 1:
+            raise ValueError(f"spatial tile strides ({stride_h}, {stride_w}) are under one latent pixel")
+        return [
+            [(slice(i, i + size_h), slice(j, j + size_w)) for j in range(0, width, stride_w)]
+            for i in range(0, height, stride_h)
+        ]
 
 
-def decode_latents(params: dict, cfg: HunyuanVideoVAEConfig, z: jax.Array) -> jax.Array:
+DEFAULT_TILING = Tiling()  # diffusers' `vae.decode(z)` as the model is loaded
+UNTILED = Tiling(use_framewise_decoding=False)  # the whole clip at once
+
+
+def _blend(a: jax.Array, b: jax.Array, extent: int, axis: int) -> jax.Array:
+    """`b` with its first `extent` entries along `axis` faded linearly from `a`'s last ones.
+
+    diffusers' `blend_t` / `blend_v` / `blend_h`: entry k of the overlap is
+    a[-extent + k] * (1 - k / extent) + b[k] * (k / extent), the extent cut to both lengths.
+    """
+    extent = min(a.shape[axis], b.shape[axis], extent)
+    if extent <= 0:
+        return b
+    k = np.arange(extent, dtype=np.float64) / extent
+    shape = [1] * b.ndim
+    shape[axis] = extent
+    w_a, w_b = ((x.astype(np.float32).reshape(shape)) for x in (1 - k, k))
+    tail = jax.lax.slice_in_dim(a, a.shape[axis] - extent, a.shape[axis], axis=axis)
+    head = jax.lax.slice_in_dim(b, 0, extent, axis=axis)
+    faded = (tail * w_a + head * w_b).astype(b.dtype)
+    return jnp.concatenate([faded, jax.lax.slice_in_dim(b, extent, b.shape[axis], axis=axis)], axis=axis)
+
+
+def _decode_pieces(params: dict, cfg: HunyuanVideoVAEConfig, pieces: list[jax.Array]) -> list[jax.Array]:
+    """The untiled decode of every latent piece; pieces of one shape run in one sequential `lax.map`."""
+    module = HunyuanVideoVAEDecoder(cfg)
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, piece in enumerate(pieces):
+        by_shape.setdefault(piece.shape, []).append(i)
+    out: list[jax.Array | None] = [None] * len(pieces)
+    for indices in by_shape.values():
+        decoded = jax.lax.map(lambda x: module.apply({"params": params}, x), jnp.stack([pieces[i] for i in indices]))
+        for n, i in enumerate(indices):
+            out[i] = decoded[n]
+    return out
+
+
+def _join_spatial(
+    cfg: HunyuanVideoVAEConfig, tiling: Tiling, grid: list[list[jax.Array]], height: int, width: int
+) -> jax.Array:
+    """diffusers' `tiled_decode` after the tiles are decoded: fade each tile from the (already
+    faded) tile above and the one to its left, keep its first stride pixels, join, crop."""
+    r = cfg.spatial_compression_ratio
+    blend_h = tiling.tile_sample_min_height - tiling.tile_sample_stride_height
+    blend_w = tiling.tile_sample_min_width - tiling.tile_sample_stride_width
+    faded: list[list[jax.Array]] = []
+    for i, row in enumerate(grid):
+        faded.append([])
+        for j, tile in enumerate(row):
+            if i > 0:
+                tile = _blend(faded[i - 1][j], tile, blend_h, axis=3)
+            if j > 0:
+                tile = _blend(faded[i][j - 1], tile, blend_w, axis=4)
+            faded[i].append(tile)
+    stride_h, stride_w = tiling.tile_sample_stride_height, tiling.tile_sample_stride_width
+    rows = [jnp.concatenate([t[..., :stride_h, :stride_w] for t in row], axis=4) for row in faded]
+    return jnp.concatenate(rows, axis=3)[..., : height * r, : width * r]
+
+
+def _join_temporal(tiling: Tiling, tiles: list[jax.Array], frames: int) -> jax.Array:
+    """diffusers' `_temporal_tiled_decode` after the tiles are decoded: every tile but the first
+    loses its first frame and fades in from the (already faded) previous one; the first keeps
+    stride + 1 frames, the others stride."""
+    stride = tiling.tile_sample_stride_num_frames
+    blend = tiling.tile_sample_min_num_frames - stride
+    faded = [tiles[0]]
+    for tile in tiles[1:]:
+        faded.append(_blend(faded[-1], tile[:, :, 1:], blend, axis=2))
+    kept = [faded[0][:, :, : stride + 1]] + [tile[:, :, :stride] for tile in faded[1:]]
+    return jnp.concatenate(kept, axis=2)[:, :, :frames]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tiling"))
+def decode(params: dict, cfg: HunyuanVideoVAEConfig, z: jax.Array, tiling: Tiling = DEFAULT_TILING) -> jax.Array:
+    """diffusers' `vae.decode(z).sample` for already de-normalised latents (B, C, T', h, w),
+    tiled as `tiling` says (default: as diffusers loads the model; `UNTILED`: one piece)."""
+    _check_latents(cfg, z)
+    _, _, t, h, w = z.shape
+    t_slices = tiling.temporal_tiles(cfg, t) or [slice(0, t)]
+    spatial = tiling.spatial_tiles(cfg, h, w)
+    grid = spatial or [[(slice(0, h), slice(0, w))]]
+    pieces = [z[:, :, ts, hs, ws] for ts in t_slices for row in grid for hs, ws in row]
+    decoded = iter(_decode_pieces(params, cfg, pieces))
+    tiles = [[[next(decoded) for _ in row] for row in grid] for _ in t_slices]
+    tiles = [_join_spatial(cfg, tiling, g, h, w) if spatial else g[0][0] for g in tiles]
+    return tiles[0] if len(tiles) == 1 else _join_temporal(tiling, tiles, cfg.num_frames(t))
+
+
+def decode_latents(
+    params: dict, cfg: HunyuanVideoVAEConfig, z: jax.Array, tiling: Tiling = DEFAULT_TILING
+) -> jax.Array:
     """Decode the denoiser's latents as the HunyuanVideo pipeline does: `vae.decode(z / scaling_factor)`.
 
     De-normalised in float32 (the pipeline does it in the VAE's dtype). Not jitted
     itself: the jitted `decode` is shared with raw latents.
     """
     _check_latents(cfg, z)
-    return decode(params, cfg, jnp.asarray(z, jnp.float32) / cfg.scaling_factor)
+    return decode(params, cfg, jnp.asarray(z, jnp.float32) / cfg.scaling_factor, tiling)
 
 
 def example_inputs(
