@@ -8,7 +8,9 @@ random weights, initialised on the device in the benchmark dtype, timed on one d
     python launch/bench.py --mode=model --family=wan --variant=t2v-14b --batch=1 \
         --height=480 --width=832 --frames=33 --what=forward --remat_policy=full
 
-For each of `--what` (forward; lora_fwd_bwd: forward and backward w.r.t. LoRA adapters over
+For each of `--what` (forward; forward_fp8: the rollout role's FP8 forward,
+`model.rollout_precision='fp8'`, with the speed-up and velocity error against `forward` of the
+same run when both are listed; lora_fwd_bwd: forward and backward w.r.t. LoRA adapters over
 the frozen base; full_fwd_bwd: w.r.t. every weight) it records the compile time, every timed
 repeat after `--warmup` untimed calls (each synchronised with `block_until_ready`), the median,
 the exact FLOPs (`digen_jax.flops`), the achieved FLOP rate and the MFU against both the
@@ -19,7 +21,9 @@ of the same family and config on the same card (eager, SDPA with flash/fused ker
 LoRA targets) in a subprocess, so each framework has the card to itself, and records its times
 and the ratio peer / JAX per measurement (> 1: JAX is faster). `--profile` records one more
 call of each measurement with the JAX profiler and adds its device time per kernel and per
-kernel class (matmul, attention, copy, fusion) to the JSON.
+kernel class (matmul, attention, copy, fusion) to the JSON; every measurement lists the
+library GEMM calls of its compiled program (`matmul_custom_calls`: cuBLASLt's FP8 GEMM is
+`__cublas$lt$matmul$f8`).
 
 Every JSON also records the XLA flags in effect (the launchers add the GPU defaults of
 `digen_jax/xla_flags.py`), the share of device memory JAX may take (`mem_fraction`, from
