@@ -5,7 +5,6 @@ are config errors naming the key."""
 import dataclasses
 import importlib.util
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -99,16 +98,23 @@ def test_split_forward_and_gradient_match_the_unsplit_model(family):
 
 
 # ---------------------------------------------------------------- the runtime in every mode
-SIZES = (1, 2, 4)
+ALL_ROLES = "gap+tsp+tag+tcss"  # rollouts on both roles, trainer rollouts, prefetch
+# (family, mode, seq_parallel sizes compared with the colocated unsplit run). Wan runs every mode
+# at 2 devices per sequence group; 4 and HunyuanVideo run the colocated mode and the mode that
+# rolls out on both roles (each mode's programs compile anew for every size, the suite's cost).
+CASES = [("wan", mode, (2, 4) if mode in ("colocated", ALL_ROLES) else (2,)) for mode in plan_lib.MODES]
+CASES += [("hunyuan_video", mode, (2, 4)) for mode in ("colocated", ALL_ROLES)]
 
 
 def runtime_config(family: str, mode: str, seq_parallel: int, lora: bool = True):
     """The tiny config in `mode`: two micro-batches (one trainer rollout in tag modes, one
-    prefetched in tcss), roles of 4 + 4 devices, the tokens split over `seq_parallel`."""
+    prefetched in tcss), roles of 4 + 4 devices, the tokens split over `seq_parallel`; gradient
+    chunks of 2 units in every mode (one trained step of a micro-batch's 2 samples without TSP),
+    so the modes share their training programs."""
     c = tiny_config(family)
     c.runtime.mode = mode
     c.runtime.micro_batches = 2
-    c.rl.micro_batch_size //= 2  # one micro-batch's units per gradient chunk
+    c.rl.micro_batch_size = 2
     if mode != "colocated":
         c.runtime.rollout_devices = c.runtime.train_devices = 4
     c.runtime.tag_microbatches = 1 if "tag" in mode else 0
@@ -133,35 +139,50 @@ def first_iteration(run, config) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(compile_cache, tmp_path_factory):
-    """{family: {(mode, seq_parallel): first iteration}} on the four-head tiny variants."""
-    out = {}
+def iteration(compile_cache, tmp_path_factory):
+    """`iteration(family, mode, size, lora)`: `first_iteration` of the four-head tiny variant, from
+    one Run per (family, lora) (every mode and size starts from its weights and shares its
+    jitted steps), computed once."""
+    runs, results = {}, {}
     with pytest.MonkeyPatch.context() as patch:
-        for family in sorted(CONFIG_FILES):
+        for family in CONFIG_FILES:
             patch.setitem(FAMILIES[family].variants, "tiny", four_head_tiny(family))
-            run = loop.Run(runtime_config(family, "colocated", 1), str(tmp_path_factory.mktemp(family)),
-                           log=lambda _: None)
-            out[family] = {"initial": jax.device_get(run.state.trainable)}
-            for mode in plan_lib.MODES:
-                for size in SIZES:
-                    config = runtime_config(family, mode, size)
-                    validate_config(config)
-                    start = time.time()
-                    out[family][mode, size] = first_iteration(run, config)
-                    print(family, mode, size, round(time.time() - start, 1))
-    return out
+
+        def result(family, mode, size, lora=True):
+            if (family, lora) not in runs:
+                config = runtime_config(family, "colocated", 1, lora)
+                runs[family, lora] = loop.Run(config, str(tmp_path_factory.mktemp(family)), log=lambda _: None)
+            if (family, mode, size, lora) not in results:
+                config = runtime_config(family, mode, size, lora)
+                validate_config(config)
+                results[family, mode, size, lora] = first_iteration(runs[family, lora], config)
+            return results[family, mode, size, lora]
+
+        result.initial = lambda family, lora=True: jax.device_get(runs[family, lora].state.trainable)
+        yield result
 
 
-@pytest.mark.parametrize("family", sorted(CONFIG_FILES))
-@pytest.mark.parametrize("mode", plan_lib.MODES)
-def test_rollouts_and_updates_match_seq_parallel_1_in_every_mode(runs, family, mode):
-    base = runs[family][mode, 1]
-    moved = _max_diff(base["trainable"], runs[family]["initial"])
+def _assert_same_as_unsplit(iteration, family, mode, sizes, lora=True):
+    base = iteration(family, "colocated", 1, lora)
+    moved = _max_diff(base["trainable"], iteration.initial(family, lora))
     assert moved > 1e-5  # the update did something
-    for size in SIZES[1:]:
-        split = runs[family][mode, size]
+    for size in sizes:
+        split = iteration(family, mode, size, lora)
         assert _max_diff(split["log_probs"], base["log_probs"]) < 1e-5, size
         assert _max_diff(split["trainable"], base["trainable"]) < 1e-5 * max(moved, 1.0), size
+
+
+@pytest.mark.parametrize("family, mode, sizes", CASES)
+def test_lora_rollouts_and_updates_match_the_unsplit_run(iteration, family, mode, sizes):
+    """Rollout log-probs and the first LoRA update with each sample's tokens split over 2 or 4
+    devices of its role equal those of the unsplit colocated run (every mode makes that run's
+    first update: the same samples, advantages and weights)."""
+    _assert_same_as_unsplit(iteration, family, mode, sizes)
+
+
+def test_full_fine_tuning_matches_the_unsplit_run(iteration):
+    """Full fine-tuning (the whole trainable tree synced to the rollout role) split over 2 devices."""
+    _assert_same_as_unsplit(iteration, "wan", "gap+tsp", (2,), lora=False)
 
 
 # ---------------------------------------------------------------- errors
