@@ -23,12 +23,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from digen_jax.models.layers import DATA_AXIS, SEQ_AXIS
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import role_devices, transfer
 
 
-AXIS = DATA_AXIS
+# The mesh axis names the models read (`models/layers.py` DATA_AXIS and SEQ_AXIS; the runtime
+# sits above rl and does not import the models).
+AXIS = "data"
+SEQ_AXIS = "seq"
 
 
 @dataclasses.dataclass(frozen=True)
