@@ -59,7 +59,8 @@ class RoleMeshes:
 
 
 def build_role_meshes(runtime, devices: Sequence[jax.Device] | None = None) -> RoleMeshes:
-    """Meshes for the `runtime` config section (keys rollout_devices, train_devices, reward_devices)."""
+    """Meshes for the `runtime` config section (keys rollout_devices, train_devices, reward_devices,
+    seq_parallel)."""
     devices = list(jax.devices() if devices is None else devices)
     colocated = plan_lib.mode_flags(runtime.mode).colocated
     if colocated and runtime.train_devices:  # colocated on the first `train_devices` devices
