@@ -18,6 +18,9 @@ def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_colle
             rollout_devices=0,
             train_devices=0,
             reward_devices=0,  # 0: rewards are scored where decoding ran
+            # Devices per sequence group: each sample's tokens split over this many devices of its role
+            # (Ulysses attention; video families, heads and tokens divisible by it). 1: no split.
+            seq_parallel=1,
             # Micro-batches the trainer rolls out (tag modes) / the rollout group prefetches with
             # stale weights (tcss); -1: chosen every iteration from measured costs.
             tag_microbatches=-1,

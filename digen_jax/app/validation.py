@@ -19,6 +19,7 @@ from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, mo
 from digen_jax.app.workload import is_shapes, open_cache, shapes_task
 from digen_jax.models import FAMILIES
 from digen_jax.models.checkpoints import MODEL_JSON
+from digen_jax.models.layers import check_seq_parallel
 from digen_jax.rewards import registry
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import losses
@@ -251,6 +252,8 @@ def _validate_zoo(config) -> None:
         raise ConfigError(f"the transformer (model.checkpoint / model.variant) takes {model_in} latent channels but "
                           f"the VAE (model.vae_checkpoint) gives latents of shape {shape}: they are not one model's")
 
+    _validate_seq_parallel(config, model_cfg, shape)
+
     text_dim = getattr(model_cfg, zoo.text_dim)
     pooled_dim = getattr(model_cfg, zoo.pooled_dim) if zoo.pooled_dim else None
     if d.random_embeddings:
@@ -274,7 +277,26 @@ def _validate_zoo(config) -> None:
         raise ConfigError(f"{key} {text_len} is over the {c.family} text cap of {zoo.text_cap} tokens "
                           "(or below 1)")
 
+def _validate_seq_parallel(config, model_cfg, latent_shape) -> None:
+    """`runtime.seq_parallel` against the model: a video family, its heads and video tokens divisible."""
+    seq = config.runtime.get("seq_parallel", 1)
+    if seq == 1:
+        return
+    zoo = ZOO[config.model.family]
+    if not zoo.video:
+        raise ConfigError(f"runtime.seq_parallel={seq}: sequence parallelism is built for the video families "
+                          f"({', '.join(sorted(f for f in ZOO if ZOO[f].video))}), not {config.model.family}; set it to 1")
+    tokens = int(np.prod(latent_shape[1:])) // int(np.prod(model_cfg.patch))
+    try:
+        check_seq_parallel(model_cfg.num_attention_heads, tokens, seq)
+    except ValueError as e:
+        raise ConfigError(f"runtime.seq_parallel={seq}: {e}") from None
+
+
 def _validate_workload(config: ml_collections.ConfigDict) -> None:
     """The workload part of config validation: files, shapes, families and reward options, no device work."""
+    if is_shapes(config) and config.runtime.get("seq_parallel", 1) != 1:
+        raise ConfigError(f"runtime.seq_parallel={config.runtime.seq_parallel}: sequence parallelism is built for "
+                          "the video families, not the shapes task; set it to 1")
     (_validate_shapes if is_shapes(config) else _validate_zoo)(config)
     _validate_reward_options(config)

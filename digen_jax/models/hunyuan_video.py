@@ -23,13 +23,20 @@ Deliberate differences from the PyTorch module, none of which changes fp32 outpu
 * Blocks (refiner, double, single) are stacked and run with `nn.scan` (parameters
   carry a leading `layers` axis), which keeps compile time independent of depth;
   `scan_layers=False` unrolls them instead (`layers.scan_blocks`).
-* Image and text tokens are concatenated once before the single-stream blocks and
-  split once after them, instead of in every block.
+* The single-stream blocks carry image and text tokens apart (the same weights on both;
+  every op but attention is per token) and join them only in attention's q/k/v, so the
+  image tokens can be split over devices while the text stays whole.
 * The Conv3d patch embedding (kernel = stride) runs as patchify + one matmul. Its
   kernel keeps the Conv3d layout (pt, p, p, C_in, D) (the 'conv' transform).
 * RoPE frequencies are computed in float64 and rounded (diffusers computes them in
   float32); they differ by at most one float32 ulp.
 * The timestep and guidance scalars stay float32 in the sinusoid.
+
+Sequence parallelism (`layers.token_parallel_attention`): traced under a mesh with a `seq`
+axis, the image tokens are split over it from the patch embedding on; the text (token refiner
+and text stream) stays whole on every device. Joint attention runs as Ulysses: the image
+q/k/v move to head shards by an all-to-all, each device takes its heads of the text q/k/v,
+attends over [image, text], and the image output returns to token shards.
 """
 from __future__ import annotations
 
@@ -154,52 +161,45 @@ class AffineLayerNorm(nn.Module):
         return out.astype(x.dtype)
 
 
-def _rope_image_tokens(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """RoPE on the leading `cos.shape[0]` (image) tokens of x (B, S, N, H); the text is left as is."""
-    n = cos.shape[0]
-    if n == x.shape[1]:
-        return layers.apply_rope(x, cos, sin)
-    return jnp.concatenate([layers.apply_rope(x[:, :n], cos, sin), x[:, n:]], axis=1)
-
-
 class HunyuanVideoAttention(nn.Module):
     """Multi-head attention with per-head RMS qk-norm, RoPE on image tokens, text key mask.
 
-    `joint=True` (double blocks): image tokens `x` and text tokens `ctx` have their own
-    q/k/v and output projections and attend jointly in [image, text] order.
-    `joint=False` (single blocks): `x` is the joint [image, text] sequence, no output
+    Image tokens `x` and text tokens `ctx` attend jointly in [image, text] order.
+    `joint=True` (double blocks): each has its own q/k/v and output projections.
+    `joint=False` (single blocks): both go through the same q/k/v projections, no output
     projection. `kv_lengths` (B,) = S_img + valid text length masks the padded text keys.
+    Returns the image and the text tokens' outputs.
     """
 
     cfg: HunyuanVideoConfig
     joint: bool
 
-    def _qkv(self, x, prefix: str, q_norm: str, k_norm: str):
+    def _qkv(self, prefix: str, q_norm: str, k_norm: str):
+        """The q/k/v projections and qk-norms named with `prefix`, as one function of tokens."""
         cfg = self.cfg
-        b, s, _ = x.shape
-        out = []
-        for name in ("q", "k", "v"):
-            h = layers.logical_dense(cfg.inner_dim, ("embed", "heads"), name=f"{prefix}{name}", **cfg.kw)(x)
-            out.append(h.reshape(b, s, cfg.num_attention_heads, cfg.attention_head_dim))
-        q, k, v = out
+        dense = [layers.logical_dense(cfg.inner_dim, ("embed", "heads"), name=f"{prefix}{n}", **cfg.kw) for n in "qkv"]
         norm_kw = dict(eps=1e-6, param_dtype=cfg.kw["param_dtype"])
-        return layers.RMSNorm(name=q_norm, **norm_kw)(q), layers.RMSNorm(name=k_norm, **norm_kw)(k), v
+        norms = (layers.RMSNorm(name=q_norm, **norm_kw), layers.RMSNorm(name=k_norm, **norm_kw), lambda a: a)
+
+        def project(x):
+            b, s, _ = x.shape
+            return [norm(d(x).reshape(b, s, cfg.num_attention_heads, cfg.attention_head_dim)) for d, norm in zip(dense, norms)]
+
+        return project
 
     @nn.compact
     def __call__(self, x, ctx, cos, sin, kv_lengths):
         cfg = self.cfg
-        q, k, v = self._qkv(x, "to_", "norm_q", "norm_k")
-        q, k = _rope_image_tokens(q, cos, sin), _rope_image_tokens(k, cos, sin)
-        if self.joint:
-            cq, ck, cv = self._qkv(ctx, "add_", "norm_added_q", "norm_added_k")
-            q, k, v = (jnp.concatenate(pair, axis=1) for pair in ((q, cq), (k, ck), (v, cv)))
-        out = layers.dot_product_attention(q, k, v, kv_lengths=kv_lengths, impl=cfg.attention_impl)
-        out = out.reshape(*out.shape[:2], cfg.inner_dim)
-        out = checkpoint_name(out, "attn_out")
+        image_qkv = self._qkv("to_", "norm_q", "norm_k")
+        text_qkv = self._qkv("add_", "norm_added_q", "norm_added_k") if self.joint else image_qkv
+        q, k, v = image_qkv(x)
+        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+        x_out, ctx_out = layers.token_parallel_attention(
+            q, k, v, kv_lengths=kv_lengths, appended=tuple(text_qkv(ctx)), impl=cfg.attention_impl
+        )
+        x_out, ctx_out = (checkpoint_name(o.reshape(*o.shape[:2], cfg.inner_dim), "attn_out") for o in (x_out, ctx_out))
         if not self.joint:
-            return out
-        img_len = x.shape[1]
-        x_out, ctx_out = out[:, :img_len], out[:, img_len:]
+            return x_out, ctx_out
         x_out = layers.logical_dense(cfg.inner_dim, ("heads", "embed"), name="to_out", **cfg.kw)(x_out)
         ctx_out = layers.logical_dense(cfg.inner_dim, ("heads", "embed"), name="to_add_out", **cfg.kw)(ctx_out)
         return x_out, ctx_out
@@ -229,7 +229,7 @@ class HunyuanVideoDoubleBlock(nn.Module):
         img_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff", **cfg.kw)(
             layers.modulate(layers.layer_norm(img), shift_m, scale_m)
         )
-        img = nn.with_logical_constraint(img + gate_m[:, None] * img_mlp, ACT)
+        img = layers.shard_tokens(nn.with_logical_constraint(img + gate_m[:, None] * img_mlp, ACT))
         txt = txt + c_gate_a[:, None] * txt_attn
         txt_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff_context", **cfg.kw)(
             layers.modulate(layers.layer_norm(txt), c_shift_m, c_scale_m)
@@ -239,21 +239,26 @@ class HunyuanVideoDoubleBlock(nn.Module):
 
 
 class HunyuanVideoSingleBlock(nn.Module):
-    """Single-stream block on the joint [image, text] sequence: attention and MLP in parallel. Scanned."""
+    """Single-stream block on [image, text] (one set of weights for both, joint attention):
+    attention and MLP in parallel. Scanned; carry (img, txt)."""
 
     cfg: HunyuanVideoConfig
 
     @nn.compact
-    def __call__(self, x, temb, cos, sin, kv_lengths):
+    def __call__(self, carry, temb, cos, sin, kv_lengths):
         cfg = self.cfg
         shift, scale, gate = layers.Modulation(3, cfg.inner_dim, name="norm", **cfg.kw)(temb)
-        h = layers.modulate(layers.layer_norm(x), shift, scale)
-        mlp = nn.gelu(layers.logical_dense(cfg.mlp_dim, ("embed", "mlp"), name="proj_mlp", **cfg.kw)(h), approximate=True)
-        attn = HunyuanVideoAttention(cfg, joint=False, name="attn")(h, None, cos, sin, kv_lengths)
-        out = layers.logical_dense(cfg.inner_dim, ("attn_mlp", "embed"), name="proj_out", **cfg.kw)(
-            jnp.concatenate([attn, mlp], axis=-1)
-        )
-        return nn.with_logical_constraint(x + gate[:, None] * out, ACT), None
+        h_img, h_txt = (layers.modulate(layers.layer_norm(x), shift, scale) for x in carry)
+        attn = HunyuanVideoAttention(cfg, joint=False, name="attn")(h_img, h_txt, cos, sin, kv_lengths)
+        proj_mlp = layers.logical_dense(cfg.mlp_dim, ("embed", "mlp"), name="proj_mlp", **cfg.kw)
+        proj_out = layers.logical_dense(cfg.inner_dim, ("attn_mlp", "embed"), name="proj_out", **cfg.kw)
+
+        def residual(x, h, a):
+            mlp = nn.gelu(proj_mlp(h), approximate=True)
+            return nn.with_logical_constraint(x + gate[:, None] * proj_out(jnp.concatenate([a, mlp], axis=-1)), ACT)
+
+        img, txt = (residual(*parts) for parts in zip(carry, (h_img, h_txt), attn))
+        return (layers.shard_tokens(img), txt), None
 
 
 class RefinerBlock(nn.Module):
@@ -364,6 +369,7 @@ class HunyuanVideoTransformer(nn.Module):
         temb = HunyuanVideoConditioning(cfg, name="time_text_embed")(timestep, pooled_projections, guidance)
 
         img = layers.PatchEmbed3D(cfg.patch, cfg.inner_dim, name="x_embedder", **cfg.kw)(hidden_states.astype(dtype))
+        img = layers.shard_tokens(img)
         text_lengths = jnp.sum(encoder_attention_mask != 0, axis=-1, dtype=jnp.int32)
         txt = TokenRefiner(cfg, name="context_embedder")(encoder_hidden_states, timestep, encoder_attention_mask, text_lengths)
         img, txt = nn.with_logical_constraint(img, ACT), nn.with_logical_constraint(txt, ACT)
@@ -374,11 +380,9 @@ class HunyuanVideoTransformer(nn.Module):
         if cfg.num_layers:
             blocks = layers.scan_blocks(HunyuanVideoDoubleBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
             (img, txt), _ = blocks(cfg, name="double_blocks")((img, txt), temb, cos, sin, kv_lengths)
-        x = jnp.concatenate([img, txt], axis=1)
         if cfg.num_single_layers:
             blocks = layers.scan_blocks(HunyuanVideoSingleBlock, cfg.num_single_layers, cfg.remat_policy, cfg.scan_layers)
-            x, _ = blocks(cfg, name="single_blocks")(x, temb, cos, sin, kv_lengths)
-        img = x[:, :img_len]
+            (img, txt), _ = blocks(cfg, name="single_blocks")((img, txt), temb, cos, sin, kv_lengths)
 
         scale, shift = layers.Modulation(2, cfg.inner_dim, name="norm_out", **cfg.kw)(temb)
         img = layers.modulate(layers.layer_norm(img), shift, scale)

@@ -24,6 +24,14 @@ out of the stacked arrays (on H100 about 0.45 ms per Qwen-Image block, 18% of it
 Activations are constrained with `activation_batch`, `activation_length`,
 `activation_embed`, `activation_heads` and `activation_mlp`.
 
+Sequence parallelism (the video transformers): a model traced under `jax.set_mesh` of a mesh
+with a `SEQ_AXIS` of size P > 1 splits each sample's video tokens over that axis
+(`shard_tokens`; the compiler lays out every per-token op to match) and runs attention as
+Ulysses (`token_parallel_attention`): q/k/v move from token shards to head shards by one
+all-to-all, the local attention sees the whole sequence for its N/P heads, and one
+all-to-all moves the output back. Outside such a mesh nothing is split. The mesh is the
+runtime's (each role's); models only read it.
+
 Numerics: norms, RoPE, timestep sinusoids and softmax run in float32 whatever the
 compute dtype, then cast back (the same places the PyTorch reference upcasts).
 """
@@ -36,6 +44,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax.sharding import PartitionSpec
 
 from digen_jax.models import fp8
 
@@ -404,6 +414,116 @@ def dot_product_attention(
         implementation=backend,
     )
     return out[:, :t_len]
+
+
+# Mesh axes the models know of: the batch axis, and the axis a sample's tokens are split over
+# (sequence parallelism). The runtime names its role meshes' axes with these.
+DATA_AXIS = "data"
+SEQ_AXIS = "seq"
+
+
+def seq_parallel_size() -> int:
+    """P, the devices a sample's tokens are split over: the size of `SEQ_AXIS` in the mesh the
+    caller traces under (`jax.set_mesh`); 1 without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or SEQ_AXIS not in mesh.axis_names:
+        return 1
+    return mesh.shape[SEQ_AXIS]
+
+
+def shard_tokens(x: jax.Array) -> jax.Array:
+    """`x` (B, S, ...) with its token axis split over `SEQ_AXIS` (the batch and the other axes as
+    the compiler lays them out); `x` itself without sequence parallelism."""
+    if seq_parallel_size() == 1:
+        return x
+    free = PartitionSpec.UNCONSTRAINED
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(free, SEQ_AXIS, *([free] * (x.ndim - 2))))
+
+
+def check_seq_parallel(num_heads: int, num_tokens: int, size: int) -> None:
+    """Whether Ulysses attention can split `num_tokens` tokens and `num_heads` heads over `size`
+    devices (ValueError naming what does not divide). No ring-attention fallback is built, so
+    the heads must divide too."""
+    if num_heads % size:
+        raise ValueError(
+            f"sequence parallelism over {size} devices needs the attention heads ({num_heads}) divisible by {size} "
+            "(Ulysses attention splits the heads; there is no ring-attention fallback)"
+        )
+    if num_tokens % size:
+        raise ValueError(
+            f"sequence parallelism over {size} devices needs the video token count ({num_tokens}) divisible by {size}"
+        )
+
+
+def token_parallel_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    impl: AttentionImpl = "auto",
+    kv_lengths: jax.Array | None = None,
+    appended: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    cross: bool = False,
+):
+    """Attention of the video tokens, split over `SEQ_AXIS` under sequence parallelism.
+
+    q (B, S, N, H) are the video tokens' queries. Self-attention (`cross=False`): k, v (B, S, N, H)
+    of the same tokens, and `appended` optionally the (q, k, v) of L tokens that every device
+    holds whole (HunyuanVideo's text), which attend jointly after the video tokens ([video,
+    text] order, `kv_lengths` (B,) masking keys as in `dot_product_attention`); returns the
+    video tokens' output (B, S, N, H), and with `appended` also the appended tokens' (B, L, N, H).
+    Cross-attention (`cross=True`): k, v (B, L, N, H) of tokens every device holds whole; the
+    queries' token split needs no communication.
+
+    With sequence parallelism (P > 1, `seq_parallel_size`), Ulysses inside `shard_map`: the
+    video q/k/v arrive split on tokens, an all-to-all regroups them as N/P heads of the whole
+    sequence, each device takes its N/P heads of the appended tokens, `dot_product_attention`
+    runs locally (its cuDNN / XLA choice kept), and an all-to-all returns the video output to
+    token shards; the appended tokens' output leaves the shard_map split on heads. The heads
+    must divide by P (no ring-attention fallback).
+    """
+    size = seq_parallel_size()
+    batch, tokens, heads, _ = q.shape
+    if size == 1:
+        if appended is None:
+            return dot_product_attention(q, k, v, kv_lengths=kv_lengths, impl=impl)
+        q, k, v = (jnp.concatenate(pair, axis=1) for pair in zip((q, k, v), appended))
+        out = dot_product_attention(q, k, v, kv_lengths=kv_lengths, impl=impl)
+        return out[:, :tokens], out[:, tokens:]
+    check_seq_parallel(heads, tokens, size)
+    mesh = jax.sharding.get_abstract_mesh()
+    data = DATA_AXIS if DATA_AXIS in mesh.axis_names and batch % mesh.shape[DATA_AXIS] == 0 else None
+    split, whole = PartitionSpec(data, SEQ_AXIS), PartitionSpec(data)
+    lengths = jnp.full((batch,), -1, jnp.int32) if kv_lengths is None else kv_lengths.astype(jnp.int32)
+    local_heads = heads // size
+
+    def to_heads(a):  # (b, S/P, N, H) -> (b, S, N/P, H)
+        return jax.lax.all_to_all(a, SEQ_AXIS, split_axis=2, concat_axis=1, tiled=True)
+
+    def to_tokens(a):  # (b, S, N/P, H) -> (b, S/P, N, H)
+        return jax.lax.all_to_all(a, SEQ_AXIS, split_axis=1, concat_axis=2, tiled=True)
+
+    def my_heads(a):  # (b, L, N, H) held whole -> this device's N/P heads
+        start = jax.lax.axis_index(SEQ_AXIS) * local_heads
+        return jax.lax.dynamic_slice_in_dim(a, start, local_heads, axis=2)
+
+    def attend(q, k, v, lengths, *rest):
+        lengths = None if kv_lengths is None else lengths
+        if cross:
+            return dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl)
+        q, k, v = to_heads(q), to_heads(k), to_heads(v)
+        if not rest:
+            return to_tokens(dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl))
+        q, k, v = (jnp.concatenate([a, my_heads(b)], axis=1) for a, b in zip((q, k, v), rest))
+        out = dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl)
+        return to_tokens(out[:, :tokens]), out[:, tokens:]
+
+    kv_spec = whole if cross else split
+    in_specs = (split, kv_spec, kv_spec, whole) + ((whole,) * 3 if appended is not None else ())
+    # The appended tokens' output leaves split on heads; the compiler gathers it where it is used.
+    out_specs = (split, PartitionSpec(data, None, SEQ_AXIS)) if appended is not None else split
+    run = jax.shard_map(attend, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    return run(q, k, v, lengths, *(appended or ()))
 
 
 REMAT_POLICIES = {

@@ -22,6 +22,11 @@ Deliberate differences from the PyTorch module, none of which changes fp32 outpu
 * The RoPE tables are built on the host in float64 from the static latent shape
   (diffusers precomputes them in float64 for `rope_max_seq_len` positions and slices).
 
+Sequence parallelism (`layers.token_parallel_attention`): traced under a mesh with a `seq`
+axis, the video tokens are split over it from the patch embedding on; self-attention runs as
+Ulysses (all-to-all to head shards and back), cross-attention needs no communication (only its
+queries are video tokens; the text is whole on every device).
+
 Not ported: the image-conditioning (I2V / FLF2V) branches (`image_dim`,
 `added_kv_proj_dim`, `pos_embed_seq_len`, `encoder_hidden_states_image`) and
 Wan2.2-TI2V's per-token timesteps (2-D `timestep`); configs or inputs that use
@@ -93,6 +98,11 @@ class WanConfig:
     @property
     def inner_dim(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def patch(self) -> tuple[int, int, int]:
+        """The (t, h, w) patch, named as the other video config names it."""
+        return self.patch_size
 
     @property
     def out_dim(self) -> int:
@@ -180,7 +190,7 @@ class WanAttention(nn.Module):
         q, k, v = split(q), split(k), split(v)
         if not self.cross:
             q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-        out = layers.dot_product_attention(q, k, v, impl=cfg.attention_impl)
+        out = layers.token_parallel_attention(q, k, v, impl=cfg.attention_impl, cross=self.cross)
         out = checkpoint_name(out.reshape(*out.shape[:2], cfg.inner_dim), "attn_out")
         return layers.logical_dense(cfg.inner_dim, ("heads", "embed"), name="to_out", **cfg.kw)(out)
 
@@ -223,7 +233,7 @@ class WanBlock(nn.Module):
         h = layers.modulate(fp32_layer_norm(x, cfg.eps), shift_m, scale_m).astype(x.dtype)
         ff = layers.FeedForward(cfg.ffn_dim, cfg.inner_dim, name="ffn", **cfg.kw)(h)
         x = (x.astype(jnp.float32) + ff.astype(jnp.float32) * gate_m[:, None]).astype(x.dtype)
-        return nn.with_logical_constraint(x, ACT), None
+        return layers.shard_tokens(nn.with_logical_constraint(x, ACT)), None
 
 
 class WanConditioning(nn.Module):
@@ -289,7 +299,7 @@ class WanTransformer(nn.Module):
         cos, sin = rope_tables(cfg, grid)
 
         patch_embed = layers.PatchEmbed3D(cfg.patch_size, cfg.inner_dim, name="patch_embedding", **cfg.kw)
-        x = nn.with_logical_constraint(patch_embed(hidden_states), ACT)
+        x = layers.shard_tokens(nn.with_logical_constraint(patch_embed(hidden_states), ACT))
         temb, timestep_proj, ctx = WanConditioning(cfg, name="condition_embedder")(timestep, encoder_hidden_states)
         ctx = nn.with_logical_constraint(ctx, ACT)
 

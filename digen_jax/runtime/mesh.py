@@ -1,14 +1,18 @@
 """Role meshes and shardings: which devices roll out, which train, and how arrays lie on them.
 
-Every role gets a one-axis Mesh (axis `data`) over its own devices. Parameters carry logical
-axis names in the model code; a per-role rule table from the config (`sharding.rollout_rules`,
-`sharding.train_rules`) maps them to the mesh axis: rollout usually replicates the weights
-(no per-step all-gathers, the batch is split over `data`), training shards them (FSDP: the
-`embed` dimension over `data`, gathered per layer by XLA). A dimension that the axis does
-not divide stays replicated. Colocated runs use one mesh for both roles.
+Every role gets a Mesh over its own devices: one axis `data`, or with sequence parallelism
+(`runtime.seq_parallel` = P > 1) two, (`data`, `seq`), the P devices of a `seq` row holding
+one sample's tokens between them (the models split them under `model_mesh`; the batch is
+split over `data`). Parameters carry logical axis names in the model code; a per-role rule
+table from the config (`sharding.rollout_rules`, `sharding.train_rules`) maps them to mesh
+axes: rollout usually replicates the weights (no per-step all-gathers, the batch is split over
+`data`), training shards them (FSDP: the `embed` dimension over `data`, gathered per layer by
+XLA). A dimension that the axis does not divide stays replicated, and so does every weight
+over `seq`. Colocated runs use one mesh for both roles.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Sequence
@@ -23,7 +27,10 @@ from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.distributed import role_devices, transfer
 
 
+# The mesh axis names the models read (`models/layers.py` DATA_AXIS and SEQ_AXIS; the runtime
+# sits above rl and does not import the models).
 AXIS = "data"
+SEQ_AXIS = "seq"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,18 +59,33 @@ class RoleMeshes:
 
 
 def build_role_meshes(runtime, devices: Sequence[jax.Device] | None = None) -> RoleMeshes:
-    """Meshes for the `runtime` config section (keys rollout_devices, train_devices, reward_devices)."""
+    """Meshes for the `runtime` config section (keys rollout_devices, train_devices, reward_devices,
+    seq_parallel)."""
     devices = list(jax.devices() if devices is None else devices)
     colocated = plan_lib.mode_flags(runtime.mode).colocated
     if colocated and runtime.train_devices:  # colocated on the first `train_devices` devices
         devices = devices[: runtime.train_devices]
     sizes = {"rollout": runtime.rollout_devices, "train": runtime.train_devices, "reward": runtime.reward_devices}
     roles = role_devices(devices, sizes, colocated=colocated)
-    mesh = lambda ds: Mesh(np.array(ds), (AXIS,))  # noqa: E731
+    seq = runtime.get("seq_parallel", 1)
+    if not isinstance(seq, int) or seq < 1:
+        raise ValueError(f"runtime.seq_parallel must be an integer >= 1 (devices per sequence group), got {seq!r}")
+    for role in ("train",) if colocated else ("rollout", "train"):  # the roles that run the transformer
+        if len(ds := roles[role]) % seq:
+            raise ValueError(
+                f"runtime.seq_parallel={seq} must divide the {len(ds)} devices of the {role} role "
+                "(each role's devices form groups of runtime.seq_parallel that split one sample's tokens)"
+            )
+
+    def mesh(ds, seq=seq):
+        if seq == 1:
+            return Mesh(np.array(ds), (AXIS,))
+        return Mesh(np.array(ds).reshape(-1, seq), (AXIS, SEQ_AXIS))
+
     if colocated:
         shared = mesh(roles["train"])
         return RoleMeshes(shared, shared, None, True)
-    reward = mesh(roles["reward"]) if roles.get("reward") else None
+    reward = mesh(roles["reward"], seq=1) if roles.get("reward") else None  # decodes only: no transformer
     return RoleMeshes(mesh(roles["rollout"]), mesh(roles["train"]), reward, False)
 
 
@@ -80,13 +102,23 @@ def host_device() -> jax.Device:
         return jax.local_devices()[0]
 
 
+def model_mesh(mesh: Mesh):
+    """The context the model's forward (and its gradient) is traced and run under on `mesh`:
+    the mesh itself (`jax.set_mesh`) where it has a `seq` axis, so the models split each
+    sample's tokens over it (`models.layers.seq_parallel_size`); nothing otherwise."""
+    if SEQ_AXIS in mesh.axis_names:
+        return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
 def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
-    """Leading (batch) axis split over the mesh when it divides, else replicated."""
-    if shape and shape[0] % mesh.devices.size == 0:
+    """Leading (batch) axis split over the mesh's `data` axis when it divides, else replicated
+    (with sequence parallelism, replicated over `seq`: the model splits the tokens)."""
+    if shape and shape[0] % mesh.shape[AXIS] == 0:
         return NamedSharding(mesh, PartitionSpec(AXIS))
     return replicated(mesh)
 
