@@ -16,7 +16,7 @@ CPU smoke run of the tiny variant: --config=configs/hunyuanvideo.py:tiny
 `:81f`: 81 frames (21 latent frames) at 480x848 (`LONG_SIZES`), remat 'full', 4 training
 units per gradient chunk as at 33 frames. 33,390 video tokens (plus 256 text tokens) per unit,
 about 17 GB of activations per unit on one device (block inputs kept for the backward pass,
-12.4 GB, plus one block's recomputation). Meant for `runtime.seq_parallel=2`: about 33 GB per
+12.4 GB, plus one block's recomputation). Sets `runtime.seq_parallel=2`: about 33 GB per
 chunk and device next to the 25.6 GB of bf16 weights. Without sequence parallelism two units
 per chunk fit (`--config.rl.micro_batch_size=2`). With more sequence groups than one, raise
 `rl.micro_batch_size` by their number. The VAE decodes as diffusers' default does: 7 temporal
@@ -35,7 +35,7 @@ from configs.sections import (
     tiny_overrides,
 )
 
-# Clip-length sizes (module docstring); seq_parallel is the runtime.seq_parallel each is sized for.
+# Clip-length sizes (module docstring), each with the runtime.seq_parallel it sets.
 LONG_SIZES = {"81f": dict(num_frames=81, height=480, width=848, micro_batch_size=4, seq_parallel=2)}
 SIZES = ("full", "tiny", *LONG_SIZES)
 

@@ -142,12 +142,10 @@ def long_video_overrides(
     units per gradient chunk (what one sequence group holds on the devices the size is written
     for).
 
-    `seq_parallel`: the devices per sequence group (`runtime.seq_parallel`) the size is sized
-    for; set wherever the runtime section has that key.
+    `seq_parallel`: the devices per sequence group (`runtime.seq_parallel`) the size is sized for.
     """
     c.sampling.num_frames, c.sampling.height, c.sampling.width = num_frames, height, width
     c.model.remat_policy = "full"
     c.rl.micro_batch_size = micro_batch_size
-    if "seq_parallel" in c.runtime:
-        c.runtime.seq_parallel = seq_parallel
+    c.runtime.seq_parallel = seq_parallel
     return c

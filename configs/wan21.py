@@ -15,13 +15,13 @@ CPU smoke run of the tiny variant: --config=configs/wan21.py:tiny
 
 81 frames (21 latent frames; `LONG_SIZES`), remat 'full', 2 training units per gradient chunk:
 
-* `:81f_480p`, 480x832: 32,760 tokens per video, twice that per unit with true CFG. Meant for
+* `:81f_480p`, 480x832: 32,760 tokens per video, twice that per unit with true CFG. Sets
   `runtime.seq_parallel=2`: about 18 GB of activations per unit and device (block inputs kept
   for the backward pass, 13.4 GB, plus one block's recomputation), 36 GB per chunk next to the
   28.6 GB of bf16 weights. Without sequence parallelism one unit per chunk fits
   (`--config.rl.micro_batch_size=1`, about 36 GB).
 * `:81f_720p`, 720x1280: 75,600 tokens per video, about 84 GB of activations per unit on one
-  device. Meant for `runtime.seq_parallel=4` (about 42 GB per chunk and device) or 8 (21 GB).
+  device. Sets `runtime.seq_parallel=4` (about 42 GB per chunk and device; 8 gives 21 GB).
 
 With more sequence groups than one, raise `rl.micro_batch_size` by their number. The Wan VAE
 decodes frame by frame with causal caches at any length (docs/models.md section 4).
@@ -37,7 +37,7 @@ from configs.sections import (
     tiny_overrides,
 )
 
-# Clip-length sizes (module docstring); seq_parallel is the runtime.seq_parallel each is sized for.
+# Clip-length sizes (module docstring), each with the runtime.seq_parallel it sets.
 LONG_SIZES = {
     "81f_480p": dict(num_frames=81, height=480, width=832, micro_batch_size=2, seq_parallel=2),
     "81f_720p": dict(num_frames=81, height=720, width=1280, micro_batch_size=2, seq_parallel=4),

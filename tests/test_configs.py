@@ -77,7 +77,7 @@ def test_full_size_config_validates_and_fits_its_model(family, size):
     if size != "full":
         frames, height, width, seq_parallel = LONG_SIZES[family, size]
         assert (s.num_frames, s.height, s.width, c.model.remat_policy) == (frames, height, width, "full")
-        assert c.runtime.get("seq_parallel", seq_parallel) == seq_parallel
+        assert c.runtime.seq_parallel == seq_parallel
         assert c.rl.micro_batch_size <= get_config(family).rl.micro_batch_size  # longer clips: no more units per chunk
     if zoo.video:
         assert shape == (16, (s.num_frames - 1) // 4 + 1, s.height // 8, s.width // 8)  # 33 frames -> 9 latent frames
