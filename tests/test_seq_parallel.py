@@ -3,8 +3,8 @@ split over a `seq` mesh axis give the velocities and gradients of the unsplit mo
 runtime's rollouts and updates match `seq_parallel=1` in every schedule mode, and bad values
 are config errors naming the key."""
 import dataclasses
-import importlib.util
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +20,10 @@ from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.executor import Executor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_FILES = {"wan": "wan21", "hunyuan_video": "hunyuanvideo"}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_configs import get_config as zoo_config  # noqa: E402
+
+VIDEO_FAMILIES = ("hunyuan_video", "wan")
 # The tiny variants with four heads of the same width, so that 4 devices can split them.
 FOUR_HEADS = {
     "wan": dict(num_attention_heads=4, attention_head_dim=6),
@@ -34,11 +36,7 @@ def four_head_tiny(family: str):
 
 
 def tiny_config(family: str):
-    path = os.path.join(ROOT, "configs", CONFIG_FILES[family] + ".py")
-    spec = importlib.util.spec_from_file_location(f"config_{CONFIG_FILES[family]}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config("tiny")
+    return zoo_config(family, "tiny")
 
 
 def seq_mesh(size: int) -> Mesh:
@@ -72,7 +70,7 @@ def _model_inputs(family: str, cfg):
     return out
 
 
-@pytest.mark.parametrize("family", sorted(CONFIG_FILES))
+@pytest.mark.parametrize("family", VIDEO_FAMILIES)
 def test_split_forward_and_gradient_match_the_unsplit_model(family):
     """Velocities and weight gradients with the tokens split over 2 and 4 devices equal the
     unsplit model's (fp32), on meshes where the batch splits over `data` and where it cannot."""
@@ -219,10 +217,7 @@ def test_tokens_not_divisible_and_image_families_are_config_errors():
         c.runtime.seq_parallel = 4
         with pytest.raises(ConfigError, match=r"runtime.seq_parallel=4: .*token count \(18\)"):
             validate_config(c)
-    spec = importlib.util.spec_from_file_location("config_flux", os.path.join(ROOT, "configs", "flux.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config("tiny")
+    c = zoo_config("flux", "tiny")
     c.runtime.seq_parallel = 2
     with pytest.raises(ConfigError, match="runtime.seq_parallel=2: sequence parallelism is built for the video"):
         validate_config(c)

@@ -3,7 +3,6 @@ and VAE (random weights) saved as diffusers folders, converted by `convert/diffu
 an embedding cache of the family's arrays, then `configs/<family>.py:tiny` trained from them
 through `launch/train.py`'s entry (validation, the executor, one iteration, a checkpoint)."""
 import dataclasses
-import importlib.util
 import inspect
 import json
 import os
@@ -20,6 +19,9 @@ from digen_jax.models import FAMILIES, load_checkpoint
 from digen_jax.models.conversion import POLICY_FIELDS
 from digen_jax.app import loop, workload
 from digen_jax.app import families, random_init
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_configs import get_config as zoo_config  # noqa: E402
 
 diffusers = pytest.importorskip("diffusers")
 torch = pytest.importorskip("torch")
@@ -42,11 +44,7 @@ for model_dir, out in zip(sys.argv[1::2], sys.argv[2::2]):
 
 
 def get_config(family: str):
-    path = os.path.join(ROOT, "configs", CONFIGS[family] + ".py")
-    spec = importlib.util.spec_from_file_location(f"config_{family}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config("tiny")
+    return zoo_config(family, "tiny")
 
 
 def diffusers_model(name: str, seed: int):
