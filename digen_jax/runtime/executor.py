@@ -315,12 +315,11 @@ class Executor:
         whole, scorer = whole_on_one_process(decoded)
         name = f"rewards/{mb.iteration}/{mb.index}"
         if jax.process_index() != scorer:
-            self.tracer.record_elsewhere(self._reward_task(mb), scorer)
             return self.shared.read_later(name, np.float32)
 
         def score_and_share() -> np.ndarray:
             try:
-                rewards = self._score(mb, whole, shared=True)
+                rewards = self._score(mb, whole)
             except BaseException as e:
                 self.shared.fail(name, e)
                 raise
@@ -329,11 +328,7 @@ class Executor:
 
         return self.pool.submit(score_and_share)
 
-    @staticmethod
-    def _reward_task(mb: MicroBatch) -> plan_lib.Task:
-        return plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version)
-
-    def _score(self, mb: MicroBatch, decoded: jax.Array, shared: bool = False) -> np.ndarray:
+    def _score(self, mb: MicroBatch, decoded: jax.Array) -> np.ndarray:
         pixels = np.asarray(decoded)  # device-to-host copies only: no device program from this thread
         start = self.tracer.now()
         # Reward models that run on a device (CLIP scorers) use a device that decoded this
@@ -341,8 +336,8 @@ class Executor:
         with jax.default_device(decoded.addressable_shards[0].device):
             rewards, _ = self.job.reward(pixels, jnp.asarray(mb.prompt_ids))
         rewards = np.asarray(rewards, np.float32)
-        self.tracer.record_done(self._reward_task(mb), start, self.tracer.now(), shared=shared,
-                                sample_ids=mb.sample_ids.tolist())
+        reward_task = plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version)
+        self.tracer.record_done(reward_task, start, self.tracer.now(), sample_ids=mb.sample_ids.tolist())
         return rewards
 
     def _chunks(self, units, per_sample: int) -> list:

@@ -31,9 +31,8 @@ one issued from a watcher thread would change the order in which processes issue
 So every process holds every task's event, `wait_through(k)` waits for the other processes'
 events of iteration k too, and the figures read from them (bubbles, measured costs) are the
 same everywhere; process 0 writes them all to the trace, each with `args.process`, the
-process that timed it. Host work is timed with `record_done` by the process that did it; a
-reward, which one process scores for all, is exchanged the same way (`record_done(...,
-shared=True)` there, `record_elsewhere` on the others). The clocks are made one: each
+process that timed it. Host work timed with `record_done` (rewards, which every process
+scores itself) stays with the process that did it, unshared. The clocks are made one: each
 process's `now()` counts from process 0's origin, which process 0 publishes as wall time
 when its tracer starts (and again when it resumes); the others offset their own clocks by
 it, which assumes the hosts' wall clocks agree to well under a task's duration (NTP keeps
@@ -242,47 +241,24 @@ class Tracer:
             self._count(task, +1)
             self._recorded.add(_key(task))
             slot = None
-            if owner is not None:  # exchanged
-                slot = self._slot(task)
+            if owner is not None:  # exchanged: the n-th record of a task key is the same task everywhere
+                n = self._slots[_key(task)] = self._slots.get(_key(task), -1) + 1
+                slot = "/".join(str(part) for part in (*_key(task), n))
                 self._remote += owner != self._peers.process
-        self._queue(task.group).put((task, outputs, dispatched, args, owner, slot))
-
-    def record_done(self, task: Task, start: float, end: float, *, shared: bool = False, **args: Any) -> None:
-        """A task timed by whoever ran it (host work such as rewards). `shared`: the other processes
-        record it too, with `record_elsewhere`, and take this event."""
-        with self._lock:
-            self._count(task, +1)
-            self._recorded.add(_key(task))
-            slot = self._slot(task) if shared and self._peers is not None else None
-        event = self._finish(task, start, end, args)
-        if slot is not None:
-            self._peers.publish(slot, event)
-
-    def record_elsewhere(self, task: Task, owner: int) -> None:
-        """A host task process `owner` runs and records with `record_done(..., shared=True)`: its
-        event comes from there (taken by the group's watcher, as for a device task it times)."""
-        with self._lock:
-            self._count(task, +1)
-            self._recorded.add(_key(task))
-            slot = self._slot(task)
-            self._remote += 1
-        self._queue(task.group).put((task, None, None, None, owner, slot))
-
-    def _slot(self, task: Task) -> str:
-        """The exchange slot of `task`: the n-th record of a task key is the same task on every process."""
-        n = self._slots[_key(task)] = self._slots.get(_key(task), -1) + 1
-        return "/".join(str(part) for part in (*_key(task), n))
-
-    def _queue(self, group: str) -> queue.Queue:
-        """The queue of `group`'s watcher thread, started at its first task."""
-        with self._lock:
-            q = self._queues.get(group)
+            q = self._queues.get(task.group)
             if q is None:
-                q = self._queues[group] = queue.Queue()
-                thread = threading.Thread(target=self._watch, args=(q,), daemon=True, name=f"trace-{group}")
+                q = self._queues[task.group] = queue.Queue()
+                thread = threading.Thread(target=self._watch, args=(q,), daemon=True, name=f"trace-{task.group}")
                 thread.start()
                 self._threads.append(thread)
-        return q
+        q.put((task, outputs, dispatched, args, owner, slot))
+
+    def record_done(self, task: Task, start: float, end: float, **args: Any) -> None:
+        """A task timed by whoever ran it (host work such as rewards)."""
+        with self._lock:
+            self._count(task, +1)
+            self._recorded.add(_key(task))
+        self._finish(task, start, end, args)
 
     def _watch(self, q: queue.Queue) -> None:
         while True:
