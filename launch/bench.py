@@ -44,7 +44,7 @@ import shutil
 import sys
 from typing import Any, Callable
 
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,6 +85,9 @@ _NUM_LAYERS = flags.DEFINE_integer(
     "num_layers", 0, "Model mode: > 0 keeps that many (double-stream) blocks of the variant, for short probes.")
 _SCAN_LAYERS = flags.DEFINE_bool(
     "scan_layers", True, "Run the blocks as one scan (stacked weights); false unrolls them (no per-layer weight copies).")
+_SEQ_PARALLEL = flags.DEFINE_integer(
+    "seq_parallel", 1, "Model mode, video families: split each sample's tokens over this many devices "
+    "(Ulysses attention, as runtime.seq_parallel); FLOP rates, MFU and memory are then per device.")
 _ATTENTION = flags.DEFINE_enum(
     "attention_impl", "auto", ["auto", "cudnn", "xla"], "Attention kernel (auto: cuDNN on GPU in bf16)."
 )
@@ -135,7 +138,7 @@ def _model_bench() -> model.ModelBench:
         lora_alpha=_LORA_ALPHA.value, lora_targets=tuple(_LORA_TARGETS.value or ATTENTION_MLP_TARGETS[_FAMILY.value]),
         lora_mode=_LORA_MODE.value, remat_policy=_REMAT.value, num_layers=_NUM_LAYERS.value,
         scan_layers=_SCAN_LAYERS.value, attention_impl=_ATTENTION.value, dtype=_DTYPE.value, repeats=_REPEATS.value,
-        warmup=_WARMUP.value, seed=_SEED.value,
+        warmup=_WARMUP.value, seed=_SEED.value, seq_parallel=_SEQ_PARALLEL.value,
     )
 
 
@@ -151,6 +154,8 @@ def run_model() -> dict[str, Any]:
     if _PROFILE.value:
         out = _OUT.value or os.path.join("benchmarks", "results", "profile")
         profile_dir = os.path.splitext(out)[0] + "_profile"
+    if _PEER.value and _SEQ_PARALLEL.value != 1:
+        raise app.UsageError("--peer times the unsplit PyTorch module on one device; run it with --seq_parallel=1")
     peer = (lambda: torch_peer.measure_in_subprocess(_peer_worker_argv)) if _PEER.value else None
     return model.measure(_model_bench(), matmul_size=_MATMUL_SIZE.value, matmul_chain=_MATMUL_CHAIN.value, peer=peer,
                          profile_dir=profile_dir)

@@ -373,3 +373,30 @@ def test_fp8_linear_forms_bench(tmp_path, monkeypatch):
         assert entry["median_ms"] > 0
         if name != "bf16" and "rel_err_vs_bf16" in entry:
             assert 1e-3 < entry["rel_err_vs_bf16"] < 0.1, (name, entry)
+
+
+def test_model_mode_seq_parallel_splits_the_tokens_with_per_device_rates(tmp_path):
+    """`--seq_parallel=2` (a video family): every measurement runs on 2 devices with the tokens
+    split (Ulysses all-to-alls in the program); FLOPs count the whole program, rates are per device."""
+    written = {}
+    for size in (1, 2):
+        out = tmp_path / f"sp{size}.json"
+        parse("--family=wan", "--frames=5", "--height=32", "--width=32", "--what=forward,lora_fwd_bwd",
+              "--matmul_size=0", f"--seq_parallel={size}", f"--out={out}")
+        bench.run_from_flags()
+        written[size] = json.loads(out.read_text())
+    one, two = written[1], written[2]
+    assert two["config"]["seq_parallel"] == 2 and two["device"]["used"] == 2
+    for what in ("forward", "lora_fwd_bwd"):
+        a, b = one["results"][what], two["results"][what]
+        assert "error" not in b, b.get("error")
+        assert a["flops"] == b["flops"]  # the whole program's count
+        assert b["flops_per_s"] == pytest.approx(b["flops"] / 2 / b["median_s"])  # per device
+        assert b["memory_bytes"]["temp"] > 0 and b["all_to_all_ops"] > 0 and "all_to_all_ops" not in a
+    with pytest.raises(ValueError, match="video families"):
+        model.setup(model.ModelBench(**{**_bench_fields(), "family": "flux", "seq_parallel": 2}))
+
+
+def _bench_fields():
+    parse("--family=wan")
+    return bench._model_bench().__dict__

@@ -1,6 +1,10 @@
 """The model bench (`--mode=model`): one transformer of a family with random weights, initialised
 on the device in the benchmark dtype and timed on one device, per measurement of `WHATS`.
 
+With `seq_parallel` > 1 (video families) every measurement runs on that many devices, each
+sample's tokens split over them as `runtime.seq_parallel` splits them (Ulysses attention); its
+FLOPs, memory and MFU are then per device.
+
 `forward_fp8` is the rollout role's FP8 forward (`model.rollout_precision='fp8'`, models/fp8.py):
 the same weights with the blocks' kernels quantised to e4m3 (`rl.fp8_weights`), the same inputs.
 With `forward` in the same run the result's `fp8` entry gives its speed-up over the bf16 forward
@@ -8,6 +12,7 @@ and the relative error of its velocity against the bf16 one."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import os
@@ -52,6 +57,7 @@ class ModelBench:
     repeats: int
     warmup: int
     seed: int
+    seq_parallel: int = 1  # devices each sample's tokens are split over (video families)
 
     @property
     def lora_scale(self) -> float:
@@ -82,6 +88,14 @@ def setup(bench: ModelBench) -> dict[str, Any]:
     text_len = bench.text_len or DEFAULT_TEXT_LEN[family]
     shape = dict(height=bench.height, width=bench.width, frames=bench.frames)
     grid = flops.latent_grid(family, cfg, **shape)
+    if bench.seq_parallel != 1:
+        from digen_jax.app.families import ZOO
+        from digen_jax.models.layers import check_seq_parallel
+
+        if not ZOO[family].video or bench.seq_parallel < 1:
+            raise ValueError(f"--seq_parallel={bench.seq_parallel}: sequence parallelism is built for the video "
+                             "families (wan, hunyuan_video), with 1 or more devices")
+        check_seq_parallel(cfg.num_attention_heads, grid[0] * grid[1] * grid[2], bench.seq_parallel)
     terms = flops.model_terms(family, cfg, batch=bench.batch, text_len=text_len, **shape)
     targets = list(bench.lora_targets)
     counts = {
@@ -114,7 +128,7 @@ def measure(bench: ModelBench, *, matmul_size: int, matmul_chain: int, peer: Cal
         peaks["measured_peak"] = None
     jax_out = measure_jax(bench, prepared, peaks, profile_dir)
     result = {
-        **provenance.run_record("model", used=1),
+        **provenance.run_record("model", used=bench.seq_parallel),
         "config": config_record(bench, prepared),
         "peaks": {"datasheet_bf16_flops_per_s": peaks["datasheet"], "measured_matmul": matmul},
         **jax_out,
@@ -137,6 +151,7 @@ def config_record(bench: ModelBench, prepared: dict[str, Any]) -> dict[str, Any]
         "variant": prepared["variant"],
         "model": dataclasses.asdict(prepared["cfg"]),
         "batch": bench.batch,
+        "seq_parallel": bench.seq_parallel,
         **prepared["shape"],
         "text_len": prepared["text_len"],
         "image_tokens": frames * rows * cols,
@@ -202,6 +217,8 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from digen_jax import flops
     from digen_jax.models import layers
@@ -275,27 +292,41 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
         out["lora_param_count"] = lora.lora_param_count(adapters)
         fns["lora_fwd_bwd"] = (lora_grad, (adapters, params, latents, cond, sigma))
 
+    devices = bench.seq_parallel
+    context = contextlib.nullcontext  # a fresh context per use: `jax.set_mesh` sets the mesh once
+    if devices > 1:
+        if jax.device_count() < devices:
+            raise ValueError(f"--seq_parallel={devices} needs {devices} devices; this host has {jax.device_count()}")
+        mesh = Mesh(np.array(jax.devices()[:devices]).reshape(1, devices), ("data", "seq"))
+        context = functools.partial(jax.set_mesh, mesh)
+        # Weights and inputs whole on every device of the group; the model splits the tokens.
+        fns = {what: (fn, jax.device_put(args, NamedSharding(mesh, PartitionSpec()))) for what, (fn, args) in fns.items()}
     results, compiled_fns = {}, {}
     for what in bench.what:
         fn, args = fns[what]
         entry: dict[str, Any] = {"flops": prepared["flops"][what].total,
                                  "flops_breakdown": prepared["flops"][what].as_dict()}
         try:
-            entry["traced_matmul_flops"] = flops.jaxpr_matmul_flops(fn, *args)
+            with context():
+                entry["traced_matmul_flops"] = flops.jaxpr_matmul_flops(fn, *args)
         except ValueError as e:  # a program the jaxpr count cannot walk; the timing still runs
             entry["traced_matmul_flops"] = None
             entry["traced_matmul_flops_error"] = str(e)
         try:
             start = time.perf_counter()
-            compiled = jax.jit(fn).lower(*args).compile()
+            with context():
+                compiled = jax.jit(fn).lower(*args).compile()
             entry["compile_s"] = time.perf_counter() - start
             entry["memory_bytes"] = compiled_memory(compiled)
-            entry["matmul_custom_calls"] = matmul_custom_calls(compiled.as_text())
+            hlo = compiled.as_text()
+            entry["matmul_custom_calls"] = matmul_custom_calls(hlo)
+            if devices > 1:  # the tokens really split: Ulysses' all-to-alls are in the program
+                entry["all_to_all_ops"] = len(re.findall(r"= [^=]*\ball-to-all\(", hlo))
             if what in ("forward", "forward_fp8"):
                 compiled_fns[what] = compiled
             entry.update(summary(
                 time_calls(lambda: compiled(*args), jax.block_until_ready, bench.repeats, bench.warmup),
-                entry["flops"], peaks,
+                entry["flops"] // devices, peaks,  # per device: the rate and MFU of one card
             ))
             if profile_dir is not None:
                 entry["profile"] = profiler.profile(lambda: compiled(*args), os.path.join(profile_dir, what))
