@@ -66,7 +66,7 @@ def algorithm_keys() -> dict:
         # K noise levels trained per sample; 0: int(sampling.num_steps * rl.timestep_fraction), the reference's rule
         nft_timesteps=0,
         nft_beta=1.0,  # implicit-policy mixing strength (the reference's `beta`; 0.1 for its OCR config)
-        # Old-policy decay after each update: 'copy' | 'ramp' | 'ramp_delayed' (the reference's decay_type 0 | 1 | 2)
+        # Old-policy decay once per iteration, after its last update: 'copy' | 'ramp' | 'ramp_delayed' (the reference's decay_type 0 | 1 | 2)
         nft_decay="ramp",
     )
 

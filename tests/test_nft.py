@@ -258,3 +258,31 @@ def test_dpm2_per_sample_step_index():
         np.testing.assert_allclose(got[b : b + 1], one, rtol=1e-6, atol=1e-6)
     # The last step lands on the data prediction.
     np.testing.assert_allclose(got[3], x[3] - sigmas[9] * v[3], rtol=1e-6, atol=1e-6)
+
+
+def test_old_policy_moves_once_per_batch_after_its_last_update():
+    """With several updates on one batch the old policy stays through the earlier ones and moves
+    in the last, by the decay of the update count so far (the reference: once per epoch, after
+    all of its optimizer steps); a skipped last update leaves it."""
+    from digen_jax.rl import make_optimizer
+    from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
+    from digen_jax.rl.trainer import LossConfig
+
+    trainer = NftTrainer(None, None, make_optimizer(1e-3), LossConfig(), NftConfig(decay="ramp"))
+    r = np.random.default_rng(0)
+    state = trainer.init_state({"w": jnp.asarray(r.normal(0, 0.05, (16, 8)), jnp.float32)})
+    old0 = np.asarray(state.old["w"])
+    grads = {"w": jnp.full((16, 8), 0.3, jnp.float32)}
+    state, _ = trainer.apply_update(state, grads, jnp.float32(1), jnp.bool_(True), False)
+    assert int(state.version) == 1
+    np.testing.assert_array_equal(np.asarray(state.old["w"]), old0)  # an earlier update of the batch
+    trained1 = np.asarray(state.trainable["w"])
+    state, _ = trainer.apply_update(state, grads, jnp.float32(1), jnp.bool_(True), True)
+    lam = old_policy_decay(2, "ramp")
+    want = lam * old0.astype(np.float64) + (1 - lam) * np.asarray(state.trainable["w"], np.float64)
+    np.testing.assert_allclose(np.asarray(state.old["w"]), want, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(np.asarray(state.trainable["w"]), trained1)
+    before = np.asarray(state.old["w"])
+    state, metrics = trainer.apply_update(state, grads, jnp.float32(1), jnp.bool_(False), True)  # skipped
+    assert int(metrics["skipped"]) == 1
+    np.testing.assert_array_equal(np.asarray(state.old["w"]), before)

@@ -33,7 +33,7 @@ def test_nonfinite_or_exploding_updates_are_skipped(learning_rate):
     trainer, state = _trainer(learning_rate)
     before = jax.tree.map(np.asarray, (state.trainable, state.opt_state, state.ema))
     for streak in (1, 2):
-        state, metrics = trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True))
+        state, metrics = trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True), True)
         assert int(metrics["skipped"]) == 1 and int(metrics["nonfinite_streak"]) == streak
     assert int(state.version) == 0
     for got, want in zip(jax.tree.leaves((state.trainable, state.opt_state, state.ema)), jax.tree.leaves(before)):
@@ -42,14 +42,14 @@ def test_nonfinite_or_exploding_updates_are_skipped(learning_rate):
 
 def test_healthy_update_is_applied_and_the_bound_can_be_lifted():
     trainer, state = _trainer(1e-3)
-    new, metrics = trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True))
+    new, metrics = trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True), True)
     assert int(metrics["skipped"]) == 0 and int(new.version) == 1
     assert 0 < float(metrics["update_ratio"]) < 0.1  # about lr / rms(weights) = 1e-3 / 0.05
     # A step as large as the weights: over the default bound, applied without one.
     trainer, state = _trainer(0.2)
-    assert int(trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True))[1]["skipped"]) == 1
+    assert int(trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True), True)[1]["skipped"]) == 1
     trainer, state = _trainer(0.2, max_update_ratio=math.inf)
-    new, metrics = trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True))
+    new, metrics = trainer.apply_update(state, _grads(state), jnp.float32(1), jnp.bool_(True), True)
     assert int(metrics["skipped"]) == 0 and int(new.version) == 1 and float(metrics["update_ratio"]) > 1
 
 

@@ -6,9 +6,10 @@ pair: the sample's clean latent x0 is noised to x_t = (1 - t) x0 + t eps at one 
 the iteration drew for it (`timesteps.plan_steps`), with eps derived from the sample's own key
 and the level, so a unit does not depend on which batch, chunk or device trains it. Units are
 cut into gradient micro-batches and accumulated exactly as GRPO's (`trainer.Trainer`), and the
-guarded update is GRPO's; after each applied update the old policy moves towards the trained
-weights by the configured decay schedule (`nft.update_old_policy`, with the update count as
-its step), on device inside the update.
+guarded update is GRPO's. Once per iteration, inside its last update (the reference moves it
+after each epoch, however many optimizer steps that made), the old policy moves towards the
+trained weights by the configured decay schedule (`nft.update_old_policy`, with the update count
+so far as its step), on device.
 
 The old policy is a second trainable tree in the train state (`TrainState.old`, adapters only
 with LoRA); it is what rollouts sample with, so a weight sync carries it and a trace's

@@ -322,7 +322,7 @@ class Trainer:
             clip_range=self.cfg.clip_range, adv_clip=self.cfg.adv_clip, step_index=units.step_index,
         )
 
-    def _apply_update(self, state: TrainState, grad_sum, count, rewards_finite):
+    def _apply_update(self, state: TrainState, grad_sum, count, rewards_finite, end_of_batch):
         grads = jax.tree.map(lambda g: g / count, grad_sum)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.trainable)
@@ -346,7 +346,9 @@ class Trainer:
             opt_state=keep(opt_state, state.opt_state),
             ema=ema,
             nonfinite_streak=jnp.where(ok, 0, state.nonfinite_streak + 1),
-            old=keep(self._next_old(state.old, trainable, version), state.old),
+            # DiffusionNFT's old policy moves once per batch (the reference's epoch), after its last update.
+            old=None if state.old is None else jax.tree.map(
+                lambda a, b: jnp.where(ok & end_of_batch, a, b), self._next_old(state.old, trainable, version), state.old),
         )
         # Fresh outputs (not views of the state, which the next update donates).
         metrics = {
@@ -380,11 +382,14 @@ class Trainer:
         acc.metrics = metrics if acc.metrics is None else _combine_metrics(acc.metrics, metrics)
         acc.count += 1
 
-    def finish_update(self, state: TrainState, acc: "GradSum", rewards_finite) -> tuple[TrainState, dict]:
+    def finish_update(self, state: TrainState, acc: "GradSum", rewards_finite,
+                      end_of_batch: bool = True) -> tuple[TrainState, dict]:
         """Apply the averaged gradients of `acc` (skipped on device if anything is non-finite
-        or the update exceeds `cfg.max_update_ratio`)."""
+        or the update exceeds `cfg.max_update_ratio`); `end_of_batch`: the last update on the
+        iteration's batch (`rl.num_updates_per_batch` make one)."""
         finite = jnp.isfinite(acc.metrics["loss"]) & bool(rewards_finite)
-        state, update_metrics = self.apply_update(state, acc.grads, np.float32(acc.count), finite)
+        state, update_metrics = self.apply_update(state, acc.grads, np.float32(acc.count), finite,
+                                                  np.bool_(end_of_batch))
         return state, {**_update_figures(acc.metrics, np.float32(acc.count)), **update_metrics}
 
     def update(

@@ -403,7 +403,8 @@ class Executor:
 
     def _update(self, task: plan_lib.Task, acc: dict) -> dict:
         start = self.tracer.now()
-        self.state, metrics = self.job.trainer.finish_update(self.state, acc["sum"], acc["finite"])
+        last = task.index == self.config.rl.num_updates_per_batch - 1  # an iteration's updates are indexed 0..
+        self.state, metrics = self.job.trainer.finish_update(self.state, acc["sum"], acc["finite"], end_of_batch=last)
         self.tracer.record(task, metrics["version"], start)
         return metrics
 
