@@ -847,6 +847,11 @@ def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cach
     # Every sample once (one writer, every task recorded), and the third iteration's prefetched ones.
     assert sorted(rolled) == list(range(2 * 16 + prefetched * 4))
     assert {e["args"]["kind"] for e in events} == {"rollout", "reward", "train", "update", "sync"}
+    # Every micro-batch's reward once, whichever process scored it (TAG's on process 1).
+    scored = sorted((e["args"]["iteration"], e["args"]["microbatch"]) for e in events if e["args"]["kind"] == "reward")
+    rolled_mbs = sorted((e["args"]["iteration"], e["args"]["microbatch"]) for e in events if e["args"]["kind"] == "rollout")
+    assert scored == rolled_mbs
+    assert {e["args"]["process"] for e in events if e["args"]["kind"] == "reward"} == {0, 1}
     check_two_process_timing(tmp_path, multi, rows)
     # Across processes the pipeline overlaps: a later micro-batch rolls out on process 0's devices
     # while process 1's train an earlier one.

@@ -78,6 +78,34 @@ def test_group_order_and_unrecorded_dependencies():
     np.testing.assert_allclose(spans, [(1.0, 4.0), (4.0, 6.0)])
 
 
+def test_host_work_timed_elsewhere_counts_until_its_event_comes_and_holds_no_task_back():
+    """A reward another process scores (`expect_elsewhere`): its iteration waits for its event
+    (`record_elsewhere`, with that process's times), a training task depending on it is stamped
+    without it, and one that never comes (its process failed) is done with no event."""
+    clock = Clock()
+    tracer = Tracer(None, clock=clock)
+    reward = Task("reward", "reward", 0, 1, 0)
+    tracer.expect_elsewhere(reward)
+    train = Gate()
+    tracer.record(Task("train", "train", 0, 1, 0, deps=(("reward", 0, 1),)), train, 1.0)
+    _complete(tracer, clock, train, 3.0)
+    np.testing.assert_allclose(_span(tracer, "train"), (1.0, 3.0))  # no wait for the remote reward
+    waited = threading.Event()
+    waiter = threading.Thread(target=lambda: (tracer.wait_through(0), waited.set()))
+    waiter.start()
+    assert not waited.wait(0.3)  # the iteration still counts the reward as running
+    tracer.record_elsewhere(reward, 1.5, 2.5, process=1, sample_ids=[2, 3])
+    assert waited.wait(10)
+    (event,) = [e for e in tracer.events if e["args"]["kind"] == "reward"]
+    assert _span_of(event) == (1.5, 2.5) and event["args"]["process"] == 1 and event["args"]["sample_ids"] == [2, 3]
+    lost = Task("reward", "reward", 1, 0, 1)
+    tracer.expect_elsewhere(lost)
+    tracer.record_elsewhere(lost)
+    tracer.wait_through(1)
+    tracer.close()
+    assert len([e for e in tracer.events if e["args"]["kind"] == "reward"]) == 1
+
+
 def test_dispatch_time_is_recorded_and_summarised_per_group():
     """A dispatch call that returns only once its work is nearly done shows as dispatch_frac near 1;
     an asynchronous one as near 0."""

@@ -62,7 +62,7 @@ import os
 import re
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -594,9 +594,11 @@ class SharedValues:
         message = f"process {jax.process_index()} failed: {type(error).__name__}: {error}"
         self._client().key_value_set_bytes(f"{self._scope}/{name}", b"!" + message.encode())
 
-    def read_later(self, name: str, dtype) -> concurrent.futures.Future:
-        """The future value `name` (`read` on a reading thread)."""
-        return self._readers.submit(self.read, name, dtype)
+    def read_later(self, name: str, dtype, then: Callable[[np.ndarray], Any] | None = None) -> concurrent.futures.Future:
+        """The future value `name` (`read` on a reading thread), passed through `then` there if given."""
+        if then is None:
+            return self._readers.submit(self.read, name, dtype)
+        return self._readers.submit(lambda: then(self.read(name, dtype)))
 
     def read(self, name: str, dtype) -> np.ndarray:
         """The value `name` as a flat array of `dtype`, once published (waits)."""

@@ -308,27 +308,48 @@ class Executor:
         Several processes: one process scores them, the one that holds the samples whole (the
         lowest of their devices' processes, after a gather inside their role if it spans several),
         and shares them (`SharedValues`); the others read them there. So no pixels cross between
-        roles and no device program is added to the order the lanes keep (dispatch.py).
+        roles and no device program is added to the order the lanes keep (dispatch.py). The
+        scoring's start and end (the tracers' common clock) travel with them, so every process's
+        trace holds the reward event (`Tracer.record_elsewhere`).
         """
         if jax.process_count() == 1:
-            return self.pool.submit(self._score, mb, decoded)
+            return self.pool.submit(lambda: self._score(mb, decoded)[0])
         whole, scorer = whole_on_one_process(decoded)
         name = f"rewards/{mb.iteration}/{mb.index}"
         if jax.process_index() != scorer:
-            return self.shared.read_later(name, np.float32)
+            task = self._reward_task(mb)
+            self.tracer.expect_elsewhere(task)
+
+            def traced(timed: np.ndarray) -> np.ndarray:  # [start, end, *rewards] in float64
+                self.tracer.record_elsewhere(task, float(timed[0]), float(timed[1]), process=scorer,
+                                             sample_ids=mb.sample_ids.tolist())
+                return timed[2:].astype(np.float32)  # exact: float32 values travelled as float64
+
+            def settle(future: concurrent.futures.Future) -> None:  # no event: done all the same
+                if future.cancelled() or future.exception() is not None:
+                    self.tracer.record_elsewhere(task)
+
+            future = self.shared.read_later(name, np.float64, then=traced)
+            future.add_done_callback(settle)
+            return future
 
         def score_and_share() -> np.ndarray:
             try:
-                rewards = self._score(mb, whole)
+                rewards, start, end = self._score(mb, whole)
             except BaseException as e:
                 self.shared.fail(name, e)
                 raise
-            self.shared.publish(name, rewards)
+            self.shared.publish(name, np.concatenate([[start, end], rewards.astype(np.float64)]))
             return rewards
 
         return self.pool.submit(score_and_share)
 
-    def _score(self, mb: MicroBatch, decoded: jax.Array) -> np.ndarray:
+    @staticmethod
+    def _reward_task(mb: MicroBatch) -> plan_lib.Task:
+        return plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version)
+
+    def _score(self, mb: MicroBatch, decoded: jax.Array) -> tuple[np.ndarray, float, float]:
+        """Rewards (float32) of a decoded micro-batch, and the start and end of their scoring."""
         pixels = np.asarray(decoded)  # device-to-host copies only: no device program from this thread
         start = self.tracer.now()
         # Reward models that run on a device (CLIP scorers) use a device that decoded this
@@ -336,9 +357,9 @@ class Executor:
         with jax.default_device(decoded.addressable_shards[0].device):
             rewards, _ = self.job.reward(pixels, jnp.asarray(mb.prompt_ids))
         rewards = np.asarray(rewards, np.float32)
-        reward_task = plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version)
-        self.tracer.record_done(reward_task, start, self.tracer.now(), sample_ids=mb.sample_ids.tolist())
-        return rewards
+        end = self.tracer.now()
+        self.tracer.record_done(self._reward_task(mb), start, end, sample_ids=mb.sample_ids.tolist())
+        return rewards, start, end
 
     def _chunks(self, units, per_sample: int) -> list:
         """Gradient micro-batches of a micro-batch's units, batch-split over the train mesh.

@@ -31,8 +31,12 @@ one issued from a watcher thread would change the order in which processes issue
 So every process holds every task's event, `wait_through(k)` waits for the other processes'
 events of iteration k too, and the figures read from them (bubbles, measured costs) are the
 same everywhere; process 0 writes them all to the trace, each with `args.process`, the
-process that timed it. Host work timed with `record_done` (rewards, which every process
-scores itself) stays with the process that did it, unshared. The clocks are made one: each
+process that timed it. Host work is timed with `record_done` by the process that did it; a
+reward, which one process scores for all, reaches the others with the rewards themselves (the
+executor's shared values) and is added there with `record_elsewhere`, announced beforehand by
+`expect_elsewhere` so that `wait_through` and `wait` wait for it. It is no dependency of any
+timing (a reward thread, not a group's watcher, brings it), so a late score never holds a
+watcher. The clocks are made one: each
 process's `now()` counts from process 0's origin, which process 0 publishes as wall time
 when its tracer starts (and again when it resumes); the others offset their own clocks by
 it, which assumes the hosts' wall clocks agree to well under a task's duration (NTP keeps
@@ -260,6 +264,20 @@ class Tracer:
             self._recorded.add(_key(task))
         self._finish(task, start, end, args)
 
+    def expect_elsewhere(self, task: Task) -> None:
+        """Host work another process does and times (a micro-batch's rewards), whose event comes
+        with `record_elsewhere`: until then its iteration counts it as running."""
+        with self._lock:
+            self._count(task, +1)
+            self._remote += 1
+
+    def record_elsewhere(self, task: Task, start: float | None = None, end: float | None = None, *,
+                         process: int | None = None, **args: Any) -> None:
+        """The event of a task announced by `expect_elsewhere`, as process `process` timed it on the
+        common clock; without times it is done with no event (its process failed)."""
+        event = None if start is None else self._event(task, start, end, {**args, "process": process})
+        self._add(task, event, end, remote=True)
+
     def _watch(self, q: queue.Queue) -> None:
         while True:
             task, outputs, dispatched, args, owner, slot = q.get()
@@ -303,7 +321,13 @@ class Tracer:
     def _finish(self, task: Task, start: float, end: float, args: dict) -> dict:
         if self._peers is not None:
             args = {**args, "process": self._peers.process}
-        event = {
+        event = self._event(task, start, end, args)
+        self._add(task, event, end)
+        return event
+
+    @staticmethod
+    def _event(task: Task, start: float, end: float, args: dict) -> dict:
+        return {
             "name": f"{task.kind} it{task.iteration} mb{task.index}",
             "ph": "X",
             "pid": 0,
@@ -320,8 +344,6 @@ class Tracer:
                 **args,
             },
         }
-        self._add(task, event, end)
-        return event
 
     def _add(self, task: Task, event: dict | None, end: float | None, remote: bool = False) -> None:
         """Count `task` (`remote`: timed by another process) done with its `event` ending at `end`
