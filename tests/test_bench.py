@@ -393,6 +393,12 @@ def test_model_mode_seq_parallel_splits_the_tokens_with_per_device_rates(tmp_pat
         assert a["flops"] == b["flops"]  # the whole program's count
         assert b["flops_per_s"] == pytest.approx(b["flops"] / 2 / b["median_s"])  # per device
         assert b["memory_bytes"]["temp"] > 0 and b["all_to_all_ops"] > 0 and "all_to_all_ops" not in a
+    # The GPU prints its all-to-alls in the async form; each start counts once, ragged ones not.
+    gpu = ("%all-to-all-start = ((bf16[2,8]), bf16[2,8]) all-to-all-start(bf16[2,8] %x), dimensions={1}\n"
+           "%all-to-all-done = bf16[2,8] all-to-all-done(%all-to-all-start)\n"
+           "%all-to-all.1 = bf16[2,8] all-to-all(bf16[2,8] %y), dimensions={0}\n"
+           "%r = bf16[4] ragged-all-to-all(bf16[4] %z, s32[2] %o)\n")
+    assert model.all_to_all_ops(gpu) == 2
     with pytest.raises(ValueError, match="video families"):
         model.setup(model.ModelBench(**{**_bench_fields(), "family": "flux", "seq_parallel": 2}))
 

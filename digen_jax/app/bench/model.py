@@ -181,6 +181,12 @@ def matmul_custom_calls(hlo_text: str) -> dict[str, int]:
     return dict(collections.Counter(targets))
 
 
+def all_to_all_ops(hlo_text: str) -> int:
+    """All-to-alls of a compiled program: the CPU's synchronous `all-to-all(` and the GPU's
+    `all-to-all-start(` (each with its `-done`), not the ragged kind."""
+    return len(re.findall(r"= [^=]*(?<![-\w])all-to-all(?:-start)?\(", hlo_text))
+
+
 def _jax_inputs(bench: ModelBench, prepared: dict[str, Any], key):
     """Random latents, conditioning and sigmas of the benchmark shape (on the device)."""
     import jax
@@ -321,7 +327,7 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
             hlo = compiled.as_text()
             entry["matmul_custom_calls"] = matmul_custom_calls(hlo)
             if devices > 1:  # the tokens really split: Ulysses' all-to-alls are in the program
-                entry["all_to_all_ops"] = len(re.findall(r"= [^=]*\ball-to-all\(", hlo))
+                entry["all_to_all_ops"] = all_to_all_ops(hlo)
             if what in ("forward", "forward_fp8"):
                 compiled_fns[what] = compiled
             entry.update(summary(
