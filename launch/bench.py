@@ -52,6 +52,7 @@ from configs.sections import ATTENTION_MLP_TARGETS  # noqa: E402
 from digen_jax import cli  # noqa: E402  (imports neither jax nor torch)
 from digen_jax.app.bench import model, torch_peer  # noqa: E402  (jax and torch are imported where used)
 from digen_jax.app.bench.provenance import ROOT  # noqa: E402
+from digen_jax.app.errors import ConfigError  # noqa: E402
 from digen_jax.runtime import plan  # noqa: E402
 
 # The device-memory share of `--mode=model` (XLA_PYTHON_CLIENT_MEM_FRACTION) unless the user set one.
@@ -94,7 +95,9 @@ _ATTENTION = flags.DEFINE_enum(
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weights and compute dtype.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed calls per measurement (the median is reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed calls before timing (after compilation).")
-_MATMUL_SIZE = flags.DEFINE_integer("matmul_size", 8192, "Side of the square bf16 matmuls that measure the peak; 0 skips.")
+_MATMUL_SIZE = flags.DEFINE_integer(
+    "matmul_size", None, "Side of the square bf16 matmuls that measure the peak; 0 skips. Default: 8192 on a GPU "
+    "or TPU, skipped on a CPU.")
 _MATMUL_CHAIN = flags.DEFINE_integer("matmul_chain", 16, "Matmuls per timed call of the peak measurement.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights and inputs.")
 _OUT = flags.DEFINE_string(
@@ -255,7 +258,10 @@ def main(argv):
     if _PEER_WORKER.value:
         run_peer(_PEER_WORKER.value)
         return 0
-    result, path = run_from_flags()
+    try:
+        result, path = run_from_flags()
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
     if path is not None:
         print(f"wrote {path}")
     failed = [w for w, e in result.get("results", {}).items() if "error" in e]

@@ -142,6 +142,32 @@ def test_bad_flags_fail_before_device_work():
         bench.run_from_flags()
 
 
+@pytest.mark.parametrize("args, error", [
+    (["--mode=model", "--family=flux", "--seq_parallel=2"], "error: --seq_parallel=2: sequence parallelism is built for"),
+    (["--mode=model", "--family=wan", "--frames=5", "--seq_parallel=16"], "error: --seq_parallel=16: sequence parallelism over 16"),
+    (["--mode=model", "--family=wan", "--frames=5", "--height=480", "--width=800", "--seq_parallel=10"],
+     "error: --seq_parallel=10 needs 10 devices; this host has 8"),
+    (["--mode=system", "--config=configs/tiny.py", "--modes=colocated,gap+bogus"], "error: --modes: runtime.mode='gap+bogus'"),
+    (["--mode=system", "--config=configs/tiny.py", "--iterations=0"], "error: --warmup_iterations must be >= 0 and --iterations >= 1"),
+])
+def test_the_script_names_a_bad_flag_in_one_line(args, error, tmp_path):
+    """What the user runs: a bench that cannot run ends with one `error:` line naming the flag and
+    status 1, no traceback, before any model is built or the matmul peak measured."""
+    proc = subprocess.run([sys.executable, SCRIPT, *args, f"--workdir={tmp_path}", f"--out={tmp_path / 'x.json'}"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1 and proc.stderr.rstrip().splitlines()[-1].startswith(error), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "matmul peak" not in proc.stdout, proc.stdout[-2000:]
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_the_matmul_peak_is_measured_off_a_cpu_unless_asked():
+    """Unset `--matmul_size`: 8192 on a GPU or TPU, skipped on a CPU (minutes there, and no MFU is
+    read against a CPU's peak); a size given is kept, 0 skipping everywhere."""
+    assert peaks.matmul_size_for(None, "gpu") == peaks.matmul_size_for(None, "tpu") == 8192
+    assert peaks.matmul_size_for(None, "cpu") == 0
+    assert peaks.matmul_size_for(64, "cpu") == 64 and peaks.matmul_size_for(0, "gpu") == 0
+
+
 def test_datasheet_peaks():
     assert peaks.datasheet_peak("NVIDIA H100 80GB HBM3") == 989.4e12
     assert peaks.datasheet_peak("NVIDIA H200") == 989.4e12

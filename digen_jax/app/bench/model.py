@@ -22,6 +22,7 @@ import traceback
 from typing import Any, Callable
 
 from digen_jax.app.bench import peaks as peaks_lib
+from digen_jax.app.errors import ConfigError
 from digen_jax.app.bench import profiler, provenance
 from digen_jax.app.bench.timing import summary, time_calls
 
@@ -65,7 +66,17 @@ class ModelBench:
 
 
 def setup(bench: ModelBench) -> dict[str, Any]:
-    """Family, config, shapes and exact FLOPs of `bench`, validated before any device work."""
+    """Family, config, shapes and exact FLOPs of `bench`, validated before any device work; a
+    `ConfigError` naming the flag for a bench that cannot run."""
+    try:
+        return _setup(bench)
+    except ConfigError:
+        raise
+    except ValueError as e:  # the shapes' and the models' own checks (frames, pixels, heads)
+        raise ConfigError(str(e)) from None
+
+
+def _setup(bench: ModelBench) -> dict[str, Any]:
     from digen_jax import flops
     from digen_jax.models import FAMILIES
 
@@ -73,12 +84,12 @@ def setup(bench: ModelBench) -> dict[str, Any]:
     fam = FAMILIES[family]
     variant = bench.variant or next(iter(fam.variants))
     if variant not in fam.variants:
-        raise ValueError(f"--variant={variant!r} is not a {family} variant; choose from {sorted(fam.variants)}")
+        raise ConfigError(f"--variant={variant!r} is not a {family} variant; choose from {sorted(fam.variants)}")
     unknown = sorted(set(bench.what) - set(WHATS))
     if unknown or not bench.what:
-        raise ValueError(f"--what must list some of {WHATS}, got {list(bench.what)}")
+        raise ConfigError(f"--what must list some of {WHATS}, got {list(bench.what)}")
     if bench.batch < 1 or bench.repeats < 1 or bench.warmup < 0 or bench.lora_rank < 1:
-        raise ValueError("--batch, --repeats and --lora_rank must be >= 1 and --warmup >= 0")
+        raise ConfigError("--batch, --repeats and --lora_rank must be >= 1 and --warmup >= 0")
     cfg = dataclasses.replace(
         fam.variants[variant], dtype=bench.dtype, param_dtype=bench.dtype,
         attention_impl=bench.attention_impl, remat_policy=bench.remat_policy, scan_layers=bench.scan_layers,
@@ -89,13 +100,21 @@ def setup(bench: ModelBench) -> dict[str, Any]:
     shape = dict(height=bench.height, width=bench.width, frames=bench.frames)
     grid = flops.latent_grid(family, cfg, **shape)
     if bench.seq_parallel != 1:
+        import jax  # only here: the PyTorch peer's process (seq_parallel 1) never starts JAX
+
         from digen_jax.app.families import ZOO
         from digen_jax.models.layers import check_seq_parallel
 
         if not ZOO[family].video or bench.seq_parallel < 1:
-            raise ValueError(f"--seq_parallel={bench.seq_parallel}: sequence parallelism is built for the video "
-                             "families (wan, hunyuan_video), with 1 or more devices")
-        check_seq_parallel(cfg.num_attention_heads, grid[0] * grid[1] * grid[2], bench.seq_parallel)
+            raise ConfigError(f"--seq_parallel={bench.seq_parallel}: sequence parallelism is built for the video "
+                              "families (wan, hunyuan_video), with 1 or more devices")
+        try:
+            check_seq_parallel(cfg.num_attention_heads, grid[0] * grid[1] * grid[2], bench.seq_parallel)
+        except ValueError as e:
+            raise ConfigError(f"--seq_parallel={bench.seq_parallel}: {e}") from None
+        if jax.device_count() < bench.seq_parallel:
+            raise ConfigError(f"--seq_parallel={bench.seq_parallel} needs {bench.seq_parallel} devices; this host "
+                              f"has {jax.device_count()}")
     terms = flops.model_terms(family, cfg, batch=bench.batch, text_len=text_len, **shape)
     targets = list(bench.lora_targets)
     counts = {
@@ -108,10 +127,11 @@ def setup(bench: ModelBench) -> dict[str, Any]:
                 terms=terms, flops=counts, targets=targets)
 
 
-def measure(bench: ModelBench, *, matmul_size: int, matmul_chain: int, peer: Callable[[], dict[str, Any]] | None,
+def measure(bench: ModelBench, *, matmul_size: int | None, matmul_chain: int, peer: Callable[[], dict[str, Any]] | None,
         profile_dir: str | None) -> dict[str, Any]:
     """The model bench's result: `peer` (the PyTorch peer's result, run first so that it has the card
-    to itself; None: no peer), the bf16 matmul peak of `matmul_size` (0: skipped), then the JAX
+    to itself; None: no peer), the bf16 matmul peak of `matmul_size` (0: skipped; None: the
+    platform's default, `peaks.matmul_size_for`), then the JAX
     measurements, each profiled under `profile_dir/<what>` unless it is None."""
     prepared = setup(bench)
     peer_result = peer() if peer is not None else None
@@ -120,6 +140,7 @@ def measure(bench: ModelBench, *, matmul_size: int, matmul_chain: int, peer: Cal
 
     device = jax.devices()[0]
     peaks = {"datasheet": peaks_lib.datasheet_peak(device.device_kind)}
+    matmul_size = peaks_lib.matmul_size_for(matmul_size, device.platform)
     if matmul_size:
         matmul = peaks_lib.measure_matmul_peak(matmul_size, matmul_chain, max(bench.repeats, 3))
         peaks["measured_peak"] = matmul["flops_per_s"]
@@ -301,8 +322,6 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
     devices = bench.seq_parallel
     context = contextlib.nullcontext  # a fresh context per use: `jax.set_mesh` sets the mesh once
     if devices > 1:
-        if jax.device_count() < devices:
-            raise ValueError(f"--seq_parallel={devices} needs {devices} devices; this host has {jax.device_count()}")
         mesh = Mesh(np.array(jax.devices()[:devices]).reshape(1, devices), ("data", "seq"))
         context = functools.partial(jax.set_mesh, mesh)
         # Weights and inputs whole on every device of the group; the model splits the tokens.

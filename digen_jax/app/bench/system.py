@@ -30,8 +30,9 @@ import numpy as np
 
 from digen_jax.app import loop
 from digen_jax.app.bench import provenance
-from digen_jax.app.bench.peaks import datasheet_peak, measure_matmul_peak
+from digen_jax.app.bench.peaks import datasheet_peak, matmul_size_for, measure_matmul_peak
 from digen_jax.app.costs import sample_flops
+from digen_jax.app.errors import ConfigError
 from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.executor import Executor, read_figures
@@ -45,16 +46,19 @@ def measure(
     warmups: int,
     iterations: int,
     onpolicy_anchors: Sequence[str],
-    matmul_size: int,
+    matmul_size: int | None,
     matmul_chain: int,
     on_update: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     """The system bench's result: provenance, the peak MFU is measured against (the bf16 matmul peak
-    of `matmul_size`, else the datasheet's; 0 skips the measurement) and the `run_modes` figures.
+    of `matmul_size`, else the datasheet's; 0 skips the measurement, None takes the platform's
+    default, `matmul_size_for`) and the `run_modes` figures.
 
     `on_update` gets the result after every mode, so a run cut short keeps what it measured.
     """
+    check_arguments(config, modes, warmups=warmups, iterations=iterations, onpolicy_anchors=onpolicy_anchors)
     device = jax.devices()[0]
+    matmul_size = matmul_size_for(matmul_size, device.platform)
     matmul = measure_matmul_peak(matmul_size, matmul_chain, 3) if matmul_size else None
     peak = matmul["flops_per_s"] if matmul else datasheet_peak(device.device_kind)
     result = {
@@ -97,6 +101,21 @@ def _keep_warming(executor: Executor, k: int, plans: list, *, extra: int) -> boo
     return (tag, prefetch) != (plans[-1].tag, plans[-1].prefetch)
 
 
+def check_arguments(config, modes: Sequence[str], *, warmups: int, iterations: int,
+                    onpolicy_anchors: Sequence[str] = ()) -> None:
+    """A `ConfigError` naming the flag if the bench cannot run these modes, iterations and anchors."""
+    for mode in modes:
+        try:
+            plan_lib.mode_flags(mode)
+        except ValueError as e:
+            raise ConfigError(f"--modes: {e}") from None
+    if onpolicy_anchors and config.rl.get("algorithm", "grpo") == "nft":
+        raise ConfigError("--onpolicy_anchors compares rl.onpolicy_anchor values, which play no part in "
+                          "rl.algorithm='nft' (no log-prob ratio)")
+    if warmups < 0 or iterations < 1:
+        raise ConfigError(f"--warmup_iterations must be >= 0 and --iterations >= 1, got {warmups}, {iterations}")
+
+
 def run_modes(
     config,
     modes: Sequence[str],
@@ -116,14 +135,8 @@ def run_modes(
     runs every mode once per anchor, from the same run and weights; records are then keyed
     `'<mode> onpolicy_anchor=<anchor>'`.
     """
-    for mode in modes:
-        plan_lib.mode_flags(mode)
+    check_arguments(config, modes, warmups=warmups, iterations=iterations, onpolicy_anchors=onpolicy_anchors)
     algorithm = config.rl.get("algorithm", "grpo")
-    if onpolicy_anchors and algorithm == "nft":
-        raise ValueError("--onpolicy_anchors compares rl.onpolicy_anchor values, which play no part in "
-                         "rl.algorithm='nft' (no log-prob ratio)")
-    if warmups < 0 or iterations < 1:
-        raise ValueError(f"warmups must be >= 0 and iterations >= 1, got {warmups}, {iterations}")
     os.makedirs(workdir, exist_ok=True)
     started = time.time()
     run = loop.Run(config, workdir, log=log)
