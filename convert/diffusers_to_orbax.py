@@ -20,7 +20,7 @@ import sys
 from absl import flags
 
 from digen_jax import cli
-from digen_jax.models import convert_diffusers_folder
+from digen_jax.models import ConversionError, convert_diffusers_folder
 
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Diffusers model folder holding config.json and *.safetensors.")
 _OUT = flags.DEFINE_string("out", None, "Output checkpoint folder.")
@@ -33,7 +33,10 @@ def main(argv):
     del argv
     if not _MODEL_DIR.value or not _OUT.value:
         sys.exit("usage: diffusers_to_orbax.py --model_dir=DIR --out=DIR [--dtype=source|float32|bfloat16|float16]")
-    convert_diffusers_folder(_MODEL_DIR.value, _OUT.value, _DTYPE.value)
+    try:
+        convert_diffusers_folder(_MODEL_DIR.value, _OUT.value, _DTYPE.value)
+    except (FileNotFoundError, ConversionError) as e:  # a folder that is not a diffusers model, corrupt weights
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ r"""Sample the eval prompts with the latest weights of a training workdir and sc
     python launch/sample.py --config=configs/tiny.py --workdir=/tmp/digen [--noise_level=0]
 
 Uses the latest checkpoint in `WORKDIR/checkpoints` (EMA weights when the run keeps an
-EMA), or the base model when there is none yet. Writes `WORKDIR/samples.png` (one image
+EMA), or the base model when there is none yet (and says so); a WORKDIR that does not exist is
+an error. Writes `WORKDIR/samples.png` (one image
 per eval prompt, its prompt written under it) and `WORKDIR/samples.json` (prompts in grid order,
 rewards, the policy version).
 """
@@ -54,8 +55,14 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     config.runtime.trace = False  # sampling adds nothing to the training trace
+    if not os.path.isdir(_WORKDIR.value):  # a mistyped workdir would sample the base model unnoticed
+        sys.exit(f"error: --workdir={_WORKDIR.value} does not exist; give a training workdir (an existing empty "
+                 "directory samples the base model)")
     run = Run(config, _WORKDIR.value)
-    state = checkpoints.read_state(run.checkpoints, run.state, config) or run.state
+    state = checkpoints.read_state(run.checkpoints, run.state, config)
+    if state is None:
+        print(f"no checkpoint in {_WORKDIR.value}/checkpoints: sampling the base model")
+        state = run.state
     params = run.trainer.params_for(state.ema if state.ema is not None else state.trainable)
     noise = np.full((run.sampler.num_steps,), _NOISE.value, np.float32)
     traj = run.sampler.rollout(params, run.eval_cond, run.eval_keys, noise, run.latent_shape, state.version)

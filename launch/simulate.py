@@ -91,9 +91,14 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if _PROFILE.value:
-        with open(_PROFILE.value) as f:
-            record = json.load(f)
-        predicted = simulator.predict_from_profile(record)
+        try:
+            with open(_PROFILE.value) as f:
+                record = json.load(f)
+            if not isinstance(record, dict) or record.get("mode") != "system":
+                raise ValueError("not a system bench record (`launch/bench.py --mode=system` writes one)")
+            predicted = simulator.predict_from_profile(record)
+        except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+            sys.exit(f"error: --profile={_PROFILE.value}: {e}")
         print(f"Predicted from the measured costs in {_PROFILE.value} ({record.get('gpu', '?')}):\n")
         print("| mode | measured samples/s | predicted | predicted / measured |\n|---|---:|---:|---:|")
         for mode, rate in predicted.items():

@@ -95,6 +95,29 @@ def test_every_entry_point_help_exits_0_with_its_text():
     assert "runtime.mode" in train and "gap+tsp+tag+tcss" in train and "--print_config" in train
 
 
+def test_a_wrong_path_is_one_error_line_naming_it(tmp_path):
+    """A mistyped or wrong file or folder given to the scripts a user runs first: one `error:` line
+    naming the flag and path, status 1, no traceback, and nothing written (run side by side)."""
+    (tmp_path / "not_a_model").mkdir()
+    (tmp_path / "not_a_model" / "config.json").write_text('{"_class_name": "FluxTransformer2DModel"}')
+    (tmp_path / "model_bench.json").write_text(json.dumps({"mode": "model", "results": {}}))
+    cases = {
+        ("launch/sample.py", f"--workdir={tmp_path / 'no_such_run'}"):
+            f"error: --workdir={tmp_path / 'no_such_run'} does not exist",
+        ("launch/simulate.py", f"--profile={tmp_path / 'no_such.json'}"): f"error: --profile={tmp_path / 'no_such.json'}: ",
+        ("launch/simulate.py", f"--profile={tmp_path / 'model_bench.json'}"): "not a system bench record",
+        ("convert/diffusers_to_orbax.py", f"--model_dir={tmp_path / 'nothing'}", f"--out={tmp_path / 'out'}"):
+            f"error: {tmp_path / 'nothing'}/config.json not found: --model_dir must be a diffusers model folder",
+        ("convert/diffusers_to_orbax.py", f"--model_dir={tmp_path / 'not_a_model'}", f"--out={tmp_path / 'out'}"):
+            f"error: {tmp_path / 'not_a_model'}: no .safetensors weights found",
+    }
+    done = run_side_by_side(*[([sys.executable, *argv], ROOT, _env()) for argv in cases])
+    for (argv, expected), proc in zip(cases.items(), done):
+        last = proc.stderr.rstrip().splitlines()[-1] if proc.stderr.strip() else ""
+        assert proc.returncode == 1 and expected in last and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
+    assert not (tmp_path / "no_such_run").exists() and not (tmp_path / "out").exists()
+
+
 def test_print_config_prints_the_resolved_config_without_training():
     """Overrides and the `:tiny` resolution land in the printout; no workdir is needed. (The two
     commands run side by side: each is mostly its imports, on one core.)"""
