@@ -43,6 +43,10 @@ def main(argv):
     if _NO_NEGATIVE.value and _NEGATIVE.value is not None:
         sys.exit("--negative_prompt and --no_negative exclude each other")
     # Fail before loading encoders that can take minutes; write_cache checks again.
+    if not os.path.isfile(_PROMPTS.value):
+        sys.exit(f"error: --prompts={_PROMPTS.value} is not a file (one prompt per line, or jsonl with \"prompt\")")
+    if not os.path.isdir(_ENCODER_DIR.value):
+        sys.exit(f"error: --encoder_dir={_ENCODER_DIR.value} is not a folder (the diffusers pipeline's folder)")
     if os.path.exists(os.path.join(_OUT.value, "meta.json")):
         sys.exit(f"{_OUT.value} already holds an embedding cache; remove it or choose another --out")
     ids, prompts = encode.read_prompts(_PROMPTS.value)

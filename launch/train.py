@@ -117,6 +117,10 @@ def main(argv):
             raise
         sys.exit(f"error in --config={flags.FLAGS['config'].config_filename}: {e}")
     try:
+        os.makedirs(_WORKDIR.value, exist_ok=True)
+    except OSError as e:
+        sys.exit(f"error: --workdir={_WORKDIR.value} cannot be made: {e.strerror}")
+    try:
         _train_and_report()
     except BaseException as e:
         # Several processes: the error shown, the others learn that this one stopped, and why,

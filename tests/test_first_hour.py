@@ -101,7 +101,12 @@ def test_a_wrong_path_is_one_error_line_naming_it(tmp_path):
     (tmp_path / "not_a_model").mkdir()
     (tmp_path / "not_a_model" / "config.json").write_text('{"_class_name": "FluxTransformer2DModel"}')
     (tmp_path / "model_bench.json").write_text(json.dumps({"mode": "model", "results": {}}))
+    (tmp_path / "a_file").write_text("")
     cases = {
+        ("launch/train.py", "--config=configs/tiny.py", f"--workdir={tmp_path / 'a_file' / 'run'}"):
+            f"error: --workdir={tmp_path / 'a_file' / 'run'} cannot be made: Not a directory",
+        ("convert/encode_prompts.py", "--family=flux", f"--prompts={tmp_path / 'prompts.txt'}", f"--encoder_dir={tmp_path}",
+         f"--out={tmp_path / 'out'}"): f"error: --prompts={tmp_path / 'prompts.txt'} is not a file",
         ("launch/sample.py", f"--workdir={tmp_path / 'no_such_run'}"):
             f"error: --workdir={tmp_path / 'no_such_run'} does not exist",
         ("launch/simulate.py", f"--profile={tmp_path / 'no_such.json'}"): f"error: --profile={tmp_path / 'no_such.json'}: ",
