@@ -20,6 +20,7 @@ from digen_jax.app import loop, workload
 from digen_jax.app.errors import ConfigError
 from digen_jax.app import families, random_init
 from digen_jax.rl import lora
+from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.rl.rollout import Conditioning, make_denoiser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -393,25 +394,12 @@ def test_unknown_config_key_without_config_flag(capsys):
         raise AttributeError("not a config key")  # other errors pass through unchanged
 
 
-def test_auto_attention_avoids_cudnn_only_in_fsdp_programs_on_several_gpus(monkeypatch):
-    """`auto` resolves to XLA attention where the train rules shard weights on a multi-GPU run
-    (cuDNN attention deadlocked there, docs/known_issues.md "Training shards"); elsewhere it is left to the layer."""
+def test_zoo_configs_replicate_the_weights_and_the_fsdp_rules_shard_them():
+    """The model-zoo configs train data parallel (every weight whole on each train device);
+    `sharding_section(fsdp=True)` shards the weights for training only, never for rollouts."""
     from configs.sections import sharding_section
 
-    config = get_config("qwenimage")
-    config.model.random_init = True
-    assert not families.shards_weights(config.sharding.train_rules)  # the zoo configs: data parallel
+    for family in CONFIGS:
+        assert not mesh_lib.shards_weights(get_config(family).sharding.train_rules), family
     fsdp = sharding_section(fsdp=True)
-    assert families.shards_weights(fsdp.train_rules) and not families.shards_weights(fsdp.rollout_rules)
-
-    def resolved(rules, backend, devices, impl="auto"):
-        config.sharding.train_rules, config.model.attention_impl = rules, impl
-        monkeypatch.setattr(workload.jax, "default_backend", lambda: backend)
-        monkeypatch.setattr(workload.jax, "device_count", lambda: devices)
-        return families.model_config(config).attention_impl
-
-    assert resolved(fsdp.train_rules, "gpu", 2) == "xla"
-    assert resolved(fsdp.train_rules, "gpu", 2, impl="cudnn") == "cudnn"  # asked for explicitly
-    assert resolved(fsdp.train_rules, "gpu", 1) == "auto"
-    assert resolved(fsdp.train_rules, "cpu", 8) == "auto"
-    assert resolved(sharding_section(fsdp=False).train_rules, "gpu", 4) == "auto"
+    assert mesh_lib.shards_weights(fsdp.train_rules) and not mesh_lib.shards_weights(fsdp.rollout_rules)

@@ -2,6 +2,7 @@
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -469,6 +470,32 @@ def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path
         assert jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding == s, tree, weights.sharding[role])) == [True] * len(jax.tree.leaves(base))
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(tree)), jax.tree.leaves(base)))
     executor.close()
+
+
+def test_fsdp_rollout_step_gathers_the_weights_and_reduces_no_activation(runs, cache_dir, tmp_path, monkeypatch):
+    """Colocated with the weights sharded (tiny's FSDP train rules), the sampler step as the
+    executor compiles it gathers each weight and moves nothing else: every product contracts a
+    whole hidden axis on the device's share of the batch. Left to itself, the compiler split the
+    contraction instead and all-reduced activations, and such programs with cuDNN attention
+    deadlocked on 2 GPUs (docs/known_issues.md)."""
+    config = runtime_config(cache_dir, "colocated", train_devices=4)
+    assert mesh_lib.shards_weights(config.sharding.train_rules)
+    run = runs["run"]
+    sampler, programs = run.trainer.sampler, []
+    step = sampler.step
+
+    def compiled_then_run(*args):
+        if not programs:
+            programs.append(step.lower(*args).compile().as_text())
+        return step(*args)
+
+    monkeypatch.setattr(sampler, "step", compiled_then_run)
+    executor = Executor(run, config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    executor.iteration(0)
+    executor.close()
+    ops = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+    counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", programs[0])) for op in ops}
+    assert counts["all-gather"] > 0 and sum(counts.values()) == counts["all-gather"], counts
 
 
 def test_bf16_rollout_log_probs_differ_and_the_trainer_anchor_removes_the_gap(cache_dir, tmp_path):

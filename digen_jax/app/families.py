@@ -132,31 +132,9 @@ SIDE_MULTIPLE = 2 * diffusion.VAE_SCALE_FACTOR
 TEMPORAL = 4  # both video VAEs: 4k + 1 frames <-> k + 1 latent frames
 
 
-def shards_weights(rules) -> bool:
-    """Whether logical-axis `rules` split a weight axis over the mesh (FSDP), not only activations."""
-    return any(mesh_axis and not logical.startswith("activation_") for logical, mesh_axis in rules)
-
-
-def attention_impl(config: ml_collections.ConfigDict) -> str:
-    """`model.attention_impl`, where `auto` also steers clear of cuDNN attention in FSDP programs
-    on several GPUs.
-
-    A program that all-gathers or all-reduces sharded weights per layer and runs cuDNN's fused
-    attention can deadlock on H100s at its first run (jax 0.11.2, NCCL 2.28.9; cause unknown);
-    the same programs with XLA's attention run (docs/known_issues.md "Training shards: FSDP and
-    cuDNN attention"). An explicit 'cudnn' is kept as asked.
-    """
-    impl = config.model.attention_impl
-    sharding = config.get("sharding")
-    if (impl == "auto" and sharding is not None and shards_weights(sharding.train_rules)
-            and jax.default_backend() == "gpu" and jax.device_count() > 1):
-        return "xla"
-    return impl
-
-
 def policy(config: ml_collections.ConfigDict) -> dict:
     c = config.model
-    return dict(dtype=c.dtype, param_dtype=c.param_dtype, attention_impl=attention_impl(config),
+    return dict(dtype=c.dtype, param_dtype=c.param_dtype, attention_impl=c.attention_impl,
                 remat_policy=c.remat_policy, scan_layers=c.scan_layers)
 
 

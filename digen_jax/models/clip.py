@@ -141,7 +141,7 @@ class CLIPBlock(nn.Module):
         h = layers.logical_dense(int(width * cfg.mlp_ratio), ("embed", "mlp"), name="fc1", **cfg.kw)(h)
         h = ACTIVATIONS[cfg.hidden_act](h)
         h = layers.logical_dense(width, ("mlp", "embed"), name="fc2", **cfg.kw)(h)
-        return nn.with_logical_constraint(x + h, ("activation_batch", "activation_length", "activation_embed")), None
+        return layers.constrain(x + h, ("activation_batch", "activation_length", "activation_embed")), None
 
 
 def _encoder(cfg: CLIPConfig, depth: int, heads: int, causal: bool, name: str) -> nn.Module:

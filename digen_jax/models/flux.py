@@ -162,12 +162,12 @@ class FluxDoubleBlock(nn.Module):
         img_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff", **cfg.kw)(
             layers.modulate(layers.layer_norm(img), shift_m, scale_m)
         )
-        img = nn.with_logical_constraint(img + gate_m[:, None] * img_mlp, ACT)
+        img = layers.constrain(img + gate_m[:, None] * img_mlp, ACT)
         txt = txt + c_gate_a[:, None] * txt_attn
         txt_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff_context", **cfg.kw)(
             layers.modulate(layers.layer_norm(txt), c_shift_m, c_scale_m)
         )
-        txt = nn.with_logical_constraint(txt + c_gate_m[:, None] * txt_mlp, ACT)
+        txt = layers.constrain(txt + c_gate_m[:, None] * txt_mlp, ACT)
         return (img, txt), None
 
 
@@ -186,7 +186,7 @@ class FluxSingleBlock(nn.Module):
         out = layers.logical_dense(cfg.inner_dim, ("attn_mlp", "embed"), name="proj_out", **cfg.kw)(
             jnp.concatenate([attn, mlp], axis=-1)
         )
-        return nn.with_logical_constraint(x + gate[:, None] * out, ACT), None
+        return layers.constrain(x + gate[:, None] * out, ACT), None
 
 
 class FluxConditioning(nn.Module):
@@ -242,7 +242,7 @@ class FluxTransformer(nn.Module):
         txt = layers.logical_dense(cfg.inner_dim, ("cond", "embed"), name="context_embedder", **cfg.kw)(
             encoder_hidden_states.astype(dtype)
         )
-        img, txt = nn.with_logical_constraint(img, ACT), nn.with_logical_constraint(txt, ACT)
+        img, txt = layers.constrain(img, ACT), layers.constrain(txt, ACT)
         temb = FluxConditioning(cfg, name="time_text_embed")(timestep, pooled_projections, guidance)
         cos, sin = layers.rope_tables(jnp.concatenate([txt_ids, img_ids], axis=0), cfg.axes_dims_rope, 10000.0)
 

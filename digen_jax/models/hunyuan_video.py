@@ -229,12 +229,12 @@ class HunyuanVideoDoubleBlock(nn.Module):
         img_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff", **cfg.kw)(
             layers.modulate(layers.layer_norm(img), shift_m, scale_m)
         )
-        img = layers.shard_tokens(nn.with_logical_constraint(img + gate_m[:, None] * img_mlp, ACT))
+        img = layers.shard_tokens(layers.constrain(img + gate_m[:, None] * img_mlp, ACT))
         txt = txt + c_gate_a[:, None] * txt_attn
         txt_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff_context", **cfg.kw)(
             layers.modulate(layers.layer_norm(txt), c_shift_m, c_scale_m)
         )
-        txt = nn.with_logical_constraint(txt + c_gate_m[:, None] * txt_mlp, ACT)
+        txt = layers.constrain(txt + c_gate_m[:, None] * txt_mlp, ACT)
         return (img, txt), None
 
 
@@ -255,7 +255,7 @@ class HunyuanVideoSingleBlock(nn.Module):
 
         def residual(x, h, a):
             mlp = nn.gelu(proj_mlp(h), approximate=True)
-            return nn.with_logical_constraint(x + gate[:, None] * proj_out(jnp.concatenate([a, mlp], axis=-1)), ACT)
+            return layers.constrain(x + gate[:, None] * proj_out(jnp.concatenate([a, mlp], axis=-1)), ACT)
 
         img, txt = (residual(*parts) for parts in zip(carry, (h_img, h_txt), attn))
         return (layers.shard_tokens(img), txt), None
@@ -285,7 +285,7 @@ class RefinerBlock(nn.Module):
         gate_a, gate_m = layers.Modulation(2, cfg.inner_dim, name="norm_out", **cfg.kw)(temb)
         x = x + attn * gate_a[:, None]
         mlp = layers.FeedForward(cfg.refiner_mlp_dim, cfg.inner_dim, "silu", name="ff", **cfg.kw)(AffineLayerNorm(name="norm2", **norm_kw)(x))
-        return nn.with_logical_constraint(x + mlp * gate_m[:, None], ACT), None
+        return layers.constrain(x + mlp * gate_m[:, None], ACT), None
 
 
 class TokenRefiner(nn.Module):
@@ -303,7 +303,7 @@ class TokenRefiner(nn.Module):
         temb = embed("timestep_embedder")(layers.timestep_sinusoid(timestep, 256))
         temb = temb + embed("text_embedder")(pooled)
         x = layers.logical_dense(cfg.inner_dim, ("cond", "embed"), name="proj_in", **cfg.kw)(text.astype(cfg.kw["dtype"]))
-        x = nn.with_logical_constraint(x, ACT)
+        x = layers.constrain(x, ACT)
         if cfg.num_refiner_layers:
             blocks = layers.scan_blocks(RefinerBlock, cfg.num_refiner_layers, cfg.remat_policy, cfg.scan_layers)
             x, _ = blocks(cfg, name="refiner_blocks")(x, temb, text_lengths)
@@ -372,7 +372,7 @@ class HunyuanVideoTransformer(nn.Module):
         img = layers.shard_tokens(img)
         text_lengths = jnp.sum(encoder_attention_mask != 0, axis=-1, dtype=jnp.int32)
         txt = TokenRefiner(cfg, name="context_embedder")(encoder_hidden_states, timestep, encoder_attention_mask, text_lengths)
-        img, txt = nn.with_logical_constraint(img, ACT), nn.with_logical_constraint(txt, ACT)
+        img, txt = layers.constrain(img, ACT), layers.constrain(txt, ACT)
         # [image, text] order with right-padded text: the padded keys are the tail.
         img_len = img.shape[1]
         kv_lengths = img_len + text_lengths

@@ -90,6 +90,25 @@ class AdaptableDense(nn.Dense):
         return out
 
 
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """`x` laid out by the logical names of its leading axes (the rest whole), under the rules and
+    mesh the caller traces under (`nn.logical_axis_rules`, `jax.set_mesh`; the runtime sets both
+    for programs whose weights are sharded). An axis that its mesh axes do not divide stays
+    whole (a batch of 3 on 2 devices); nothing is constrained without rules or a mesh."""
+    rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return x
+    table = dict(rules)
+    spec = []
+    for name, size in zip(tuple(names) + (None,) * (x.ndim - len(names)), x.shape):
+        axes = table.get(name) if name is not None else None
+        if isinstance(axes, (str, tuple)):
+            ways = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+            axes = axes if size % ways == 0 else None
+        spec.append(axes)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
 def logical_dense(
     features: int,
     axes: tuple[str, str],
@@ -196,6 +215,7 @@ class Modulation(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
         )(nn.silu(cond.astype(self.dtype)))
+        out = constrain(out, ("activation_batch",))
         return jnp.split(out, self.num_chunks, axis=-1)
 
 
@@ -236,8 +256,8 @@ class MLPEmbedder(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = logical_dense(self.dim, ("cond", "embed"), name="linear_1", **kw)(x.astype(self.dtype))
-        return logical_dense(self.dim, ("embed", "embed"), name="linear_2", **kw)(nn.silu(x))
+        x = constrain(logical_dense(self.dim, ("cond", "embed"), name="linear_1", **kw)(x.astype(self.dtype)), ("activation_batch",))
+        return constrain(logical_dense(self.dim, ("embed", "embed"), name="linear_2", **kw)(nn.silu(x)), ("activation_batch",))
 
 
 class FeedForward(nn.Module):
@@ -262,7 +282,7 @@ class FeedForward(nn.Module):
             h = nn.silu(h)
         else:
             raise ValueError(f"FeedForward activation must be 'gelu_tanh' or 'silu', got {self.activation!r}")
-        h = nn.with_logical_constraint(h, ("activation_batch", "activation_length", "activation_mlp"))
+        h = constrain(h, ("activation_batch", "activation_length", "activation_mlp"))
         return logical_dense(self.out_dim, ("mlp", "embed"), name="proj_out", **kw)(h)
 
 

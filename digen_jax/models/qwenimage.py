@@ -223,11 +223,11 @@ class QwenImageBlock(nn.Module):
         img_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="img_mlp", **cfg.kw)(
             layers.modulate(layers.layer_norm(img), shift_m, scale_m)
         )
-        img = nn.with_logical_constraint(img + gate_m[:, None] * img_mlp, ACT)
+        img = layers.constrain(img + gate_m[:, None] * img_mlp, ACT)
         txt_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="txt_mlp", **cfg.kw)(
             layers.modulate(layers.layer_norm(txt), t_shift_m, t_scale_m)
         )
-        txt = nn.with_logical_constraint(txt + t_gate_m[:, None] * txt_mlp, ACT)
+        txt = layers.constrain(txt + t_gate_m[:, None] * txt_mlp, ACT)
         return (img, txt), None
 
 
@@ -291,7 +291,7 @@ class QwenImageTransformer(nn.Module):
             encoder_hidden_states
         )
         txt = layers.logical_dense(cfg.inner_dim, ("cond", "embed"), name="txt_in", **cfg.kw)(txt.astype(dtype))
-        img, txt = nn.with_logical_constraint(img, ACT), nn.with_logical_constraint(txt, ACT)
+        img, txt = layers.constrain(img, ACT), layers.constrain(txt, ACT)
         temb = QwenImageTimestepEmbedding(cfg, name="time_text_embed")(timestep)
 
         img_ids, txt_ids = rope_position_ids(img_shapes, img_len, txt_len)

@@ -233,7 +233,7 @@ class WanBlock(nn.Module):
         h = layers.modulate(fp32_layer_norm(x, cfg.eps), shift_m, scale_m).astype(x.dtype)
         ff = layers.FeedForward(cfg.ffn_dim, cfg.inner_dim, name="ffn", **cfg.kw)(h)
         x = (x.astype(jnp.float32) + ff.astype(jnp.float32) * gate_m[:, None]).astype(x.dtype)
-        return layers.shard_tokens(nn.with_logical_constraint(x, ACT)), None
+        return layers.shard_tokens(layers.constrain(x, ACT)), None
 
 
 class WanConditioning(nn.Module):
@@ -299,9 +299,9 @@ class WanTransformer(nn.Module):
         cos, sin = rope_tables(cfg, grid)
 
         patch_embed = layers.PatchEmbed3D(cfg.patch_size, cfg.inner_dim, name="patch_embedding", **cfg.kw)
-        x = layers.shard_tokens(nn.with_logical_constraint(patch_embed(hidden_states), ACT))
+        x = layers.shard_tokens(layers.constrain(patch_embed(hidden_states), ACT))
         temb, timestep_proj, ctx = WanConditioning(cfg, name="condition_embedder")(timestep, encoder_hidden_states)
-        ctx = nn.with_logical_constraint(ctx, ACT)
+        ctx = layers.constrain(ctx, ACT)
 
         if cfg.num_layers:
             blocks = layers.scan_blocks(WanBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)

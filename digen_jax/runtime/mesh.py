@@ -102,13 +102,41 @@ def host_device() -> jax.Device:
         return jax.local_devices()[0]
 
 
-def model_mesh(mesh: Mesh):
-    """The context the model's forward (and its gradient) is traced and run under on `mesh`:
-    the mesh itself (`jax.set_mesh`) where it has a `seq` axis, so the models split each
-    sample's tokens over it (`models.layers.seq_parallel_size`); nothing otherwise."""
+def shards_weights(rules: Sequence[tuple[str, str | None]]) -> bool:
+    """Whether logical-axis `rules` split a weight axis over the mesh (FSDP), not only activations."""
+    return any(mesh_axis and not logical.startswith("activation_") for logical, mesh_axis in rules)
+
+
+def activation_rules(rules: Sequence[tuple[str, str | None]], mesh: Mesh) -> tuple[tuple[str, Any], ...]:
+    """The rules the models' activation constraints follow on `mesh`: each `activation_*` rule of
+    `rules`, the batch over `data` unless they say otherwise, and with a `seq` axis the token axis
+    left to `models.layers.shard_tokens`; every other activation axis whole."""
+    table = {name: axis for name, axis in rules if name.startswith("activation_")}
+    table.setdefault("activation_batch", AXIS)
     if SEQ_AXIS in mesh.axis_names:
-        return jax.set_mesh(mesh)
-    return contextlib.nullcontext()
+        table["activation_length"] = PartitionSpec.UNCONSTRAINED
+    return tuple(table.items())
+
+
+def model_mesh(mesh: Mesh, rules: Sequence[tuple[str, str | None]] = ()):
+    """The context the model's forward (and its gradient) is traced and run under on `mesh`,
+    whose weights lie by `rules`.
+
+    With a `seq` axis, the mesh itself (`jax.set_mesh`), so the models split each sample's
+    tokens over it (`models.layers.seq_parallel_size`). Where `rules` shard the weights (FSDP),
+    also `activation_rules`, so the models' activation constraints hold each activation split by
+    batch and whole in its hidden axis: the compiler then gathers each layer's weight shards
+    (one all-gather per weight) instead of splitting the products' contraction over the devices
+    and all-reducing every activation. Nothing otherwise.
+    """
+    fsdp = shards_weights(rules)
+    if SEQ_AXIS not in mesh.axis_names and not fsdp:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(mesh))
+    if fsdp:
+        stack.enter_context(nn.logical_axis_rules(activation_rules(rules, mesh)))
+    return stack
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

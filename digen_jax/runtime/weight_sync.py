@@ -45,10 +45,9 @@ class RoleWeights:
         self.meshes, self.trainer = meshes, trainer
         self.merge_for_sampling = merge_for_sampling
         self.lora_scale = trainer.cfg.lora_scale
-        self.sharding = {
-            "train": mesh_lib.param_shardings(abstract_params, meshes.train, rules.train_rules),
-            "rollout": mesh_lib.param_shardings(abstract_params, meshes.rollout, rules.rollout_rules),
-        }
+        self.rules = {"train": tuple(rules.train_rules), "rollout": tuple(rules.rollout_rules)}
+        self.sharding = {role: mesh_lib.param_shardings(abstract_params, getattr(meshes, role), self.rules[role])
+                         for role in ("train", "rollout")}
         self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
         self._quantize = None
         if trainer.cfg.rollout_precision == "fp8":
@@ -59,6 +58,11 @@ class RoleWeights:
         self.decoders: dict[str, Any] = {}
         self.rollout_params = None
         self.rollout_version = -1
+
+    def model_mesh(self, group: str):
+        """`mesh_lib.model_mesh` for the transformer programs of plan group `group`: its mesh, and
+        the rules its weights lie by (the train rules on the train or shared mesh)."""
+        return mesh_lib.model_mesh(self.meshes.for_group(group), self.rules["rollout" if group == "rollout" else "train"])
 
     def state_sharding(self, state: TrainState) -> TrainState:
         """Shardings of a train state laid out like `state` on the train mesh."""
