@@ -472,30 +472,39 @@ def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path
     executor.close()
 
 
-def test_fsdp_rollout_step_gathers_the_weights_and_reduces_no_activation(runs, cache_dir, tmp_path, monkeypatch):
-    """Colocated with the weights sharded (tiny's FSDP train rules), the sampler step as the
-    executor compiles it gathers each weight and moves nothing else: every product contracts a
-    whole hidden axis on the device's share of the batch. Left to itself, the compiler split the
-    contraction instead and all-reduced activations, and such programs with cuDNN attention
-    deadlocked on 2 GPUs (docs/known_issues.md)."""
+def test_fsdp_programs_gather_the_weights_and_keep_gradient_shards(runs, cache_dir, tmp_path, monkeypatch):
+    """Colocated with the weights sharded (tiny's FSDP train rules), as the executor compiles them:
+    the sampler step gathers each weight and moves nothing else (every product contracts a whole
+    hidden axis on the device's share of the batch), and the gradient program leaves each
+    gradient sharded like its weight. Left to itself, the compiler split the products'
+    contraction and all-reduced activations, which deadlocked with cuDNN attention on 2 GPUs
+    (docs/known_issues.md), and returned whole gradients on every device."""
     config = runtime_config(cache_dir, "colocated", train_devices=4)
     assert mesh_lib.shards_weights(config.sharding.train_rules)
     run = runs["run"]
-    sampler, programs = run.trainer.sampler, []
-    step = sampler.step
+    compiled = {}
 
-    def compiled_then_run(*args):
-        if not programs:
-            programs.append(step.lower(*args).compile().as_text())
-        return step(*args)
+    def compiling(name, fn):
+        def call(*args):
+            compiled.setdefault(name, fn.lower(*args).compile())
+            return fn(*args)
+        return call
 
-    monkeypatch.setattr(sampler, "step", compiled_then_run)
+    sampler = run.trainer.sampler
+    monkeypatch.setattr(sampler, "step", compiling("step", sampler.step))
     executor = Executor(run, config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    monkeypatch.setattr(run.trainer, "_grad", compiling("grad", run.trainer._grad))
     executor.iteration(0)
     executor.close()
     ops = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
-    counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", programs[0])) for op in ops}
+    text = compiled["step"].as_text()
+    counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in ops}
     assert counts["all-gather"] > 0 and sum(counts.values()) == counts["all-gather"], counts
+    grad = compiled["grad"]
+    grads, shapes = jax.tree.leaves(grad.output_shardings[1]), jax.tree.leaves(grad.out_info[1])
+    expected = jax.tree.leaves(executor.state_sharding.trainable)
+    assert len(grads) == len(shapes) == len(expected) and any(not e.is_fully_replicated for e in expected)
+    assert all(g.is_equivalent_to(e, s.ndim) for g, e, s in zip(grads, expected, shapes))
 
 
 def test_bf16_rollout_log_probs_differ_and_the_trainer_anchor_removes_the_gap(cache_dir, tmp_path):

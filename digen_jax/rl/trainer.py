@@ -204,8 +204,17 @@ class Trainer:
 
     def pin_state_sharding(self, state_sharding: Any) -> None:
         """Give updated states exactly `state_sharding`, so a state restored with it runs the same
-        compiled programs (and the same reduction order) as the live one."""
+        compiled programs (and the same reduction order) as the live one; and gradients the
+        trainable weights' own sharding: with sharded weights (FSDP) each device then reduces
+        and keeps only its shard of every gradient instead of whole gradients."""
         self.apply_update = jax.jit(self._apply_update, donate_argnums=(0,), out_shardings=(state_sharding, None))
+        value_and_grad = jax.value_and_grad(self._loss, has_aux=True)
+
+        def sharded_grad(*args):
+            value, grads = value_and_grad(*args)
+            return value, jax.lax.with_sharding_constraint(grads, state_sharding.trainable)
+
+        self._grad = jax.jit(sharded_grad)
 
     def place_frozen(self, sharding: Any, put: Callable[[Any, Any], Any] = jax.device_put) -> None:
         """Move the frozen weights (if any) onto `sharding` (the train role's parameter shardings)
