@@ -112,7 +112,8 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     # --config.runtime.mode=gap+tsp+tag+tcss --config.runtime.rollout_devices=2 --config.runtime.train_devices=2
     # --config.rl.num_updates_per_batch=1 (a disaggregated mode makes one update per iteration)
     c.runtime = runtime_section(micro_batches=4)
-    # LoRA: the frozen base is replicated on every train device (data parallel, one adapter-gradient
-    # all-reduce per micro-batch) instead of FSDP's per-layer gathers; docs/known_issues.md "Training shards" says why.
+    # LoRA: the frozen base fits one GPU and is replicated on every train device (data parallel, one
+    # adapter-gradient all-reduce per micro-batch, no per-layer weight gathers). Full fine-tuning
+    # of these sizes needs sharding_section(fsdp=True) (docs/design.md, "Shardings from logical names").
     c.sharding = sharding_section(fsdp=False)
     return tiny_overrides(c, video=False, trained_steps=3) if size == "tiny" else c

@@ -21,8 +21,10 @@ compile slower but skip the per-layer copy a scan makes when it slices each bloc
 out of the stacked arrays (on H100 about 0.45 ms per Qwen-Image block, 18% of its forward).
 `relayout_blocks` converts parameter trees between the two.
 
-Activations are constrained with `activation_batch`, `activation_length`,
-`activation_embed`, `activation_heads` and `activation_mlp`.
+Activations are constrained (`constrain`) with `activation_batch`, `activation_length`,
+`activation_embed`, `activation_heads` and `activation_mlp`; the constraints act only where the
+caller traces under a mesh and logical rules (the runtime sets both for programs whose weights
+are sharded) and are no-ops otherwise.
 
 Sequence parallelism (the video transformers): a model traced under `jax.set_mesh` of a mesh
 with a `SEQ_AXIS` of size P > 1 splits each sample's video tokens over that axis
