@@ -7,59 +7,68 @@ Usage:
     score(images: (B, H, W, 3) uint8 numpy array, prompts: list[str], metadata: list[dict])
         -> B numbers
 (the signature of the reward registry's functions, so a registered reward's function
-works too). The server depends only on the standard library, numpy and Pillow, so it
-runs in whatever environment the scoring model needs; it does not import digen_jax.
+works too). The server needs numpy, Pillow and uvicorn (an ASGI server), so it runs in
+whatever environment the scoring model needs; it does not import digen_jax or JAX.
 
 Protocol (version 1, JSON, no pickle):
     POST /score  {"version": 1, "images": [{"format": "png"|"jpeg", "data": <base64>}],
                   "prompts": [...], "metadata": [{...}]}
       200 {"scores": [float, ...]}       one number per image, finite in float32
-      400 {"error": "..."}               a malformed request
+      400 {"error": "..."}               a malformed request (a request that is not HTTP at
+                                         all is answered 400 with a plain-text body)
       401 {"error": "..."}               --token is set and the request lacks
                                          `Authorization: Bearer <token>`
-      408, 411, 413 {"error": "..."}     the request arrived too slowly, without a
+      404, 405 {"error": "..."}          another path, or another method
+      408, 411, 413 {"error": "..."}     the body arrived too slowly, without a
                                          Content-Length, or over --max_body_mb / --max_pixels
       500 {"error": "..."}               the function raised or returned bad scores (the
                                          details go to the server's log, never to the client)
-      503 {"error": "..."}               every worker busy and the queue full: retry later
+      503 {"error": "..."}               --workers + --queue requests already in progress:
+                                         retry later
     GET /health  200 {"status": "ok"}        (no token needed)
 
-Requests are handled by --workers threads; up to --queue more connections wait for one,
-and further ones are answered 503 at once. Each connection has --request_timeout seconds
-to deliver its whole request (headers and body), however slowly its bytes trickle in.
-Calls of the function are serialised (one batch at a time, which suits a model on one
-GPU); `--concurrent` lets the workers call it in parallel when it is thread-safe.
+One event loop reads every connection, so slow or stalled clients hold no worker: /health
+and new requests are answered while they trickle. A connection has --request_timeout
+seconds to send a request's headers (else it is closed), and as long again for its body
+(else 408). Up to --workers threads decode requests; calls of the function are serialised
+(one batch at a time, which suits a model on one GPU) unless `--concurrent` lets the
+workers call it in parallel when it is thread-safe. At most --workers + --queue requests
+are in progress (each holding its body, at most --max_body_mb); more are answered 503 at
+once. A request whose client hangs up while it waits is dropped unscored; a call already
+running finishes (a Python function cannot be interrupted) and its answer is discarded.
 
 Security: the protocol is plain HTTP. The default binds to loopback only; to serve other
 machines, bind a trusted network's address and set a shared secret with --token or, kept
-out of the process list, the environment variable REWARD_SERVER_TOKEN (clients: reward
-option token, or the same variable).
+out of the process list, the environment variable REWARD_SERVER_TOKEN; across an untrusted
+network put a TLS proxy in front (clients then use an https:// url). Clients send the token
+only when their reward options name it (`token` or `token_env`), and only over https or to
+a loopback address unless `allow_insecure` says otherwise.
 
 Clients: `digen_jax.rewards.remote` (reward name `remote`, option url=http://HOST:PORT/score).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import binascii
 import hmac
-import http.client
 import importlib
 import io
 import ipaddress
 import json
 import os
-import queue
 import socket
 import sys
 import threading
-import time
 import traceback
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
+import uvicorn
 from PIL import Image
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 PROTOCOL_VERSION = 1
 TOKEN_ENV = "REWARD_SERVER_TOKEN"
@@ -69,14 +78,8 @@ WORKERS = 4
 QUEUE = 128
 REQUEST_TIMEOUT = 30.0
 LISTEN_BACKLOG = 128
+_SHUTDOWN_GRACE_SECONDS = 5  # requests still in progress at shutdown get this long to be answered
 _FORMATS = {"png": "PNG", "jpeg": "JPEG"}
-_BUSY_QUEUE = 64  # refusals waiting to be answered 503
-_LINGER_SECONDS = 2.0  # time a refused client has to finish sending its request
-_LINGER_BYTES = 1 << 28  # and the most of it that is read
-_MAX_LINE = 1 << 16
-_BUSY_BODY = b'{"error": "server busy (queue full); retry in a moment"}'
-_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
 
 
 class BadRequest(ValueError):
@@ -199,120 +202,212 @@ def exposure_warning(host: str, token: str | None) -> str | None:
     return warning
 
 
-class _DeadlineReader(io.RawIOBase):
-    """Reads a socket until one monotonic deadline: a socket timeout restarts at every read,
-    so a client trickling a byte at a time would never trip it."""
 
-    def __init__(self, sock: socket.socket, deadline: float):
-        self._sock, self.deadline = sock, deadline
+def _header_deadline(request_timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection that has not sent a request's headers within
+    `request_timeout` of connecting or of its previous answer: uvicorn bounds only the idle time
+    before the first byte, so a client sending a header byte a second would hold its socket forever."""
 
-    def readable(self) -> bool:
-        return True
+    class HeaderDeadline(H11Protocol):
+        _timer: asyncio.TimerHandle | None = None
 
-    def readinto(self, buffer) -> int:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request was not received in time")
-        self._sock.settimeout(left)
-        return self._sock.recv_into(buffer)
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_later(request_timeout, self._expire)
+
+        def _expire(self) -> None:
+            # No request in progress: its headers (or the rest of a refused body) are late. A request
+            # in progress bounds its own body (408) and is then scored for as long as that takes.
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+
+    return HeaderDeadline
 
 
-class RewardServer(HTTPServer):
-    """An HTTPServer with a fixed pool of worker threads fed by a bounded queue of connections.
+class _ClientGone(Exception):
+    """The client closed its connection before the request was answered."""
 
-    The accept loop only queues connections. When the queue is full, one more thread answers
-    503: it sends the answer at once, then reads the client's request to its end (briefly)
-    before closing, so that the client, still sending, is not reset and reads the 503. When
-    even that thread is backed up, connections are closed unanswered.
-    """
 
-    request_queue_size = LISTEN_BACKLOG
+async def _answer(send, status: int, payload: dict, headers: tuple = ()) -> None:
+    body = json.dumps(payload, allow_nan=False).encode("utf-8")
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
 
-    def __init__(self, address, handler, *, workers: int, queue_size: int, errors: Callable[[str], None]):
-        super().__init__(address, handler)
-        self.errors = errors
-        self._queue: queue.Queue = queue.Queue(queue_size)
-        self._busy: queue.Queue = queue.Queue(_BUSY_QUEUE)
-        self._workers = [threading.Thread(target=self._work, name=f"reward-server-{i}", daemon=True)
-                         for i in range(workers)]
-        self._refuser = threading.Thread(target=self._refuse_busy, name="reward-server-busy", daemon=True)
-        for thread in (*self._workers, self._refuser):
-            thread.start()
 
-    def process_request(self, request, client_address):
+class ScoringApp:
+    """The protocol (module docstring) as an ASGI application.
+
+    `requests` counts the /score requests in progress (reading, waiting, decoding or scoring)."""
+
+    def __init__(self, score_fn: Callable, *, concurrent: bool, token: str | None, workers: int, queue_size: int,
+                 max_body_bytes: int, max_pixels: int, request_timeout: float, errors: Callable[[str], None]):
+        self.score_fn, self.errors = score_fn, errors
+        self.max_body_bytes, self.max_pixels, self.request_timeout = max_body_bytes, max_pixels, request_timeout
+        self.capacity, self.requests = workers + queue_size, 0
+        self._auth = None if token is None else f"Bearer {token}".encode()
+        self._decoders = ThreadPoolExecutor(workers, thread_name_prefix="reward-server")
+        # One thread serialises the calls; a call waiting for it can still be dropped.
+        self._scorer = (self._decoders if concurrent
+                        else ThreadPoolExecutor(1, thread_name_prefix="reward-server-score"))
+
+    def close(self) -> None:
+        """Stop the threads once their current call returns; calls not started are dropped."""
+        for pool in {self._decoders, self._scorer}:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"].rstrip("/"), scope["method"]
+        if path not in ("/health", "/score"):
+            await _answer(send, 404, {"error": "unknown path; POST /score or GET /health"})
+        elif (path, method) not in (("/health", "GET"), ("/score", "POST")):
+            allowed = "GET" if path == "/health" else "POST"
+            await _answer(send, 405, {"error": f"{method} {path} is not served; {allowed} it"},
+                          ((b"allow", allowed.encode()),))
+        elif path == "/health":
+            await _answer(send, 200, {"status": "ok"})
+        else:
+            headers = dict(scope["headers"])
+            client = "%s:%s" % tuple(scope.get("client") or ("?", "?"))
+            if self._auth is not None and not hmac.compare_digest(headers.get(b"authorization", b""), self._auth):
+                await _answer(send, 401, {"error": "missing or wrong token (Authorization: Bearer <token>)"},
+                              ((b"www-authenticate", b"Bearer"),))
+            elif self.requests >= self.capacity:
+                await _answer(send, 503, {"error": "server busy (queue full); retry in a moment"},
+                              ((b"retry-after", b"1"),))
+            else:
+                self.requests += 1
+                try:
+                    await self._score(headers, receive, send, client)
+                except _ClientGone:
+                    pass
+                except Exception:  # noqa: BLE001 (any failure is answered; its details stay here)
+                    self.errors(f"{client}: internal error\n{traceback.format_exc()}")
+                    await _answer(send, 500, {"error": "internal server error (details in the server log)"})
+                finally:
+                    self.requests -= 1
+
+    async def _score(self, headers: dict, receive, send, client: str) -> None:
         try:
-            self._queue.put_nowait((request, client_address))
-        except queue.Full:
-            try:
-                self._busy.put_nowait((request, client_address))
-            except queue.Full:
-                self.shutdown_request(request)
+            body = await self._body(headers, receive)
+        except BadRequest as e:
+            # A late body is not read further; any other refusal is answered before the body, which
+            # the server then reads and drops, so that a client still sending sees the answer.
+            close = ((b"connection", b"close"),) if e.status == 408 else ()
+            await _answer(send, e.status, {"error": str(e)}, close)
+            return
+        # Once the body is in, the next receive() returns only when the client hangs up.
+        gone = asyncio.ensure_future(receive())
+        work = asyncio.ensure_future(self._process(body, client))
+        try:
+            await asyncio.wait((gone, work), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            work.cancel()  # if not done: the client is gone (or the server stops), so drop its request
+        if not work.done():
+            raise _ClientGone
+        status, payload = work.result()
+        await _answer(send, status, payload)
 
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            request, client_address = item
-            try:
-                self.finish_request(request, client_address)
-            except Exception:  # noqa: BLE001 (a worker outlives any one connection)
-                self.handle_error(request, client_address)
-            finally:
-                self.shutdown_request(request)
+    async def _body(self, headers: dict, receive) -> bytes:
+        if b"transfer-encoding" in headers:
+            raise BadRequest("send the body with a Content-Length, not Transfer-Encoding", 411)
+        declared = headers.get(b"content-length")
+        if declared is None:
+            raise BadRequest("a Content-Length header is required", 411)
+        if not declared.isdigit():
+            raise BadRequest(f"Content-Length must be a number of bytes, got {declared[:40].decode('latin-1')!r}")
+        length = int(declared)
+        if length > self.max_body_bytes:
+            raise BadRequest(f"body of {length} bytes is over the server's limit of {self.max_body_bytes}", 413)
+        if length == 0:
+            raise BadRequest("empty body")
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise _ClientGone
+                    body += message.get("body", b"")
+                    if not message.get("more_body", False):
+                        return bytes(body)
+        except TimeoutError:
+            raise BadRequest(f"the body did not arrive within {self.request_timeout:g} s", 408) from None
 
-    def _refuse_busy(self) -> None:
-        while (item := self._busy.get()) is not None:
-            request = item[0]
-            try:
-                request.settimeout(_LINGER_SECONDS)
-                request.sendall(_BUSY)
-                request.shutdown(socket.SHUT_WR)
-                rfile = io.BufferedReader(_DeadlineReader(request, time.monotonic() + _LINGER_SECONDS))
-                rfile.readline(_MAX_LINE)
-                discard(rfile, http.client.parse_headers(rfile).get("Content-Length"))
-            except (OSError, http.client.HTTPException):  # the deadline, or not HTTP: close anyway
-                pass
-            except Exception:  # noqa: BLE001 (this thread outlives any one connection)
-                self.handle_error(request, item[1])
-            finally:
-                self.shutdown_request(request)
+    async def _process(self, body: bytes, client: str) -> tuple[int, dict]:
+        """(status, answer) for a request body: decoded by a worker, scored by the function."""
+        loop = asyncio.get_running_loop()
+        try:
+            images, prompts, metadata = await loop.run_in_executor(self._decoders, decode_request, body,
+                                                                   self.max_pixels)
+        except BadRequest as e:
+            return e.status, {"error": str(e)}
+        try:
+            raw = await loop.run_in_executor(self._scorer, self.score_fn, images, prompts, metadata)
+        except Exception:  # noqa: BLE001 (user code; the client learns only that it failed)
+            self.errors(f"{client}: the score function raised\n{traceback.format_exc()}")
+            return 500, {"error": "the score function failed (details in the server log)"}
+        try:
+            return 200, {"scores": checked_scores(raw, len(images))}
+        except ValueError as e:
+            self.errors(f"{client}: {e}: {str(raw)[:200]}")
+            return 500, {"error": str(e)}
 
-    def handle_error(self, request, client_address) -> None:
-        kind, error, _ = sys.exc_info()
-        self.errors(f"{client_address[0]}: connection failed: {kind.__name__}: {error}")
+
+class RewardServer:
+    """uvicorn serving a `ScoringApp` on a socket bound (and listening) at construction, so that
+    port 0's pick is known at once: `server_address`. `serve_forever()` runs it; `shutdown()`,
+    from another thread, stops it and waits; `server_close()` releases the socket and threads."""
+
+    def __init__(self, app: ScoringApp, sock: socket.socket, config: uvicorn.Config):
+        self.app, self.socket, self.server_address = app, sock, sock.getsockname()
+        self._server = uvicorn.Server(config)
+        self._started, self._stopped = threading.Event(), threading.Event()
+
+    def serve_forever(self) -> None:
+        self._started.set()
+        try:
+            self._server.run(sockets=[self.socket])
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        self._server.should_exit = True
+        if self._started.is_set():
+            self._stopped.wait()
 
     def server_close(self) -> None:
-        super().server_close()
-        # Connections still waiting are closed; each thread ends after its current connection.
-        for waiting, threads in ((self._queue, self._workers), (self._busy, [self._refuser])):
-            while True:
-                try:
-                    item = waiting.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    self.shutdown_request(item[0])
-            for _ in threads:
-                waiting.put(None)
-
-
-def discard(rfile: io.BufferedReader, content_length: str | None) -> None:
-    """Read and drop a request body of `content_length` bytes (at most _LINGER_BYTES), so that
-    closing the connection does not reset a client that is still sending and lose it the answer."""
-    digits = content_length is not None and content_length.isascii() and content_length.isdigit()
-    left = min(int(content_length), _LINGER_BYTES) if digits else 0
-    while left > 0 and (chunk := rfile.read(min(left, 1 << 16))):
-        left -= len(chunk)
+        self.socket.close()
+        self.app.close()
 
 
 def make_server(score_fn: Callable, host: str = "127.0.0.1", port: int = 0, *, concurrent: bool = False,
                 token: str | None = None, workers: int = WORKERS, queue_size: int = QUEUE,
                 max_body_bytes: int = MAX_BODY_MB << 20, max_pixels: int = MAX_PIXELS,
-                request_timeout: float = REQUEST_TIMEOUT, log: Callable[[str], None] | None = None,
+                request_timeout: float = REQUEST_TIMEOUT, access_log: bool = False,
                 errors: Callable[[str], None] | None = None) -> RewardServer:
-    """A `RewardServer` answering the protocol with `score_fn`; port 0 picks a free port
-    (read it from `server.server_address`). Call `serve_forever()` to run it.
+    """A `RewardServer` answering the protocol with `score_fn`; port 0 picks a free port.
 
-    `log` receives one line per request (None: silent); `errors` receives failures with
-    their tracebacks (default: stderr), which clients never see."""
+    `access_log` logs one line per request (uvicorn's log format); `errors` receives failures
+    with their tracebacks (default: stderr), which clients never see."""
     for name, value in (("workers", workers), ("queue_size", queue_size), ("max_body_bytes", max_body_bytes),
                         ("max_pixels", max_pixels)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -322,123 +417,16 @@ def make_server(score_fn: Callable, host: str = "127.0.0.1", port: int = 0, *, c
     check_token(token)
     if errors is None:
         errors = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    lock = threading.Lock() if not concurrent else None
-    expected_auth = None if token is None else f"Bearer {token}".encode()
-
-    class Handler(BaseHTTPRequestHandler):
-        timeout = request_timeout  # each send of the answer
-
-        def setup(self):
-            super().setup()
-            self.rfile.close()
-            self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + request_timeout))
-
-        def _answer(self, status: int, payload: dict, headers: dict | None = None) -> None:
-            body = json.dumps(payload, allow_nan=False).encode("utf-8")
-            try:
-                self.connection.settimeout(request_timeout)
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                self.end_headers()
-                self.wfile.write(body)
-            except OSError:
-                # The client gave up (its timeout) and will retry; nothing to answer.
-                self.log_message("client gone before the answer (status %d)", status)
-
-        def send_error(self, code, message=None, explain=None):
-            # http.server's own refusals (bad request line, too many headers) as protocol JSON.
-            self.close_connection = True
-            self._answer(code, {"error": message or self.responses.get(code, ("error",))[0]})
-
-        def do_GET(self):  # noqa: N802 (http.server's naming)
-            if self.path.rstrip("/") == "/health":
-                self._answer(200, {"status": "ok"})
-            else:
-                self._answer(404, {"error": "unknown path; POST /score or GET /health"})
-
-        def do_POST(self):  # noqa: N802
-            try:
-                self._score()
-            except Exception:  # noqa: BLE001 (any failure is answered; its details stay here)
-                errors(f"{self.address_string()}: internal error\n{traceback.format_exc()}")
-                self._answer(500, {"error": "internal server error (details in the server log)"})
-
-        def _refuse(self, status: int, message: str, headers: dict | None = None) -> None:
-            """Answer before reading the body, then read what the client still sends (briefly)."""
-            self._answer(status, {"error": message}, headers)
-            self.rfile.raw.deadline = time.monotonic() + _LINGER_SECONDS
-            try:
-                self.connection.shutdown(socket.SHUT_WR)  # the answer is complete
-                discard(self.rfile, self.headers.get("Content-Length"))
-            except OSError:  # the deadline, or the client is gone: close anyway
-                pass
-
-        def _body(self) -> bytes:
-            if self.headers.get("Transfer-Encoding") is not None:
-                raise BadRequest("send the body with a Content-Length, not Transfer-Encoding", 411)
-            declared = self.headers.get("Content-Length")
-            if declared is None:
-                raise BadRequest("a Content-Length header is required", 411)
-            if not declared.isascii() or not declared.strip().isdigit():
-                raise BadRequest(f"Content-Length must be a number of bytes, got {declared[:40]!r}")
-            length = int(declared)
-            if length > max_body_bytes:
-                raise BadRequest(f"body of {length} bytes is over the server's limit of {max_body_bytes}", 413)
-            if length == 0:
-                raise BadRequest("empty body")
-            try:
-                body = self.rfile.read(length)
-            except TimeoutError:
-                raise BadRequest(f"the body did not arrive within {request_timeout:g} s", 408) from None
-            if len(body) != length:
-                raise BadRequest(f"the body ended after {len(body)} of {length} bytes")
-            return body
-
-        def _score(self) -> None:
-            if self.path.rstrip("/") != "/score":
-                self._refuse(404, "unknown path; POST /score")
-                return
-            authorization = self.headers.get("Authorization", "").encode("utf-8", "replace")
-            if expected_auth is not None and not hmac.compare_digest(authorization, expected_auth):
-                self._refuse(401, "missing or wrong token (Authorization: Bearer <token>)",
-                             {"WWW-Authenticate": "Bearer"})
-                return
-            try:
-                body = self._body()
-            except BadRequest as e:
-                self._refuse(e.status, str(e))
-                return
-            try:
-                images, prompts, metadata = decode_request(body, max_pixels)
-            except BadRequest as e:
-                self._answer(e.status, {"error": str(e)})
-                return
-            try:
-                if lock is None:
-                    raw = score_fn(images, prompts, metadata)
-                else:
-                    with lock:
-                        raw = score_fn(images, prompts, metadata)
-            except Exception:  # noqa: BLE001 (user code; the client learns only that it failed)
-                errors(f"{self.address_string()}: the score function raised\n{traceback.format_exc()}")
-                self._answer(500, {"error": "the score function failed (details in the server log)"})
-                return
-            try:
-                scores = checked_scores(raw, len(images))
-            except ValueError as e:
-                errors(f"{self.address_string()}: {e}: {str(raw)[:200]}")
-                self._answer(500, {"error": str(e)})
-                return
-            self._answer(200, {"scores": scores})
-
-        def log_message(self, fmt, *args):
-            if log is not None:
-                log(f"{self.address_string()} {fmt % args}")
-
-    return RewardServer((host, port), Handler, workers=workers, queue_size=queue_size, errors=errors)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    app = ScoringApp(score_fn, concurrent=concurrent, token=token, workers=workers, queue_size=queue_size,
+                     max_body_bytes=max_body_bytes, max_pixels=max_pixels, request_timeout=request_timeout,
+                     errors=errors)
+    config = uvicorn.Config(app, http=_header_deadline(request_timeout), interface="asgi3", lifespan="off",
+                            loop="asyncio", backlog=LISTEN_BACKLOG, proxy_headers=False, server_header=False,
+                            access_log=access_log, log_config=uvicorn.config.LOGGING_CONFIG if access_log else None,
+                            timeout_graceful_shutdown=_SHUTDOWN_GRACE_SECONDS)
+    return RewardServer(app, sock, config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -450,18 +438,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV),
                         help=f"shared secret clients must send as 'Authorization: Bearer <token>' "
                              f"(default: ${TOKEN_ENV}, which keeps it out of the process list; unset: no check)")
-    parser.add_argument("--workers", type=int, default=WORKERS, help="threads handling requests (default %(default)s)")
-    parser.add_argument("--queue", type=int, default=QUEUE,
-                        help="connections waiting for a worker; more are answered 503 (busy) at once "
+    parser.add_argument("--workers", type=int, default=WORKERS,
+                        help="threads decoding requests (and calling the function with --concurrent) "
                              "(default %(default)s)")
+    parser.add_argument("--queue", type=int, default=QUEUE,
+                        help="requests that may wait for a worker; beyond --workers + --queue requests in "
+                             "progress, more are answered 503 (busy) at once (default %(default)s)")
     parser.add_argument("--max_body_mb", type=int, default=MAX_BODY_MB,
                         help="largest request body in MiB; larger ones are answered 413 (default %(default)s)")
     parser.add_argument("--max_pixels", type=int, default=MAX_PIXELS,
                         help="decoded pixels allowed per request (sum of width*height of its images, checked "
                              "from the image headers before decoding); more are answered 413 (default %(default)s)")
     parser.add_argument("--request_timeout", type=float, default=REQUEST_TIMEOUT,
-                        help="seconds a connection has to deliver its whole request; slower ones are closed "
-                             "(default %(default)s)")
+                        help="seconds a connection has to send a request's headers (else it is closed), and "
+                             "as long again for its body (else 408) (default %(default)s)")
     parser.add_argument("--concurrent", action="store_true", help="call the function from several workers at once")
     parser.add_argument("--quiet", action="store_true", help="do not log requests (errors are still logged)")
     args = parser.parse_args(argv)
@@ -473,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
         server = make_server(score_fn, args.host, args.port, concurrent=args.concurrent, token=args.token,
                              workers=args.workers, queue_size=args.queue, max_body_bytes=args.max_body_mb << 20,
                              max_pixels=args.max_pixels, request_timeout=args.request_timeout,
-                             log=None if args.quiet else lambda line: print(line, file=sys.stderr, flush=True))
+                             access_log=not args.quiet)
     except (ValueError, ImportError, AttributeError, OSError) as e:
         parser.exit(2, f"reward_server: {e}\n")
     # PIL's own bomb check agrees with the budget: no single image may exceed a whole request's.

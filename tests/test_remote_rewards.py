@@ -11,6 +11,7 @@ import json
 import os
 import re
 import socket
+import socketserver
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -41,7 +42,8 @@ class Serving:
         self.url = f"http://{host}:{port}/score"
 
     def __enter__(self):
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        poll = (0.05,) if isinstance(self.server, socketserver.BaseServer) else ()  # the raw servers' stop check
+        self.thread = threading.Thread(target=self.server.serve_forever, args=poll, daemon=True)
         self.thread.start()
         return self
 

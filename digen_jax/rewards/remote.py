@@ -17,29 +17,34 @@ error or malformed answer (not JSON, wrong length, a non-number, a number that i
 finite in float32, an answer over `max_answer_bytes`) is retried with exponential backoff,
 and after `retries` retries the call raises `RemoteRewardError` naming the server and the
 last failure, so the iteration fails loudly and nothing is trained on missing rewards.
-`timeout` bounds each attempt as a whole (connect, send, every byte of the answer), not
-each socket operation, so a server that trickles its answer cannot hold an attempt longer.
-A batch is sent as requests of at most `batch_size` images, at most `max_concurrency` of
-them in flight per reward (also across calls from several threads). With a `token` (or
-the environment variable REWARD_SERVER_TOKEN) every request carries
-`Authorization: Bearer <token>`, which `launch/reward_server.py --token` checks.
+`timeout` bounds each attempt as a whole (connect, TLS handshake, send, every byte of the
+answer), not each socket operation, so a server that trickles its bytes cannot hold an
+attempt longer. A batch is sent as requests of at most `batch_size` images, at most
+`max_concurrency` of them in flight per reward (also across calls from several threads).
+
+Credentials go only where the options send them. The token (`Authorization: Bearer
+<token>`, which `launch/reward_server.py --token` checks) comes from the option `token` or
+from the environment variable the option `token_env` names, never implicitly from the
+environment (the server's own REWARD_SERVER_TOKEN is not read unless named). A token is sent
+over https, or over plain http only to a loopback host (localhost, 127.0.0.0/8, ::1) unless
+`allow_insecure=True`. Redirects are never followed: a 3xx answer fails the call, naming
+where it pointed. Proxy settings from the environment are not used.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import concurrent.futures
-import functools
-import http.client
 import io
+import ipaddress
 import json
 import math
 import os
-import socket
+import ssl
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Callable, Mapping, Sequence
 
+import httpx
 import numpy as np
 from PIL import Image
 
@@ -47,9 +52,9 @@ from digen_jax.rewards.registry import RewardFn, register_reward, to_uint8_image
 
 PROTOCOL_VERSION = 1
 IMAGE_FORMATS = ("png", "jpeg")
-# Client errors that a retry cannot fix; 408 (timeout) and 429 (busy) are retried.
-_FATAL_STATUS = frozenset(range(400, 500)) - {408, 429}
-TOKEN_ENV = "REWARD_SERVER_TOKEN"
+# Answers that a retry cannot fix: redirects (never followed) and client errors but 408
+# (timeout) and 429 (busy).
+_FATAL_STATUS = frozenset(range(300, 500)) - {408, 429}
 # Default answer cap: room for one score per image many times over, plus headers-sized slack.
 _ANSWER_BYTES_PER_IMAGE = 4096
 _ANSWER_SLACK_BYTES = 64 * 1024
@@ -121,113 +126,45 @@ def parse_scores(body: bytes, expected: int) -> np.ndarray:
     return np.asarray(scores, np.float32)
 
 
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("timed out (deadline of the attempt passed)")
-    return left
-
-
-class _DeadlineSocket:
-    """A connected socket whose sends and receives all end by one monotonic deadline.
-
-    A socket timeout restarts at every read, so a server sending a byte a second would never
-    trip it; here each operation gets only the time left to the deadline. `makefile` readers
-    keep the socket open until they close, like `socket.socket.makefile`.
-    """
-
-    def __init__(self, sock: socket.socket, deadline: float):
-        self._sock, self._deadline = sock, deadline
-        self._readers, self._closed = 0, False
-
-    def sendall(self, data, *flags):
-        self._sock.settimeout(_remaining(self._deadline))
-        return self._sock.sendall(data, *flags)  # the timeout bounds the whole sendall
-
-    def recv_into(self, buffer, *args):
-        self._sock.settimeout(_remaining(self._deadline))
-        return self._sock.recv_into(buffer, *args)
-
-    def makefile(self, mode: str = "rb", *args, **kwargs) -> io.BufferedReader:
-        if mode != "rb":
-            raise ValueError(f"deadline socket files are read-only binary, got mode {mode!r}")
-        self._readers += 1
-        return io.BufferedReader(_DeadlineReader(self))
-
-    def _reader_closed(self) -> None:
-        self._readers -= 1
-        if self._closed and not self._readers:
-            self._sock.close()
-
-    def close(self) -> None:
-        self._closed = True
-        if not self._readers:
-            self._sock.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-
-class _DeadlineReader(io.RawIOBase):
-    def __init__(self, owner: _DeadlineSocket):
-        self._owner = owner
-
-    def readable(self) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a URL's host, without brackets) names this machine: localhost or a
+    loopback address. Other names are not resolved: a name is loopback only if it says so."""
+    if host.lower() == "localhost":
         return True
-
-    def readinto(self, buffer) -> int:
-        return self._owner.recv_into(buffer)
-
-    def close(self) -> None:
-        if not self.closed:
-            self._owner._reader_closed()
-        super().close()
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
-class _DeadlineConnection:
-    """Connects within the time left to `deadline`, then hands http.client a `_DeadlineSocket`."""
-
-    def __init__(self, *args, deadline: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._deadline = deadline
-
-    def connect(self) -> None:
-        self.timeout = _remaining(self._deadline)
-        super().connect()
-        self.sock = _DeadlineSocket(self.sock, self._deadline)
-
-
-class _DeadlineHTTPConnection(_DeadlineConnection, http.client.HTTPConnection):
-    pass
+def _failure(error: BaseException) -> str:
+    """One line for a failed attempt, ending with the innermost cause (the connection library
+    wraps the socket's error, e.g. a refused connection, in its own)."""
+    if isinstance(error, TimeoutError) and not str(error):
+        return "TimeoutError: timed out (no whole answer within the attempt's timeout)"
+    line, cause = f"{type(error).__name__}: {error}", error
+    while (cause.__cause__ or cause.__context__) is not None:
+        cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, BaseExceptionGroup):
+            cause = cause.exceptions[0]
+    return line if cause is error else f"{line} ({type(cause).__name__}: {cause})"
 
 
-class _DeadlineHTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):
-    pass
+class _HTTPStatus(Exception):
+    """An answer whose status is not 200."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
 
 
-class _DeadlineRequest(urllib.request.Request):
-    def __init__(self, *args, deadline: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.deadline = deadline
-
-
-class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
-    def http_open(self, req):
-        return self.do_open(functools.partial(_DeadlineHTTPConnection, deadline=req.deadline), req)
-
-
-class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
-    def https_open(self, req):
-        return self.do_open(functools.partial(_DeadlineHTTPSConnection, deadline=req.deadline), req,
-                            context=self._context)
-
-
-class _DeadlineRedirectHandler(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, *args, **kwargs):
-        new = super().redirect_request(req, *args, **kwargs)
-        if new is not None:  # the redirected request spends what is left of the same deadline
-            new.deadline = req.deadline
-        return new
+async def _read_at_most(response: httpx.Response, limit: int) -> bytes:
+    data = bytearray()
+    async for chunk in response.aiter_raw():
+        data += chunk
+        if len(data) >= limit:
+            break
+    return bytes(data[:limit])
 
 
 class RemoteScorer:
@@ -235,15 +172,18 @@ class RemoteScorer:
 
     Args:
       url: the server's scoring endpoint, e.g. 'http://127.0.0.1:18085/score'.
-      timeout: seconds one attempt may take in all (connect, send, read the whole answer).
+      timeout: seconds one attempt may take in all (connect, TLS handshake, send, read the whole answer).
       retries: retries after the first attempt of each request.
       backoff: seconds before the first retry; doubled after each, capped by max_backoff.
       batch_size: images per request.
       max_concurrency: requests in flight at once.
       image_format: 'png' (lossless) or 'jpeg' (smaller; `jpeg_quality`).
       max_answer_bytes: a longer answer is malformed (default 4 KiB per image of a request + 64 KiB).
-      token: shared secret sent as `Authorization: Bearer <token>` (default: the environment
-        variable REWARD_SERVER_TOKEN, if set).
+      token: shared secret sent as `Authorization: Bearer <token>`.
+      token_env: name of an environment variable holding the token instead (keeps it out of configs).
+      allow_insecure: send the token over plain http to a host that is not loopback.
+      ca_file: PEM file of the certificate authorities that https servers are checked against
+        (default: the system's).
       sleep: the backoff wait (tests pass a recorder).
     """
 
@@ -261,10 +201,20 @@ class RemoteScorer:
         jpeg_quality: int = 95,
         max_answer_bytes: int | None = None,
         token: str | None = None,
+        token_env: str | None = None,
+        allow_insecure: bool = False,
+        ca_file: str | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ):
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"remote reward option url must start with http:// or https://, got {url!r}")
+        try:
+            parsed = httpx.URL(url) if isinstance(url, str) else None
+        except httpx.InvalidURL:
+            parsed = None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"remote reward option url must be http://HOST[:PORT]/PATH or https://..., got {url!r}")
+        if parsed.userinfo:
+            raise ValueError("remote reward option url must not hold a user or password; "
+                             "pass the secret as the option token (or token_env)")
         if not timeout > 0:
             raise ValueError(f"remote reward option timeout must be > 0 seconds, got {timeout!r}")
         if not (backoff >= 0 and max_backoff >= 0):
@@ -279,13 +229,23 @@ class RemoteScorer:
             max_answer_bytes = _ANSWER_BYTES_PER_IMAGE * batch_size + _ANSWER_SLACK_BYTES
         if isinstance(max_answer_bytes, bool) or not isinstance(max_answer_bytes, int) or max_answer_bytes < 1:
             raise ValueError(f"remote reward option max_answer_bytes must be an integer >= 1, got {max_answer_bytes!r}")
-        if token is None:
-            token = os.environ.get(TOKEN_ENV) or None
+        source = "token"
+        if token_env is not None:
+            if token is not None:
+                raise ValueError("remote reward options token and token_env are exclusive; set one")
+            token, source = os.environ.get(token_env) or None, f"token_env (${token_env})"
+            if token is None:
+                raise ValueError(f"remote reward option token_env names ${token_env}, which is not set; "
+                                 "export it or drop the option")
         if token is not None and (not isinstance(token, str) or not token or not token.isascii()
                                   or not token.isprintable() or " " in token):
-            raise ValueError(f"remote reward option token (or ${TOKEN_ENV}) must be a non-empty string of "
-                             "printable ASCII characters without spaces")
-        self.headers = {"Content-Type": "application/json"}
+            raise ValueError(f"remote reward option {source} must be a non-empty string of printable ASCII "
+                             "characters without spaces")
+        if token is not None and parsed.scheme == "http" and not is_loopback(parsed.host) and allow_insecure is not True:
+            raise ValueError(f"remote reward: url {url} is plain http to a host that is not loopback, so the "
+                             "token would cross the network unencrypted; use https:// (a TLS proxy in front of "
+                             "the server) or set the option allow_insecure=True")
+        self.headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if token is not None:
             self.headers["Authorization"] = f"Bearer {token}"
         self.max_answer_bytes = max_answer_bytes
@@ -293,22 +253,32 @@ class RemoteScorer:
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
         self.batch_size, self.image_format, self.jpeg_quality = batch_size, image_format, jpeg_quality
         self.sleep = sleep
+        try:
+            self._tls = ssl.create_default_context(cafile=ca_file)
+        except OSError as e:
+            raise ValueError(f"remote reward option ca_file={ca_file!r} cannot be read: {e}") from None
         # One pool per reward: at most max_concurrency requests in flight, whichever thread calls.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="remote-reward")
-        self._opener = urllib.request.build_opener(
-            _DeadlineHTTPHandler, _DeadlineHTTPSHandler, _DeadlineRedirectHandler)
 
-    def _open(self, body: bytes, deadline: float):
-        request = _DeadlineRequest(self.url, data=body, headers=self.headers, method="POST", deadline=deadline)
-        return self._opener.open(request, timeout=_remaining(deadline))
-
-    def _post_once(self, body: bytes, expected: int) -> np.ndarray:
+    async def _attempt(self, body: bytes, expected: int) -> np.ndarray:
+        """One request; the deadline covers everything from connecting to the answer's last byte."""
         limit = self.max_answer_bytes
-        with self._open(body, time.monotonic() + self.timeout) as response:
-            declared = response.headers.get("Content-Length", "")
-            if declared.isascii() and declared.isdigit() and int(declared) > limit:
-                raise RemoteRewardError(f"malformed answer: Content-Length {declared} over max_answer_bytes={limit}")
-            answer = response.read(limit + 1)
+        async with asyncio.timeout(self.timeout):
+            async with httpx.AsyncClient(verify=self._tls, timeout=None, follow_redirects=False,
+                                         trust_env=False) as client:
+                async with client.stream("POST", self.url, content=body, headers=self.headers) as response:
+                    if response.is_redirect:
+                        where = response.headers.get("Location", "?")[:200]
+                        raise _HTTPStatus(response.status_code,
+                                          f"redirect to {where} (not followed: set url to the final address)")
+                    if response.status_code != 200:
+                        detail = (await _read_at_most(response, 300)).decode("utf-8", "replace")
+                        raise _HTTPStatus(response.status_code, detail)
+                    declared = response.headers.get("Content-Length", "")
+                    if declared.isascii() and declared.isdigit() and int(declared) > limit:
+                        raise RemoteRewardError(
+                            f"malformed answer: Content-Length {declared} over max_answer_bytes={limit}")
+                    answer = await _read_at_most(response, limit + 1)
         if len(answer) > limit:
             raise RemoteRewardError(f"malformed answer: longer than max_answer_bytes={limit}")
         try:
@@ -323,20 +293,15 @@ class RemoteScorer:
                 self.sleep(delay)
                 delay = min(2 * delay, self.max_backoff)
             try:
-                return self._post_once(body, expected)
-            except urllib.error.HTTPError as e:
-                try:
-                    detail = e.read(300).decode("utf-8", "replace")
-                except (OSError, http.client.HTTPException):  # the deadline passed while reading it
-                    detail = "(no readable body)"
-                failures.append(f"HTTP {e.code}: {detail}")
-                if e.code in _FATAL_STATUS:
+                return asyncio.run(self._attempt(body, expected))
+            except _HTTPStatus as e:
+                failures.append(str(e))
+                if e.status in _FATAL_STATUS:
                     break
-            except (urllib.error.URLError, OSError, http.client.HTTPException, RemoteRewardError) as e:
-                # URLError wraps refused connections; socket timeouts arrive as TimeoutError (an OSError);
-                # HTTPException is a reply that is not HTTP at all.
-                reason = getattr(e, "reason", e)
-                failures.append(f"{type(reason).__name__}: {reason}")
+            except RemoteRewardError as e:
+                failures.append(str(e))
+            except (httpx.HTTPError, OSError) as e:  # refused, reset, timed out (TimeoutError), not HTTP
+                failures.append(_failure(e))
         raise RemoteRewardError(
             f"reward server {self.url} gave no valid scores after {len(failures)} attempt(s) "
             f"(timeout {self.timeout}s, retries {self.retries}); last failure: {failures[-1]}"
@@ -364,7 +329,8 @@ def remote(url: str | None = None, **options: Any) -> RewardFn:
     """A reward computed by an HTTP server (module docstring for the protocol).
 
     Options: url (required), timeout, retries, backoff, max_backoff, batch_size,
-    max_concurrency, image_format, jpeg_quality, max_answer_bytes, token (see `RemoteScorer`).
+    max_concurrency, image_format, jpeg_quality, max_answer_bytes, token, token_env,
+    allow_insecure, ca_file (see `RemoteScorer`).
     """
     if url is None:
         raise ValueError(
