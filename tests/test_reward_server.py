@@ -27,24 +27,29 @@ from digen_jax.rewards import RemoteRewardError, RemoteScorer, remote
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def _exchange(port: int, data: bytes, *, shut_write: bool = False, timeout: float = 10.0):
-    """Send raw bytes, read until the server closes: (status, JSON answer), or (None, raw bytes)
-    when the server closed without a parseable HTTP answer (a dropped connection)."""
+def _exchange(port: int, data: bytes, *, timeout: float = 10.0):
+    """Send raw bytes and read one HTTP answer (as far as its Content-Length): (status, its JSON
+    body, or its raw body when that is not JSON), or (None, raw bytes) when the server closed
+    without an HTTP answer."""
+    raw = b""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(data)
-        if shut_write:
-            s.shutdown(socket.SHUT_WR)
-        chunks = []
         try:
-            while chunk := s.recv(1 << 16):
-                chunks.append(chunk)
+            while b"\r\n\r\n" not in raw and (chunk := s.recv(1 << 16)):
+                raw += chunk
+            head = raw.partition(b"\r\n\r\n")[0].lower()
+            length = int(head.split(b"content-length:")[1].split(b"\r\n")[0]) if b"content-length:" in head else None
+            while (length is None or len(raw) - len(head) - 4 < length) and (chunk := s.recv(1 << 16)):  # or to EOF
+                raw += chunk
         except ConnectionResetError:
             pass
-    raw = b"".join(chunks)
     head, _, body = raw.partition(b"\r\n\r\n")
     if not head.startswith(b"HTTP/"):
         return None, raw
-    return int(head.split()[1]), json.loads(body)
+    try:
+        return int(head.split()[1]), json.loads(body)
+    except ValueError:
+        return int(head.split()[1]), body
 
 
 def _request(body: bytes, *, headers: str = "") -> bytes:
@@ -111,7 +116,7 @@ def test_body_cap():
     with Serving(reward_server.make_server(mean_pixel_score)) as serving:
         # 1 GiB announced, nothing sent: refused at once instead of waiting for (and holding) it.
         start = time.monotonic()
-        status, answer = _exchange(_port(serving), b"POST /score HTTP/1.1\r\nContent-Length: 1073741824\r\n\r\n")
+        status, answer = _exchange(_port(serving), b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n")
         assert status == 413 and "limit of 67108864" in answer["error"]
         assert time.monotonic() - start < 5
     with Serving(reward_server.make_server(mean_pixel_score, max_body_bytes=1000)) as serving:
@@ -123,25 +128,32 @@ def test_body_cap():
 
 
 @pytest.mark.parametrize("data,status,message", [
-    (b"POST /score HTTP/1.1\r\nContent-Length: abc\r\n\r\n", 400, "Content-Length must be a number"),
-    (b"POST /score HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400, "Content-Length must be a number"),
-    ("POST /score HTTP/1.1\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"), 400,
-     "Content-Length must be a number"),
-    (b"POST /score HTTP/1.1\r\n\r\n", 411, "Content-Length header is required"),
-    (b"POST /score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411, "not Transfer-Encoding"),
+    (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400, b"Invalid HTTP request"),
+    (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400, b"Invalid HTTP request"),
+    ("POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"), 400,
+     b"Invalid HTTP request"),
+    (b"POST /score HTTP/1.1\r\nHost: x\r\n\r\n", 411, "Content-Length header is required"),
+    (b"POST /score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411, "not Transfer-Encoding"),
     (_request(b"[" * 100_000), 400, "nested too deeply"),
     (_request(b'{"version": 1, "images": [{"format": "png", "data": "AAAA"}], "prompts": [""]}'), 400,
      "image 0 does not decode as png"),
-    (b"POST /score HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", 431, "Too many headers"),
-    (b"BREW /score HTTP/1.1\r\n\r\n", 501, "Unsupported method"),
-    (b"POST /score HTTP/1.1\r\nContent-Length: 100\r\n\r\n{}", 400, "ended after 2 of 100 bytes"),
+    (b"POST /score HTTP/1.1\r\nHost: x\r\nX: " + b"y" * (20 << 10), 400, b"Invalid HTTP request"),  # never ends
+    (b"BREW /score HTTP/1.1\r\nHost: x\r\n\r\n", 405, "BREW /score is not served; POST it"),
+    (b"GET /score HTTP/1.1\r\nHost: x\r\n\r\n", 405, "GET /score is not served; POST it"),
+    (b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n", 404, "unknown path"),
+    (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{}", 408, "did not arrive within 0.5 s"),
+    (b"GARBAGE\r\n\r\n", 400, b"Invalid HTTP request"),
+    (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03\r\n\r\n", 400, b"Invalid HTTP request"),  # TLS to plain HTTP
 ], ids=["length-abc", "length-negative", "length-superscript", "no-length", "chunked", "deep-nesting", "bad-png",
-        "too-many-headers", "bad-method", "short-body"])
-def test_every_malformed_request_gets_a_json_answer(data, status, message):
+        "endless-header", "bad-method", "get-score", "bad-path", "short-body", "garbage-line", "tls-hello"])
+def test_every_malformed_request_gets_an_http_answer(data, status, message):
+    """The protocol's refusals are JSON; what is not HTTP at all gets the HTTP layer's 400, with a
+    status line (a plain-text body)."""
     errors = []
-    with Serving(reward_server.make_server(mean_pixel_score, errors=errors.append)) as serving:
-        got, answer = _exchange(_port(serving), data, shut_write=True)
-        assert (got, message in answer["error"]) == (status, True), answer
+    with Serving(reward_server.make_server(mean_pixel_score, request_timeout=0.5, errors=errors.append)) as serving:
+        got, answer = _exchange(_port(serving), data)
+        text = answer if isinstance(message, bytes) else answer["error"]
+        assert (got, message in text) == (status, True), answer
         # The server is unharmed.
         assert _post(serving.url, remote.request_body(_images(1), ["a"], [{}]))[0] == 200
     assert not errors  # expected refusals, not internal errors
@@ -164,7 +176,7 @@ def test_scorer_failures_stay_in_the_server_log():
 
 def test_token(monkeypatch):
     token = "s3cret-Token_1"
-    monkeypatch.delenv(remote.TOKEN_ENV, raising=False)
+    monkeypatch.delenv("REWARD_CLIENT_TOKEN", raising=False)
     with Serving(reward_server.make_server(mean_pixel_score, token=token)) as serving:
         body = remote.request_body(_images(1), ["a"], [{}])
         for headers in ("", "Authorization: Bearer wrong\r\n", f"Authorization: Basic {token}\r\n"):
@@ -172,25 +184,31 @@ def test_token(monkeypatch):
             assert status == 401 and "token" in answer["error"]
         assert _exchange(_port(serving), _request(body, headers=f"Authorization: Bearer {token}\r\n"))[0] == 200
         assert _exchange(_port(serving), _request(b"x" * (16 << 20)))[0] == 401  # read out, not reset
-        # The client sends its token option, or the environment variable; a 401 is not retried.
+        # The client sends its token option, or the variable its token_env option names; a 401 is
+        # not retried.
         want = mean_pixel_score(_images(1), ["a"], [{}])
         np.testing.assert_allclose(RemoteScorer(serving.url, token=token)(_images(1), ["a"], [{}]), want)
         with pytest.raises(RemoteRewardError, match=r"after 1 attempt\(s\).*HTTP 401"):
             RemoteScorer(serving.url, retries=2, backoff=0)(_images(1), ["a"], [{}])
-        monkeypatch.setenv(remote.TOKEN_ENV, token)
-        np.testing.assert_allclose(RemoteScorer(serving.url)(_images(1), ["a"], [{}]), want)
+        with pytest.raises(ValueError, match=r"token_env names \$REWARD_CLIENT_TOKEN, which is not set"):
+            RemoteScorer(serving.url, token_env="REWARD_CLIENT_TOKEN")
+        monkeypatch.setenv("REWARD_CLIENT_TOKEN", token)
+        np.testing.assert_allclose(RemoteScorer(serving.url, token_env="REWARD_CLIENT_TOKEN")(_images(1), ["a"], [{}]),
+                                   want)
         with urlopen_get(serving.url.replace("/score", "/health")) as r:  # health needs no token
             assert r.status == 200
-    with pytest.raises(ValueError, match="option token"):
+    with pytest.raises(ValueError, match="option token must be"):
         RemoteScorer("http://127.0.0.1:1/score", token="two words")
+    with pytest.raises(ValueError, match="token and token_env are exclusive"):
+        RemoteScorer("http://127.0.0.1:1/score", token="t", token_env="REWARD_CLIENT_TOKEN")
     with pytest.raises(ValueError, match="--token must be"):
         reward_server.make_server(mean_pixel_score, token="")
 
 
-def urlopen_get(url):
+def urlopen_get(url, timeout=10):
     import urllib.request
 
-    return urllib.request.urlopen(url, timeout=10)
+    return urllib.request.urlopen(url, timeout=timeout)
 
 
 def test_exposure_warning_and_cli(capsys):
@@ -229,7 +247,7 @@ def test_stalled_connections_are_closed_and_free_their_worker():
         trickling = socket.create_connection(("127.0.0.1", _port(serving)), timeout=10)
 
         def trickle():  # a header line one byte every 0.05 s: each read is quick, the request never ends
-            for byte in b"POST /score HTTP/1.1\r\nX-Slow: " + b"z" * 1000:
+            for byte in b"POST /score HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 1000:
                 if stop.wait(0.05):
                     return
                 try:
@@ -279,7 +297,7 @@ def test_full_queue_answers_503_at_once():
         assert entered.wait(10)  # the only worker is busy
         threads[1].start()
         deadline = time.monotonic() + 10
-        while server._queue.qsize() < 1 and time.monotonic() < deadline:  # the second one waits in the queue
+        while server.app.requests < 2 and time.monotonic() < deadline:  # the second one waits for the worker
             time.sleep(0.01)
         try:
             start = time.monotonic()
@@ -326,3 +344,83 @@ def test_load_100_concurrent_connections_all_answered():
         for s in sockets:
             s.close()
     assert time.monotonic() - start < 30
+
+
+def _trickle_headers(port: int, stop: threading.Event, interval: float) -> None:
+    """A client that sends a request's headers one byte per `interval`, without a token, until `stop`."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        for byte in b"POST /score HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 1000:
+            if stop.wait(interval):
+                return
+            try:
+                s.send(bytes([byte]))
+            except OSError:
+                return
+
+
+def _get_health(url: str, timeout: float) -> float:
+    """Seconds /health took to answer 200."""
+    start = time.monotonic()
+    with urlopen_get(url.replace("/score", "/health"), timeout=timeout) as r:
+        assert r.status == 200
+    return time.monotonic() - start
+
+
+def test_slow_clients_hold_neither_health_nor_fresh_requests():
+    # Four unauthenticated connections trickling their headers (more than the workers), under the
+    # default 30 s request timeout: /health and a client with the token are answered at once.
+    token, stop = "t0ken", threading.Event()
+    with Serving(reward_server.make_server(mean_pixel_score, token=token, workers=2)) as serving:
+        threads = [threading.Thread(target=_trickle_headers, args=(_port(serving), stop, 0.2), daemon=True)
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(0.6)  # every slow connection is inside its headers
+            assert _get_health(serving.url, timeout=3) < 1.0
+            start = time.monotonic()
+            got = RemoteScorer(serving.url, token=token, timeout=3, retries=0)(_images(1), ["a"], [{}])
+            np.testing.assert_allclose(got, mean_pixel_score(_images(1), ["a"], [{}]))
+            assert time.monotonic() - start < 2.0
+            assert all(t.is_alive() for t in threads)  # still trickling
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(5)
+
+
+def test_abandoned_requests_are_dropped_and_hold_nothing():
+    # A scorer that hangs on its first call; a client gives up on four attempts (its timeout). The
+    # three attempts still waiting when their client left are dropped unscored, /health answers
+    # at once, and a fresh request is scored as soon as the hanging call returns.
+    calls, release = [], threading.Event()
+
+    def hanging_once(images, prompts, metadata):
+        calls.append(len(images))
+        if len(calls) == 1:
+            release.wait(10)
+        return mean_pixel_score(images, prompts, metadata)
+
+    server = reward_server.make_server(hanging_once)
+    with Serving(server) as serving:
+        try:
+            with pytest.raises(RemoteRewardError, match=r"after 4 attempt\(s\).*timed out"):
+                RemoteScorer(serving.url, timeout=0.3, retries=3, backoff=0)(_images(1), ["a"], [{}])
+            assert _get_health(serving.url, timeout=3) < 1.0
+            deadline = time.monotonic() + 5
+            while server.app.requests and time.monotonic() < deadline:  # each hang-up is seen
+                time.sleep(0.01)
+            assert server.app.requests == 0
+            results = []
+            fresh = threading.Thread(target=lambda: results.append(
+                RemoteScorer(serving.url, timeout=10, retries=0)(_images(1), ["b"], [{}])))
+            fresh.start()
+            time.sleep(0.2)
+            assert calls == [1]  # the first call still hangs; the fresh request waits for it
+        finally:
+            release.set()
+        start = time.monotonic()
+        fresh.join(10)
+        assert time.monotonic() - start < 2.0
+    np.testing.assert_allclose(results[0], mean_pixel_score(_images(1), ["b"], [{}]))
+    assert calls == [1, 1]  # the hanging call and the fresh one: nothing abandoned was scored
