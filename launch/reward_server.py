@@ -59,6 +59,7 @@ import ipaddress
 import json
 import os
 import socket
+import ssl
 import sys
 import threading
 import traceback
@@ -187,19 +188,21 @@ def check_token(token: str | None, name: str = "--token") -> None:
         raise ValueError(f"{name} must be a non-empty string of printable ASCII characters without spaces")
 
 
-def exposure_warning(host: str, token: str | None) -> str | None:
+def exposure_warning(host: str, token: str | None, tls: bool = False) -> str | None:
     """What to tell the operator when `host` (the bound address) is reachable beyond this machine."""
     try:
         if ipaddress.ip_address(host).is_loopback:
             return None
     except ValueError:
         pass
-    warning = (f"WARNING: listening on {host}, reachable from other machines; the protocol is plain HTTP "
-               "(no encryption), so bind only on a trusted network")
+    warnings = []
+    if not tls:
+        warnings.append("the protocol is plain HTTP (no encryption), so bind only on a trusted network or "
+                        "serve https with --ssl_certfile and --ssl_keyfile")
     if token is None:
-        warning += (f". No --token (or ${TOKEN_ENV}) is set: ANYONE who can reach this port can run the "
-                    "score function; set a shared secret")
-    return warning
+        warnings.append(f"no --token (or ${TOKEN_ENV}) is set: ANYONE who can reach this port can run the "
+                        "score function; set a shared secret")
+    return f"WARNING: listening on {host}, reachable from other machines; " + "; ".join(warnings) if warnings else None
 
 
 
@@ -402,9 +405,11 @@ class RewardServer:
 def make_server(score_fn: Callable, host: str = "127.0.0.1", port: int = 0, *, concurrent: bool = False,
                 token: str | None = None, workers: int = WORKERS, queue_size: int = QUEUE,
                 max_body_bytes: int = MAX_BODY_MB << 20, max_pixels: int = MAX_PIXELS,
-                request_timeout: float = REQUEST_TIMEOUT, access_log: bool = False,
+                request_timeout: float = REQUEST_TIMEOUT, ssl_certfile: str | None = None,
+                ssl_keyfile: str | None = None, access_log: bool = False,
                 errors: Callable[[str], None] | None = None) -> RewardServer:
     """A `RewardServer` answering the protocol with `score_fn`; port 0 picks a free port.
+    With `ssl_certfile` (PEM; and `ssl_keyfile` unless the key is in it) it serves https.
 
     `access_log` logs one line per request (uvicorn's log format); `errors` receives failures
     with their tracebacks (default: stderr), which clients never see."""
@@ -415,6 +420,8 @@ def make_server(score_fn: Callable, host: str = "127.0.0.1", port: int = 0, *, c
     if not request_timeout > 0:
         raise ValueError(f"reward server request_timeout must be > 0 seconds, got {request_timeout!r}")
     check_token(token)
+    if ssl_keyfile is not None and ssl_certfile is None:
+        raise ValueError("reward server ssl_keyfile needs ssl_certfile (the certificate) too")
     if errors is None:
         errors = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -425,7 +432,13 @@ def make_server(score_fn: Callable, host: str = "127.0.0.1", port: int = 0, *, c
     config = uvicorn.Config(app, http=_header_deadline(request_timeout), interface="asgi3", lifespan="off",
                             loop="asyncio", backlog=LISTEN_BACKLOG, proxy_headers=False, server_header=False,
                             access_log=access_log, log_config=uvicorn.config.LOGGING_CONFIG if access_log else None,
-                            timeout_graceful_shutdown=_SHUTDOWN_GRACE_SECONDS)
+                            timeout_graceful_shutdown=_SHUTDOWN_GRACE_SECONDS, ssl_certfile=ssl_certfile,
+                            ssl_keyfile=ssl_keyfile)
+    try:
+        config.load()  # reads the certificate now, so that a bad one is an error before serving
+    except (OSError, ssl.SSLError) as e:
+        sock.close()
+        raise ValueError(f"reward server ssl_certfile/ssl_keyfile {ssl_certfile}, {ssl_keyfile}: {e}") from None
     return RewardServer(app, sock, config)
 
 
@@ -452,6 +465,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--request_timeout", type=float, default=REQUEST_TIMEOUT,
                         help="seconds a connection has to send a request's headers (else it is closed), and "
                              "as long again for its body (else 408) (default %(default)s)")
+    parser.add_argument("--ssl_certfile", help="serve https with this certificate (PEM, with the chain; clients "
+                                               "check it against their CA file or the system's)")
+    parser.add_argument("--ssl_keyfile", help="the certificate's private key (PEM; default: in --ssl_certfile)")
     parser.add_argument("--concurrent", action="store_true", help="call the function from several workers at once")
     parser.add_argument("--quiet", action="store_true", help="do not log requests (errors are still logged)")
     args = parser.parse_args(argv)
@@ -463,16 +479,17 @@ def main(argv: list[str] | None = None) -> None:
         server = make_server(score_fn, args.host, args.port, concurrent=args.concurrent, token=args.token,
                              workers=args.workers, queue_size=args.queue, max_body_bytes=args.max_body_mb << 20,
                              max_pixels=args.max_pixels, request_timeout=args.request_timeout,
-                             access_log=not args.quiet)
+                             ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, access_log=not args.quiet)
     except (ValueError, ImportError, AttributeError, OSError) as e:
         parser.exit(2, f"reward_server: {e}\n")
     # PIL's own bomb check agrees with the budget: no single image may exceed a whole request's.
     Image.MAX_IMAGE_PIXELS = args.max_pixels
     host, port = server.server_address[:2]
-    warning = exposure_warning(host, args.token)
+    warning = exposure_warning(host, args.token, tls=args.ssl_certfile is not None)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    print(f"serving {args.score_fn} on http://{host}:{port}/score", flush=True)
+    scheme = "http" if args.ssl_certfile is None else "https"
+    print(f"serving {args.score_fn} on {scheme}://{host}:{port}/score", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

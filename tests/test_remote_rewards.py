@@ -324,3 +324,111 @@ def test_oversized_answers_are_refused(declare_length):
     assert RemoteScorer(serving.url, batch_size=64).max_answer_bytes == 64 * 4096 + 65536
     with pytest.raises(ValueError, match="option max_answer_bytes must be an integer >= 1"):
         RemoteScorer(serving.url, max_answer_bytes=0)
+
+
+class Recorder:
+    """A raw TCP listener that records what each connection sends (the request head and what
+    arrived with it), answers `answer(port)` and closes."""
+
+    def __init__(self, answer=lambda port: _ANSWER + _SCORES):
+        self.answer = answer
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/score"
+        self.requests = []
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed by __exit__
+            with conn:
+                conn.settimeout(5)
+                try:
+                    data = b""
+                    while b"\r\n\r\n" not in data and (chunk := conn.recv(1 << 16)):
+                        data += chunk
+                    self.requests.append(data)
+                    conn.sendall(self.answer(self.port))
+                except OSError:
+                    pass
+
+    def headers(self, i: int) -> dict:
+        head = self.requests[i].partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")[1:]
+        return {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head)}
+
+    def __enter__(self):
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.listener.close()
+
+
+def test_server_token_in_the_environment_is_not_sent(monkeypatch):
+    # The server's own secret, exported where the client runs, stays unsent unless an option names it.
+    monkeypatch.setenv("REWARD_SERVER_TOKEN", "server-secret")
+    with Recorder() as server:
+        np.testing.assert_array_equal(RemoteScorer(server.url)(_images(1), ["a"], [{}]), [1.5])
+        RemoteScorer(server.url, token_env="REWARD_SERVER_TOKEN")(_images(1), ["a"], [{}])
+    assert "authorization" not in server.headers(0)
+    assert server.headers(1)["authorization"] == "Bearer server-secret"
+
+
+@pytest.mark.parametrize("url,options,refused", [
+    ("http://10.1.2.3:18085/score", {"token": "t"}, True),
+    ("http://scorer.example:18085/score", {"token": "t"}, True),
+    ("http://10.1.2.3:18085/score", {"token": "t", "allow_insecure": True}, False),
+    ("http://10.1.2.3:18085/score", {}, False),  # no credential to protect
+    ("https://10.1.2.3:18085/score", {"token": "t"}, False),
+    ("http://127.0.0.2:18085/score", {"token": "t"}, False),
+    ("http://localhost:18085/score", {"token": "t"}, False),
+    ("http://[::1]:18085/score", {"token": "t"}, False),
+])
+def test_token_goes_over_plain_http_only_to_loopback(url, options, refused):
+    if refused:
+        with pytest.raises(ValueError, match=r"plain http to a host that is not loopback.*use https://.*"
+                                             r"allow_insecure=True"):
+            RemoteScorer(url, **options)
+    else:
+        assert RemoteScorer(url, **options).url == url
+
+
+def test_url_checks():
+    with pytest.raises(ValueError, match="must not hold a user or password"):
+        RemoteScorer("http://user:secret@127.0.0.1:1/score")
+    for url in ("ftp://127.0.0.1/score", "127.0.0.1:18085/score", "http:///score"):
+        with pytest.raises(ValueError, match="option url must be http://"):
+            RemoteScorer(url)
+
+
+def test_redirects_are_not_followed():
+    # A 302 to another origin (another host name and port) on loopback: the second listener must
+    # receive nothing, least of all the token; the call fails at once, naming where it pointed.
+    with Recorder() as target:
+        elsewhere = f"http://localhost:{target.port}/score"
+        redirect = (b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 0\r\n\r\n" % elsewhere.encode())
+        with Recorder(lambda port: redirect) as server:
+            with pytest.raises(RemoteRewardError, match=rf"after 1 attempt\(s\).*HTTP 302: redirect to {elsewhere}"):
+                RemoteScorer(server.url, token="t", retries=2, backoff=0)(_images(1), ["a"], [{}])
+            assert server.headers(0)["authorization"] == "Bearer t"
+        time.sleep(0.1)
+    assert target.requests == []
+
+
+# A TLS record header announcing 16 KiB, then bytes that never complete it.
+_TLS_RECORD = b"\x16\x03\x03\x40\x00" + b"\x00" * 100
+
+
+@pytest.mark.parametrize("answer,head,interval", [(b"\x00", 0, 60.0), (_TLS_RECORD, 5, 0.05)],
+                         ids=["silent", "trickled-handshake"])
+def test_tls_handshake_is_within_the_deadline(answer, head, interval):
+    # An https server that accepts TCP, then never completes the handshake: silent, or sending a
+    # record byte every 0.05 s (no socket read waits long, the whole record takes 5 s).
+    with Trickler(answer, head=head, interval=interval) as server:
+        fn = RemoteScorer(server.url.replace("http://", "https://"), token="t", timeout=0.5, retries=0)
+        start = time.monotonic()
+        with pytest.raises(RemoteRewardError, match=r"after 1 attempt\(s\).*timed out"):
+            fn(_images(1), ["a"], [{}])
+        assert time.monotonic() - start < 0.5 + 2.0

@@ -9,6 +9,7 @@ burst of connections is queued and answered, not reset.
 import base64
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -216,6 +217,8 @@ def test_exposure_warning_and_cli(capsys):
     with_token = reward_server.exposure_warning("0.0.0.0", "t")
     without = reward_server.exposure_warning("0.0.0.0", None)
     assert "plain HTTP" in with_token and "ANYONE" not in with_token and "ANYONE" in without
+    assert reward_server.exposure_warning("0.0.0.0", "t", tls=True) is None
+    assert "plain HTTP" not in reward_server.exposure_warning("0.0.0.0", None, tls=True)
     # The real command prints it when it binds every interface, before serving.
     env = {k: v for k, v in os.environ.items() if k != reward_server.TOKEN_ENV}
     command = [sys.executable, os.path.join(ROOT, "launch", "reward_server.py"), "--score_fn=builtins:len",
@@ -317,7 +320,8 @@ def test_load_100_concurrent_connections_all_answered():
     server = reward_server.make_server(mean_pixel_score)
     image = _images(1)[:, :8, :8]
     prompts = ["p" * (i % 17) for i in range(n)]
-    bodies = [_request(remote.request_body(image, [p], [{"bias": i}])) for i, p in enumerate(prompts)]
+    bodies = [_request(remote.request_body(image, [p], [{"bias": i}]), headers="Connection: close\r\n")
+              for i, p in enumerate(prompts)]
     want = [mean_pixel_score(image, [p], [{"bias": i}])[0] for i, p in enumerate(prompts)]
     start = time.monotonic()
     # Every connection is opened (and its request sent) before the server accepts any: the kernel
@@ -424,3 +428,34 @@ def test_abandoned_requests_are_dropped_and_hold_nothing():
         assert time.monotonic() - start < 2.0
     np.testing.assert_allclose(results[0], mean_pixel_score(_images(1), ["b"], [{}]))
     assert calls == [1, 1]  # the hanging call and the fresh one: nothing abandoned was scored
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 and its key (PEM files)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", key, "-out", cert], check=True, capture_output=True)
+    return cert, key
+
+
+def test_https_with_a_token(certificate, tmp_path):
+    cert, key = certificate
+    token = "tls-t0ken"
+    server = reward_server.make_server(mean_pixel_score, token=token, ssl_certfile=cert, ssl_keyfile=key)
+    with Serving(server) as serving:
+        url = serving.url.replace("http://", "https://")
+        got = RemoteScorer(url, token=token, ca_file=cert)(_images(2), ["a", "b"], [{}, {}])
+        np.testing.assert_allclose(got, mean_pixel_score(_images(2), ["a", "b"], [{}, {}]))
+        # The certificate is checked: unknown to the system's authorities, it is refused.
+        with pytest.raises(RemoteRewardError, match="CERTIFICATE_VERIFY_FAILED"):
+            RemoteScorer(url, token=token, retries=0)(_images(1), ["a"], [{}])
+        assert _exchange(_port(serving), _request(b"{}"))[0] is None  # plain HTTP gets no answer
+    with pytest.raises(ValueError, match="option ca_file=.*cannot be read"):
+        RemoteScorer(url, ca_file=str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="ssl_certfile/ssl_keyfile"):
+        reward_server.make_server(mean_pixel_score, ssl_certfile=key, ssl_keyfile=key)
