@@ -241,7 +241,8 @@ class RemoteScorer:
                                   or not token.isprintable() or " " in token):
             raise ValueError(f"remote reward option {source} must be a non-empty string of printable ASCII "
                              "characters without spaces")
-        if token is not None and parsed.scheme == "http" and not is_loopback(parsed.host) and allow_insecure is not True:
+        insecure = parsed.scheme == "http" and not is_loopback(parsed.host)
+        if token is not None and insecure and allow_insecure is not True:
             raise ValueError(f"remote reward: url {url} is plain http to a host that is not loopback, so the "
                              "token would cross the network unencrypted; use https:// (a TLS proxy in front of "
                              "the server) or set the option allow_insecure=True")
