@@ -241,11 +241,13 @@ class RemoteScorer:
                                   or not token.isprintable() or " " in token):
             raise ValueError(f"remote reward option {source} must be a non-empty string of printable ASCII "
                              "characters without spaces")
+        if not isinstance(allow_insecure, bool):
+            raise ValueError(f"remote reward option allow_insecure must be True or False, got {allow_insecure!r}")
         insecure = parsed.scheme == "http" and not is_loopback(parsed.host)
-        if token is not None and insecure and allow_insecure is not True:
+        if token is not None and insecure and not allow_insecure:
             raise ValueError(f"remote reward: url {url} is plain http to a host that is not loopback, so the "
-                             "token would cross the network unencrypted; use https:// (a TLS proxy in front of "
-                             "the server) or set the option allow_insecure=True")
+                             "token would cross the network unencrypted; use https:// (reward_server.py "
+                             "--ssl_certfile, or a TLS proxy) or set the option allow_insecure=True")
         self.headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if token is not None:
             self.headers["Authorization"] = f"Bearer {token}"
@@ -254,10 +256,14 @@ class RemoteScorer:
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
         self.batch_size, self.image_format, self.jpeg_quality = batch_size, image_format, jpeg_quality
         self.sleep = sleep
-        try:
-            self._tls = ssl.create_default_context(cafile=ca_file)
-        except OSError as e:
-            raise ValueError(f"remote reward option ca_file={ca_file!r} cannot be read: {e}") from None
+        # Loading the system's authorities takes about 0.1 s, so plain http gets a context that
+        # trusts no one (it never makes a TLS connection: redirects are not followed).
+        self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        if parsed.scheme == "https" or ca_file is not None:
+            try:
+                self._tls = ssl.create_default_context(cafile=ca_file)
+            except OSError as e:
+                raise ValueError(f"remote reward option ca_file={ca_file!r} cannot be read: {e}") from None
         # One pool per reward: at most max_concurrency requests in flight, whichever thread calls.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="remote-reward")
 
