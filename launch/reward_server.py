@@ -37,12 +37,12 @@ are in progress (each holding its body, at most --max_body_mb); more are answere
 once. A request whose client hangs up while it waits is dropped unscored; a call already
 running finishes (a Python function cannot be interrupted) and its answer is discarded.
 
-Security: the protocol is plain HTTP. The default binds to loopback only; to serve other
-machines, bind a trusted network's address and set a shared secret with --token or, kept
-out of the process list, the environment variable REWARD_SERVER_TOKEN; across an untrusted
-network put a TLS proxy in front (clients then use an https:// url). Clients send the token
-only when their reward options name it (`token` or `token_env`), and only over https or to
-a loopback address unless `allow_insecure` says otherwise.
+Security: the server speaks plain HTTP, or https with --ssl_certfile (and --ssl_keyfile).
+The default binds to loopback only; to serve other machines, set a shared secret with
+--token or, kept out of the process list, the environment variable REWARD_SERVER_TOKEN, and
+serve https (or bind only a trusted network's address). Clients send the token only when
+their reward options name it (`token` or `token_env`), and only over https or to a loopback
+address unless `allow_insecure` says otherwise.
 
 Clients: `digen_jax.rewards.remote` (reward name `remote`, option url=http://HOST:PORT/score).
 """
@@ -202,8 +202,9 @@ def exposure_warning(host: str, token: str | None, tls: bool = False) -> str | N
     if token is None:
         warnings.append(f"no --token (or ${TOKEN_ENV}) is set: ANYONE who can reach this port can run the "
                         "score function; set a shared secret")
-    return f"WARNING: listening on {host}, reachable from other machines; " + "; ".join(warnings) if warnings else None
-
+    if not warnings:
+        return None
+    return f"WARNING: listening on {host}, reachable from other machines; " + "; ".join(warnings)
 
 
 def _header_deadline(request_timeout: float) -> type[H11Protocol]:

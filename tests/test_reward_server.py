@@ -463,3 +463,13 @@ def test_https_with_a_token(certificate, tmp_path):
         RemoteScorer(url, ca_file=str(tmp_path / "missing.pem"))
     with pytest.raises(ValueError, match="ssl_certfile/ssl_keyfile"):
         reward_server.make_server(mean_pixel_score, ssl_certfile=key, ssl_keyfile=key)
+
+
+def test_server_imports_neither_jax_nor_digen_jax():
+    # It runs in the scoring model's environment, which need not have JAX.
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('s', sys.argv[1]); "
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'digen_jax')))")
+    out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "launch", "reward_server.py")],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
