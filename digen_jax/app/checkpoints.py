@@ -412,19 +412,13 @@ def _quiet_abandoned_reads() -> None:
 
 
 # ---------------------------------------------------------------------------------- checksums
-def _mix(i: jax.Array) -> jax.Array:
-    """An odd 32-bit hash of each element's flat index (lowbias32): the weight of its data word."""
-    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):
-        i = (i ^ (i >> shift)) * jnp.uint32(factor)
-    return (i ^ (i >> 16)) | jnp.uint32(1)
-
-
 def _leaf_checksum(x: jax.Array) -> jax.Array:
     """sum(weight(index) * word) mod 2**32 over the 32-bit words of `x`'s data (a narrower
-    element is one word, a wider one several). Sums of the shards add up to the same value in
-    any sharding, so it is computed where the array lives, in any process layout, and reads no
-    data to the host. An odd weight makes every change of a single word change the sum; other
-    changes go unseen with a chance of about 2**-32."""
+    element is one word, a wider one several), each word's weight its flat index times the golden
+    ratio's 32-bit constant, made odd. The shards' sums add up to the same value in any sharding,
+    so it is computed where the array lives, in any process layout, and no data goes to the host.
+    An odd weight makes any change of one word change the sum; other changes go unseen with a
+    chance of about 2**-32."""
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
@@ -435,7 +429,7 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
     index = jnp.zeros(words.shape, jnp.uint32)
     for axis, n in enumerate(words.shape):
         index = index * jnp.uint32(n) + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
-    return jnp.sum(_mix(index) * words, dtype=jnp.uint32)
+    return jnp.sum((index * jnp.uint32(0x9E3779B1) | jnp.uint32(1)) * words, dtype=jnp.uint32)
 
 
 @jax.jit

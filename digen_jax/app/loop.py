@@ -272,11 +272,6 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
     inspection.close()
     if not candidates:  # a run's outputs are never removed: starting at 0 over them is refused
         checkpoints.refuse_history(workdir)
-    elif candidates[0] > config.train.iterations:
-        raise checkpoints.RunStopped(
-            f"train.iterations={config.train.iterations} is below the iteration of the run in {workdir} (checkpoint "
-            f"{candidates[0]}): give train.iterations={candidates[0]} or more to resume it, or use another --workdir "
-            "for a new run.")
     init_from = None
     if config.train.init_from and candidates:
         log(f"train.init_from={config.train.init_from!r} ignored: resuming this workdir's own checkpoints")
@@ -288,9 +283,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
         run.state = run.trainer.init_state(checkpoints.load_init_from(*init_from, run.state.trainable, config, log))
     executor = Executor(run, log=log)
     start, changed = checkpoints.restore_first_readable(executor, run.checkpoints, candidates, config, log)
+    total = config.train.iterations
+    if start > total:
+        executor.close()
+        raise checkpoints.RunStopped(
+            f"train.iterations={total} is below the iteration this run resumes from (checkpoint {start} in "
+            f"{workdir}): give train.iterations={start} or more to go on with it, or another --workdir for a new run.")
     if writes_files and start and os.path.exists(metrics_path):
         _keep_rows_through(metrics_path, start, log)
-    total = config.train.iterations
     log(f"training {total - start} iterations of {config.rl.prompts_per_iteration * config.rl.group_size} samples "
         f"(from iteration {start}) in {workdir}, runtime.mode={config.runtime.mode}")
 
