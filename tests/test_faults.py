@@ -6,6 +6,7 @@ change it; resuming to the last checkpoint restores without training.
 """
 import errno
 import glob
+import logging
 import os
 import shutil
 import signal
@@ -150,7 +151,7 @@ VARIANTS = ("truncated data files", "garbage data files", "missing manifest", "m
 
 
 @pytest.mark.parametrize("variant", VARIANTS[1:])
-def test_unreadable_latest_checkpoint_is_set_aside_for_the_previous_one(pretrain_cache_dir, copy, variant):
+def test_unreadable_latest_checkpoint_is_set_aside_for_the_previous_one(pretrain_cache_dir, copy, variant, caplog):
     hint = _damage(copy / "checkpoints" / "2", variant)
     logs = []
     loop.train(lora_config(pretrain_cache_dir, iterations=1), str(copy), log=logs.append)  # to checkpoint 1: no training
@@ -160,6 +161,7 @@ def test_unreadable_latest_checkpoint_is_set_aside_for_the_previous_one(pretrain
     assert any("resumed from checkpoint 1" in line for line in logs), logs
     assert os.listdir(copy / "checkpoints") == ["1"] and os.listdir(copy / "corrupt_checkpoints") == ["2"]
     assert [r["step"] for r in read_metrics(copy)] == [1]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # the report above is all there is
 
 
 def test_fallback_retrains_to_the_uninterrupted_weights_and_the_trace_marks_the_resume(pretrain_cache_dir, template, copy):
@@ -350,7 +352,7 @@ def test_sample_script_falls_back_in_one_line_and_refuses_another_config_in_one_
 
 
 # ---------------------------------------------------------------- failed saves, full disk
-def test_a_failed_asynchronous_save_stops_the_run(pretrain_cache_dir, tmp_path, monkeypatch):
+def test_a_failed_asynchronous_save_stops_the_run(pretrain_cache_dir, tmp_path, monkeypatch, caplog):
     from orbax.checkpoint._src.path import async_path
 
     async def disk_full(*args, **kwargs):  # the rename that commits a checkpoint, in orbax's save thread
@@ -363,6 +365,7 @@ def test_a_failed_asynchronous_save_stops_the_run(pretrain_cache_dir, tmp_path, 
     assert message.startswith("saving checkpoint 1 failed: the disk is full") and "rerun" in message, message
     assert len(message.splitlines()) == 1
     assert len(read_metrics(tmp_path / "run")) < 3  # it did not run on to the end
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # orbax's tracebacks of it are not shown
 
 
 @pytest.mark.parametrize("code, words", [(errno.ENOSPC, "the disk is full"), (errno.EACCES, "permission denied")])

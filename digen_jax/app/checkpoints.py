@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
@@ -264,6 +266,7 @@ def open_manager(workdir: str, config: ml_collections.ConfigDict, read_only: boo
     gets a manager of its own that only reads, without waiting for any other process.
     """
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    _quiet_orbax_failures()
     if read_only:  # orbax warns of every option that would write
         return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
             read_only=True, create=False, save_interval_steps=0))
@@ -394,6 +397,20 @@ def _none_readable(manager: ocp.CheckpointManager) -> RunStopped:
     workdir = os.path.dirname(str(manager.directory))
     return RunStopped(f"no checkpoint in {manager.directory} can be read (they were moved to "
                       f"{os.path.join(workdir, CORRUPT_DIR)}); {START_OVER_HINT.format(workdir=workdir)}")
+
+
+class _OrbaxFailures(logging.Filter):
+    """Drops orbax's error records (a failed save or read logged with its traceback, often more
+    than once): the run reports each failure itself, in one line (`disk_message`, `set_aside`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _quiet_orbax_failures() -> None:
+    logger = absl_logging.get_absl_logger()
+    if not any(isinstance(f, _OrbaxFailures) for f in logger.filters):
+        logger.addFilter(_OrbaxFailures())
 
 
 def _quiet_abandoned_reads() -> None:
