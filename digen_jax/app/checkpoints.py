@@ -320,7 +320,7 @@ def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
     """The meta item of checkpoint `step` (ValueError when it is not a JSON object)."""
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if not isinstance(meta, dict) or not isinstance(meta.get("carried", []), list):
-        raise ValueError(f"its meta item holds {type(meta).__name__} {json.dumps(meta)[:80]}, not the object a save writes")
+        raise ValueError(f"it holds {type(meta).__name__} {json.dumps(meta)[:80]}, not the object a save writes")
     return meta
 
 
