@@ -7,10 +7,19 @@ checkpoint may carry. Every checkpoint stores it in its `meta` item; a resume wh
 differs stops before any compute, naming each key and both values. `train.init_from` is the
 deliberate way to start a new run from another run's weights.
 
+The other config keys a resume may change are noted or free (digen_jax/app/resume_keys.py): the
+meta item records the noted keys' values, and a resume names each one it changes.
+
 Faults: a checkpoint that cannot be read (an empty step directory, a missing or empty file, data
-that does not decode) is reported in one paragraph and, as `train.on_corrupt_checkpoint` says,
-moved to `WORKDIR/corrupt_checkpoints/` for the previous one ('fallback') or stops the run
-('stop'). A full disk or a permission error stops the run with one message naming the path.
+that does not decode, a meta item that is no object) or whose array data do not match the
+checksums written with them (`checksums`) is reported in one paragraph and, as
+`train.on_corrupt_checkpoint` says, moved to `WORKDIR/corrupt_checkpoints/` for the previous one
+('fallback') or stops the run ('stop'). A full disk or a permission error stops the run with one
+message naming the path; orbax's own error logs of such failures are not shown.
+
+History: nothing a run wrote is removed. A workdir holding a run's history but no checkpoint to
+resume stops the run (`refuse_history`); `train.start_over` moves it all to
+`WORKDIR/previous_runs/N/` first (`start_over`).
 
 Who writes: the processes that own the train role's devices write the train state, each its own
 shards (one replica of each shard, written once), with the meta and the prefetched micro-batches
