@@ -107,6 +107,8 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2
     c.train.on_corrupt_checkpoint = "fallback"  # an unreadable latest checkpoint: "fallback" to the one before, or "stop"
     c.train.init_from = ""  # a workdir: start from its latest checkpoint's trainable weights (fresh optimizer, iteration 0)
+    # True: move all the workdir holds to WORKDIR/previous_runs/N/, start at iteration 0 (each run given it starts over)
+    c.train.start_over = False
 
     # Colocated by default (any device count); on a multi-GPU host try e.g.
     # --config.runtime.mode=gap+tsp+tag+tcss --config.runtime.rollout_devices=2 --config.runtime.train_devices=2

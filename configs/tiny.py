@@ -122,6 +122,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2
     c.train.on_corrupt_checkpoint = "fallback"  # an unreadable latest checkpoint: "fallback" to the one before, or "stop"
     c.train.init_from = ""  # a workdir: start from its latest checkpoint's trainable weights (fresh optimizer, iteration 0)
+    # True: move all the workdir holds to WORKDIR/previous_runs/N/, start at iteration 0 (each run given it starts over)
+    c.train.start_over = False
 
     c.runtime = runtime_section()  # colocated: the plain Flow-GRPO loop
     c.runtime.micro_batches = 2  # one per update

@@ -2,9 +2,10 @@ r"""Sample the eval prompts with the latest weights of a training workdir and sc
 
     python launch/sample.py --config=configs/tiny.py --workdir=/tmp/digen [--noise_level=0]
 
-Uses the latest checkpoint in `WORKDIR/checkpoints` (EMA weights when the run keeps an
-EMA), or the base model when there is none yet (and says so); a WORKDIR that does not exist is
-an error. Writes `WORKDIR/samples.png` (one image
+Uses the latest checkpoint in `WORKDIR/checkpoints` that reads back and matches its checksums
+(EMA weights when the run keeps an EMA; one that does not is named in one line and the one
+before is used), or the base model when there is none yet (and says so); a WORKDIR that does
+not exist, or one of a run whose config trains another state, is an error. Writes `WORKDIR/samples.png` (one image
 per eval prompt, its prompt written under it) and `WORKDIR/samples.json` (prompts in grid order,
 rewards, the policy version).
 """
@@ -59,7 +60,10 @@ def main(argv):
         sys.exit(f"error: --workdir={_WORKDIR.value} does not exist; give a training workdir (an existing empty "
                  "directory samples the base model)")
     run = Run(config, _WORKDIR.value)
-    state = checkpoints.read_state(run.checkpoints, run.state, config)
+    try:  # an unreadable checkpoint is named in one line and the one before it sampled
+        state = checkpoints.read_state(run.checkpoints, run.state, config)
+    except checkpoints.RunStopped as e:
+        sys.exit(f"error: {e}")
     if state is None:
         print(f"no checkpoint in {_WORKDIR.value}/checkpoints: sampling the base model")
         state = run.state

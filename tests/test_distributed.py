@@ -993,6 +993,7 @@ def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> None
     rerun = loop.Run(config, workdir, log=stage)
     assert_restored(rerun, rerun.checkpoints, workdir, version=1)
     stage("checkpoint round trip kept every bit")
+    set_aside_in_both(rerun, config, workdir, single_dir)
     # As a launch of several processes runs it: the fingerprint holds nothing of the process layout.
     launched = loop_config(cache_dir, "disagg_sync")
     launched.runtime.distributed = True
@@ -1000,6 +1001,23 @@ def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> None
     for workdir in (single_dir, os.path.join(single_dir, "before")):
         assert_restored(rerun, checkpoints.open_manager(workdir, config), single_dir, version=2)
         stage(f"one-process checkpoint in {workdir} restored")
+
+
+def set_aside_in_both(run, config, workdir: str, single_dir: str) -> None:
+    """A copy of WORKDIR's checkpoint 1 as checkpoints 1 and 2, 2's state data replaced by the
+    one-process checkpoint's (other values, same shapes): only process 1, which holds the train
+    state, reads it and sees its checksums fail; both processes set it aside and resume from 1."""
+    copy = f"{workdir}_corrupt"
+    if jax.process_index() == 0:
+        for step in ("1", "2"):
+            shutil.copytree(os.path.join(workdir, "checkpoints", "1"), os.path.join(copy, "checkpoints", step))
+        shutil.rmtree(os.path.join(copy, "checkpoints", "2", "state"))
+        shutil.copytree(os.path.join(single_dir, "checkpoints", "1", "state"), os.path.join(copy, "checkpoints", "2", "state"))
+    multihost_utils.sync_global_devices("corrupt copy made")
+    executor = Executor(run, log=stage)
+    start, _ = checkpoints.restore_first_readable(executor, checkpoints.open_manager(copy, config), [2, 1], config, stage)
+    executor.close()
+    stage(f"set aside, resumed from {start}")
 
 
 def test_two_process_checkpoint_round_trip(tmp_path, pretrained_cache, two_process_cache):
@@ -1028,8 +1046,13 @@ def test_two_process_checkpoint_round_trip(tmp_path, pretrained_cache, two_proce
     for out in outputs:
         assert "resumed from checkpoint 1 (policy version 1, 1 prefetched micro-batches)" in out
         assert "checkpoint round trip kept every bit" in out
+        assert f"checkpoint 2 ({multi}_corrupt/checkpoints/2) cannot be read: " in out and "set aside, resumed from 1" in out
         assert out.count("policy version 2, 1 prefetched micro-batches") == 2
         assert f"one-process checkpoint in {single / 'before'} restored" in out
+    # A corrupt checkpoint in two processes (`set_aside_in_both`): set aside once, both go on from the one before.
+    assert "does not read back on process 1" in outputs[0]  # process 0 holds none of the state it checks
+    assert "does not match the checksum written with it" in outputs[1]  # process 1 checks the state it holds
+    assert os.listdir(f"{multi}_corrupt/corrupt_checkpoints") == ["2"] and os.listdir(f"{multi}_corrupt/checkpoints") == ["1"]
     for item in ("state", "carried"):  # the train role's process wrote each array once; process 0 nothing
         written = [name for name in os.listdir(multi / "checkpoints" / "1" / item) if name.startswith("ocdbt.process_")]
         assert written == ["ocdbt.process_1"], (item, written)

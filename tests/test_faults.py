@@ -6,6 +6,7 @@ change it; resuming to the last checkpoint restores without training.
 """
 import errno
 import glob
+import logging
 import os
 import shutil
 import signal
@@ -128,14 +129,29 @@ def _damage(step_dir, variant):
         shutil.rmtree(step_dir)
         os.makedirs(step_dir)
         return "the step directory is empty"
+    if variant == "meta not an object":
+        with open(f"{step_dir}/meta/metadata", "w") as f:
+            f.write("[]")
+        return "its meta item cannot be read (it holds list [], not the object a save writes)"
+    if variant == "truncated meta":
+        with open(f"{step_dir}/meta/metadata", "r+b") as f:
+            f.truncate(os.path.getsize(f"{step_dir}/meta/metadata") // 2)
+        return "its meta item cannot be read"
+    if variant == "another step's data":
+        # Files that read back with data other than those saved: only the checksums can tell
+        # (orbax's zstd-compressed chunks decode without complaint after some flipped bytes, too).
+        shutil.rmtree(f"{step_dir}/state")
+        shutil.copytree(f"{os.path.dirname(step_dir)}/1/state", f"{step_dir}/state")
+        return "does not match the checksum written with it"
     raise ValueError(variant)
 
 
-VARIANTS = ("truncated data files", "garbage data files", "missing manifest", "missing meta", "empty step dir")
+VARIANTS = ("truncated data files", "garbage data files", "missing manifest", "missing meta", "empty step dir",
+            "meta not an object", "truncated meta", "another step's data")
 
 
 @pytest.mark.parametrize("variant", VARIANTS[1:])
-def test_unreadable_latest_checkpoint_is_set_aside_for_the_previous_one(pretrain_cache_dir, copy, variant):
+def test_unreadable_latest_checkpoint_is_set_aside_for_the_previous_one(pretrain_cache_dir, copy, variant, caplog):
     hint = _damage(copy / "checkpoints" / "2", variant)
     logs = []
     loop.train(lora_config(pretrain_cache_dir, iterations=1), str(copy), log=logs.append)  # to checkpoint 1: no training
@@ -145,6 +161,7 @@ def test_unreadable_latest_checkpoint_is_set_aside_for_the_previous_one(pretrain
     assert any("resumed from checkpoint 1" in line for line in logs), logs
     assert os.listdir(copy / "checkpoints") == ["1"] and os.listdir(copy / "corrupt_checkpoints") == ["2"]
     assert [r["step"] for r in read_metrics(copy)] == [1]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # the report above is all there is
 
 
 def test_fallback_retrains_to_the_uninterrupted_weights_and_the_trace_marks_the_resume(pretrain_cache_dir, template, copy):
@@ -180,17 +197,162 @@ def test_stop_policy_refuses_an_unreadable_checkpoint(pretrain_cache_dir, copy):
     assert sorted(os.listdir(copy / "checkpoints")) == ["1", "2"]  # nothing moved
 
 
-def test_a_cut_metrics_row_is_dropped_on_resume(pretrain_cache_dir, copy):
+def test_rows_that_are_no_metrics_row_are_moved_aside_on_resume(pretrain_cache_dir, copy):
     with open(copy / "metrics.jsonl", "a") as f:
-        f.write('{"step": 3, "reward_me')  # a write cut by a kill or a full disk
+        f.write('[]\n{"reward_mean": 1.0}\n{"step": 3, "reward_me')  # edited lines; a write cut by a kill or a full disk
     logs = []
     loop.train(lora_config(pretrain_cache_dir), str(copy), log=logs.append)
     assert [r["step"] for r in read_metrics(copy)] == [1, 2]
-    assert any("dropped 1 incomplete row" in line for line in logs), logs
+    assert [line for line in logs if "no metrics row" in line] == [
+        f"{copy / 'metrics.jsonl'}: moved 3 row(s) that are no metrics row (a write cut short, or an edited line) to "
+        f"{copy / 'metrics.dropped.jsonl'}"], logs
+    with open(copy / "metrics.dropped.jsonl") as f:
+        assert f.read() == '[]\n{"reward_mean": 1.0}\n{"step": 3, "reward_me\n'  # nothing lost
+
+
+def test_reruns_after_every_checkpoint_is_set_aside_keep_the_history(pretrain_cache_dir, copy):
+    """Every checkpoint unreadable: each rerun stops with one line and the run's files stay as
+    they are; train.start_over moves them to previous_runs/1 and starts at iteration 0; then a
+    rerun resumes the new run."""
+    for step in ("1", "2"):
+        _damage(copy / "checkpoints" / step, "truncated meta")
+    before = {name: (copy / name).read_bytes() for name in ("metrics.jsonl", "trace.json")}
+    config = lora_config(pretrain_cache_dir, iterations=1)
+    with pytest.raises(RunStopped, match=r"no checkpoint in .* can be read .* --config\.train\.start_over=true"):
+        loop.train(config, str(copy), log=lambda _: None)
+    for _ in range(2):
+        with pytest.raises(RunStopped) as info:
+            loop.train(config, str(copy), log=lambda _: None)
+        assert str(info.value).startswith(
+            f"{copy} holds an earlier run's metrics.jsonl (2 rows), trace.json, corrupt_checkpoints/ (2 set aside) but "
+            "no checkpoint to resume it from; to start the run over, keeping this history in "), str(info.value)
+        assert {name: (copy / name).read_bytes() for name in before} == before
+    config.train.start_over = True
+    logs = []
+    loop.train(config, str(copy), log=logs.append)
+    previous = copy / "previous_runs" / "1"
+    assert {name: (previous / name).read_bytes() for name in before} == before
+    assert sorted(os.listdir(previous / "corrupt_checkpoints")) == ["1", "2"]
+    assert any(line.startswith("train.start_over: moved checkpoints, corrupt_checkpoints, metrics.jsonl") for line in logs)
+    assert [r["step"] for r in read_metrics(copy)] == [1] and os.listdir(copy / "checkpoints") == ["1"]
+    config.train.start_over = False
+    logs = []
+    loop.train(config, str(copy), log=logs.append)  # at iteration 1 already: resumes, trains nothing
+    assert any("resumed from checkpoint 1" in line for line in logs) and os.listdir(copy / "previous_runs") == ["1"]
+
+
+def test_a_workdir_with_history_and_no_checkpoint_is_refused_by_the_launcher(copy):
+    """A run killed before its first checkpoint (or one whose checkpoints were removed): starting
+    over there would mix two runs' rows or replace them."""
+    shutil.rmtree(copy / "checkpoints")
+    rows = (copy / "metrics.jsonl").read_bytes()
+    out = _launch("train", copy)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        f"stopped: {copy} holds an earlier run's metrics.jsonl (2 rows), trace.json but no checkpoint to resume it "
+        f"from; to start the run over, keeping this history in {copy}/previous_runs/, rerun with "
+        "--config.train.start_over=true (once), or use another --workdir."], out.stderr
+    assert (copy / "metrics.jsonl").read_bytes() == rows
+
+
+def test_a_resume_names_the_settings_it_changes_in_the_log_and_the_metrics(pretrain_cache_dir, copy):
+    config = lora_config(pretrain_cache_dir, iterations=3)
+    config.rl.learning_rate *= 33
+    config.reward.weights.shapes = -1.0
+    logs = []
+    loop.train(config, str(copy), log=logs.append)
+    noted = [line for line in logs if "changed settings" in line]
+    assert noted == ["resumed with changed settings (metrics.jsonl records them as config_changes in the row of step 3): "
+                     "reward.weights.shapes 1.0 -> -1.0, rl.learning_rate 0.001 -> 0.033"], logs
+    rows = read_metrics(copy)
+    assert [r.get("config_changes") for r in rows] == [
+        None, None, {"reward.weights.shapes": [1.0, -1.0], "rl.learning_rate": [0.001, 0.033]}]
+
+
+def test_iterations_below_the_checkpoint_is_one_clear_line(pretrain_cache_dir, copy):
+    with pytest.raises(RunStopped, match=r"^train\.iterations=1 is below the iteration this run resumes from "
+                                         r"\(checkpoint 2 in .*\): give train\.iterations=2 or more"):
+        loop.train(lora_config(pretrain_cache_dir, iterations=1), str(copy), log=lambda _: None)
+    assert [r["step"] for r in read_metrics(copy)] == [1, 2] and sorted(os.listdir(copy / "checkpoints")) == ["1", "2"]
+
+
+# ---------------------------------------------------------------- checksums
+def test_checksums_see_one_changed_word_and_agree_across_shardings():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    x = jax.random.normal(jax.random.key(0), (16, 24))
+    tree = {"f32": x, "bf16": x.astype(jax.numpy.bfloat16), "i8": (x * 10).astype(np.int8), "key": jax.random.key(3),
+            "flag": x > 0}
+    sums = checkpoints.checksums(tree)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("a", "b"))
+    placed = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec("a", "b"))) if a.ndim == 2
+                          else a, tree)
+    assert checkpoints.checksums(placed) == sums == checkpoints.checksums(jax.device_get(tree))
+    for name in ("f32", "bf16", "i8", "flag"):
+        host = np.array(tree[name])
+        host.reshape(-1).view(np.uint8)[137] ^= 0x01  # one bit of one word
+        assert checkpoints.checksums({**tree, name: host})[f"['{name}']"] != sums[f"['{name}']"], name
+    swapped = np.array(x)
+    swapped[[0, 1]] = swapped[[1, 0]]  # the same words in other places
+    assert checkpoints.checksums({**tree, "f32": swapped})["['f32']"] != sums["['f32']"]
+    with pytest.raises(ValueError, match=r"the data of state\['f32'\] does not match the checksum"):
+        checkpoints.verify("state", {**tree, "f32": swapped}, sums)
+
+
+# ---------------------------------------------------------------- launch/sample.py
+def _launch(script, workdir, config=None):
+    """launch/SCRIPT.py on `workdir` with configs/tiny.py turned into `config` (the keys the LoRA
+    template sets), loading the programs this session compiled."""
+    flags = [*train_loop._overrides(config), f"--config.rl.lora_rank={config.rl.lora_rank}",
+             f"--config.rl.lora_merge_for_sampling={config.rl.lora_merge_for_sampling}"] if config else []
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_DEFAULT_MATMUL_PRECISION": "highest", "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
+    return subprocess.run([sys.executable, f"launch/{script}.py", "--config=configs/tiny.py", f"--workdir={workdir}",
+                           *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def like(pretrain_cache_dir, template, tmp_path_factory):
+    """The template's train state as launch/sample.py lays it out (without an executor)."""
+    run = loop.Run(lora_config(pretrain_cache_dir), str(tmp_path_factory.mktemp("like")), log=lambda _: None)
+    run.checkpoints.close()
+    return run.state
+
+
+@pytest.mark.parametrize("variant", ["truncated data files", "truncated meta", "empty step dir", "meta not an object",
+                                     "another step's data"])
+def test_sampling_names_an_unreadable_checkpoint_and_reads_the_one_before(pretrain_cache_dir, copy, like, variant):
+    hint = _damage(copy / "checkpoints" / "2", variant)
+    manager = checkpoints.open_manager(str(copy), None, read_only=True)
+    logs = []
+    state = checkpoints.read_state(manager, like, lora_config(pretrain_cache_dir), logs.append)
+    assert int(state.version) == 2  # checkpoint 1's
+    assert len(logs) == 1 and logs[0].startswith(f"checkpoint 2 ({copy / 'checkpoints' / '2'}) cannot be read: ")
+    assert hint in logs[0] and logs[0].endswith("; trying the one before"), logs
+    assert sorted(os.listdir(copy / "checkpoints")) == ["1", "2"]  # nothing moved: a run may be writing there
+    _damage(copy / "checkpoints" / "1", "truncated meta")
+    with pytest.raises(RunStopped, match=r"^no checkpoint in .* can be read \(each is named above\)$"):
+        checkpoints.read_state(manager, like, lora_config(pretrain_cache_dir), lambda _: None)
+
+
+def test_sample_script_falls_back_in_one_line_and_refuses_another_config_in_one_line(pretrain_cache_dir, copy):
+    config = lora_config(pretrain_cache_dir)
+    _damage(copy / "checkpoints" / "2", "truncated meta")
+    out = _launch("sample", copy, config)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    [line] = [line for line in out.stdout.splitlines() if "cannot be read" in line]
+    assert line.startswith(f"checkpoint 2 ({copy / 'checkpoints' / '2'}) cannot be read: its meta item cannot be read (")
+    assert line.endswith("; trying the one before"), line
+    assert "policy version 2: mean reward" in out.stdout
+    config.rl.lora_rank = 4
+    out = _launch("sample", copy, config)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    [line] = [line for line in out.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert line.startswith("error: checkpoint 1 in ") and "rl.lora_rank: 2 in the checkpoint, 4 now" in line, out.stderr
 
 
 # ---------------------------------------------------------------- failed saves, full disk
-def test_a_failed_asynchronous_save_stops_the_run(pretrain_cache_dir, tmp_path, monkeypatch):
+def test_a_failed_asynchronous_save_stops_the_run(pretrain_cache_dir, tmp_path, monkeypatch, caplog):
     from orbax.checkpoint._src.path import async_path
 
     async def disk_full(*args, **kwargs):  # the rename that commits a checkpoint, in orbax's save thread
@@ -203,6 +365,7 @@ def test_a_failed_asynchronous_save_stops_the_run(pretrain_cache_dir, tmp_path, 
     assert message.startswith("saving checkpoint 1 failed: the disk is full") and "rerun" in message, message
     assert len(message.splitlines()) == 1
     assert len(read_metrics(tmp_path / "run")) < 3  # it did not run on to the end
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # orbax's tracebacks of it are not shown
 
 
 @pytest.mark.parametrize("code, words", [(errno.ENOSPC, "the disk is full"), (errno.EACCES, "permission denied")])
@@ -334,3 +497,88 @@ def test_a_trace_write_that_fails_reaches_the_loop_instead_of_hanging_it(tmp_pat
     waiter.join(30)
     assert not waiter.is_alive() and raised and raised[0].errno == errno.ENOSPC
     assert checkpoints.disk_error(raised[0]) == (errno.ENOSPC, str(tmp_path / "trace.json"))
+
+
+# ---------------------------------------------------------------- what a resume may change
+def _config_files():
+    import importlib
+
+    names = [f"configs.{n[:-3]}" for n in sorted(os.listdir(os.path.join(ROOT, "configs")))
+             if n.endswith(".py") and n not in ("__init__.py", "sections.py")]
+    names += [f"configs.paper.{n[:-3]}" for n in sorted(os.listdir(os.path.join(ROOT, "configs", "paper")))
+              if n.endswith(".py") and not n.startswith("_")]
+    configs = {name: importlib.import_module(name).get_config() for name in names}
+    return {name: c for name, c in configs.items() if "train" in c}  # run configs (not paper/testbeds' table)
+
+
+def test_every_config_key_is_refused_noted_or_free_on_resume():
+    from digen_jax.app import resume_keys
+
+    unlisted = {f"{name}: {key}" for name, config in _config_files().items()
+                for key in resume_keys.leaves(config) if resume_keys.listed_prefix(key) is None}
+    assert not unlisted, f"classify these keys in digen_jax/app/resume_keys.py: {sorted(unlisted)}"
+
+
+def _changed(value):
+    """Another value of a config leaf's type."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2 + 1 if value != -1 else 0
+    if isinstance(value, str):
+        return value + "_other"
+    if isinstance(value, tuple):
+        return (*value, value[-1] if value else "x")
+    raise TypeError(value)
+
+
+# Values where `_changed`'s would not be valid for the key.
+_ALTERNATES = {"model.remat_policy": "full", "task.label_noise": 0.5, "task.resolution": 32}
+# Keys no other value of which is valid alone (another family, head width or rope split), or
+# (model.random_init=False) without a checkpoint to name the base weights.
+_UNCHECKED = {"model.family", "model.arch.attention_head_dim", "model.arch.axes_dims_rope", "model.random_init"}
+
+
+def _with(config, key, value):
+    import copy
+
+    c = copy.deepcopy(config)
+    *sections, name = key.split(".")
+    section = c
+    for s in sections:
+        section = section[s]
+    if value is None:  # a placeholder: the first type it takes
+        for candidate in (True, 2.0, 1, "x"):
+            try:
+                section[name] = candidate
+                return c
+            except TypeError:
+                continue
+    section[name] = _ALTERNATES.get(key) or _changed(value)
+    return c
+
+
+@pytest.mark.parametrize("name", ["configs.tiny", "configs.flux"])
+def test_a_changed_key_is_refused_or_named_as_its_class_says(name):
+    """Every key of the config, changed alone: a refused key changes the fingerprint (the resume
+    stops), a noted one changes it or is named by the note, a free one is never named."""
+    from digen_jax.app import resume_keys
+
+    config = _config_files()[name]
+    config.rl.lora_rank = 4  # the LoRA keys shape the state only with adapters
+    if name == "configs.flux":
+        config.model.update(variant="tiny", random_init=True)  # base weights named without files
+    base = checkpoints.fingerprint(config)
+    saved = resume_keys.settings(config)
+    unchecked = []
+    for key, value in resume_keys.leaves(config).items():
+        changed = _with(config, key, value)
+        try:
+            refused = checkpoints.differences(base, checkpoints.fingerprint(changed), carried=True) != []
+        except Exception:  # noqa: BLE001 (a value this config cannot take: nothing to compare)
+            unchecked.append(key)
+            continue
+        named = key in resume_keys.changes(saved, changed)
+        kind = resume_keys.kind(key)
+        assert (refused if kind == "refused" else (refused or named) if kind == "noted" else not named), (key, kind)
+    assert set(unchecked) <= _UNCHECKED, unchecked

@@ -7,10 +7,19 @@ checkpoint may carry. Every checkpoint stores it in its `meta` item; a resume wh
 differs stops before any compute, naming each key and both values. `train.init_from` is the
 deliberate way to start a new run from another run's weights.
 
+The other config keys a resume may change are noted or free (digen_jax/app/resume_keys.py): the
+meta item records the noted keys' values, and a resume names each one it changes.
+
 Faults: a checkpoint that cannot be read (an empty step directory, a missing or empty file, data
-that does not decode) is reported in one paragraph and, as `train.on_corrupt_checkpoint` says,
-moved to `WORKDIR/corrupt_checkpoints/` for the previous one ('fallback') or stops the run
-('stop'). A full disk or a permission error stops the run with one message naming the path.
+that does not decode, a meta item that is no object) or whose array data do not match the
+checksums written with them (`checksums`) is reported in one paragraph and, as
+`train.on_corrupt_checkpoint` says, moved to `WORKDIR/corrupt_checkpoints/` for the previous one
+('fallback') or stops the run ('stop'). A full disk or a permission error stops the run with one
+message naming the path; orbax's own error logs of such failures are not shown.
+
+History: nothing a run wrote is removed. A workdir holding a run's history but no checkpoint to
+resume stops the run (`refuse_history`); `train.start_over` moves it all to
+`WORKDIR/previous_runs/N/` first (`start_over`).
 
 Who writes: the processes that own the train role's devices write the train state, each its own
 shards (one replica of each shard, written once), with the meta and the prefetched micro-batches
@@ -24,6 +33,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
@@ -32,14 +42,16 @@ import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from digen_jax.app import workload as workload_lib
+from digen_jax.app import resume_keys, workload as workload_lib
 from digen_jax.rl import lora
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.distributed import put_own_copy, to_every_process
@@ -47,12 +59,17 @@ from digen_jax.runtime.distributed import put_own_copy, to_every_process
 ON_CORRUPT = ("fallback", "stop")
 LOCK_FILE = "run.lock"
 CORRUPT_DIR = "corrupt_checkpoints"
+PREVIOUS_DIR = "previous_runs"  # earlier runs of a workdir, moved there by train.start_over
+START_OVER_HINT = ("to start the run over, keeping this history in {workdir}/" + PREVIOUS_DIR
+                   + "/, rerun with --config.train.start_over=true (once), or use another --workdir.")
 # Keys that shape the micro-batches a checkpoint carries (compared only when it carries some).
 _CARRIED_KEYS = ("task.resolution", "sampling.height", "sampling.width", "sampling.num_frames", "sampling.num_steps",
                  "rl.prompts_per_iteration", "rl.group_size", "runtime.micro_batches", "runtime.mode")
 # Keys that must match for another run's trainable weights to fit this run's.
 _WEIGHT_KEYS = ("model.family", "model.variant", "model.num_layers", "model.num_single_layers", "model.scan_layers",
                 "trainable", "rl.lora_rank", "rl.lora_targets")
+# Fingerprint keys a checkpoint may predate: compared only when it records them.
+_RECORDED_LATER = ("seed",)
 _DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
                 errno.EROFS: "the file system is read-only"}
@@ -69,7 +86,7 @@ class RunStopped(Exception):
 def fingerprint(config: ml_collections.ConfigDict) -> dict:
     """The keys that shape a run's checkpointed state (module docstring), as JSON values."""
     m, rl = config.model, config.rl
-    fp = {"model.family": m.family}
+    fp = {"seed": config.seed, "model.family": m.family}
     for key in ("variant", "num_layers", "num_single_layers"):
         if key in m:
             fp[f"model.{key}"] = m[key]
@@ -105,7 +122,7 @@ def differences(saved: dict, current: dict, *, carried: bool, keys: tuple[str, .
     carried micro-batches' keys only when `carried`; only `keys` when given)."""
     lines = []
     for key in dict.fromkeys([*saved, *current]):
-        if key == "carried" or (keys is not None and key not in keys):
+        if key == "carried" or (keys is not None and key not in keys) or (key in _RECORDED_LATER and key not in saved):
             continue
         a, b = saved.get(key), current.get(key)
         same = (a or {}).get("id") == (b or {}).get("id") if key == "base model" else a == b
@@ -163,6 +180,52 @@ class WorkdirLock:
             self._fd = None
 
 
+# ---------------------------------------------------------------------------------- history
+def history(workdir: str) -> list[str]:
+    """What an earlier run left in `workdir` that a run starting at iteration 0 would mix with its
+    own: metrics rows, trace events, checkpoints set aside (as words, empty when none)."""
+    found = []
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(metrics) and os.path.getsize(metrics):
+        with open(metrics, "rb") as f:
+            found.append(f"metrics.jsonl ({sum(1 for line in f if line.strip())} rows)")
+    trace = os.path.join(workdir, "trace.json")
+    if os.path.exists(trace):
+        with open(trace) as f:  # the header and thread names of a run that recorded no event are not history
+            if any(line.strip() not in ("", "[") and '"ph": "M"' not in line for line in f):
+                found.append("trace.json")
+    corrupt = os.path.join(workdir, CORRUPT_DIR)
+    if os.path.isdir(corrupt) and os.listdir(corrupt):
+        found.append(f"{CORRUPT_DIR}/ ({len(os.listdir(corrupt))} set aside)")
+    return found
+
+
+def refuse_history(workdir: str) -> None:
+    """RunStopped when `workdir` holds an earlier run's history (`history`) and no checkpoint to
+    resume it from: starting at iteration 0 there would mix two runs' outputs or replace them."""
+    found = history(workdir)
+    if found:
+        raise RunStopped(f"{workdir} holds an earlier run's {', '.join(found)} but no checkpoint to resume it from; "
+                         + START_OVER_HINT.format(workdir=workdir))
+
+
+def start_over(workdir: str, log: Callable[[str], None]) -> None:
+    """`train.start_over`: move everything in `workdir` (but its lock) to a new
+    WORKDIR/previous_runs/N/, so that the run starts at iteration 0 and loses nothing."""
+    entries = sorted(name for name in os.listdir(workdir) if name not in (LOCK_FILE, PREVIOUS_DIR))
+    if entries and jax.process_index() == 0:
+        n = 1
+        while os.path.exists(os.path.join(workdir, PREVIOUS_DIR, str(n))):
+            n += 1
+        dest = os.path.join(workdir, PREVIOUS_DIR, str(n))
+        os.makedirs(dest)
+        for name in entries:
+            shutil.move(os.path.join(workdir, name), os.path.join(dest, name))
+        log(f"train.start_over: moved {', '.join(entries)} to {dest}; starting at iteration 0")
+    if jax.process_count() > 1:  # the others look at the workdir once process 0 has cleared it
+        multihost_utils.sync_global_devices("start over")
+
+
 # ---------------------------------------------------------------------------------- faults
 def _chain(exc: BaseException):
     seen = set()
@@ -212,6 +275,7 @@ def open_manager(workdir: str, config: ml_collections.ConfigDict, read_only: boo
     gets a manager of its own that only reads, without waiting for any other process.
     """
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    _quiet_orbax_failures()
     if read_only:  # orbax warns of every option that would write
         return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
             read_only=True, create=False, save_interval_steps=0))
@@ -262,7 +326,11 @@ def _structural_fault(step_dir: str) -> str | None:
 
 
 def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
-    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    """The meta item of checkpoint `step` (ValueError when it is not a JSON object)."""
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if not isinstance(meta, dict) or not isinstance(meta.get("carried", []), list):
+        raise ValueError(f"it holds {type(meta).__name__} {json.dumps(meta)[:80]}, not the object a save writes")
+    return meta
 
 
 def set_aside(manager: ocp.CheckpointManager, step: int, reason: str, policy: str, log: Callable[[str], None]) -> None:
@@ -330,10 +398,28 @@ def resume_candidates(manager: ocp.CheckpointManager, config: ml_collections.Con
                 )
         candidates.append(step)
     if steps and not candidates:
-        raise RunStopped(f"no checkpoint in {manager.directory} can be read (they were moved to "
-                         f"{os.path.join(os.path.dirname(str(manager.directory)), CORRUPT_DIR)}); to start the run over, "
-                         "remove the workdir or use another --workdir.")
+        raise _none_readable(manager)
     return candidates
+
+
+def _none_readable(manager: ocp.CheckpointManager) -> RunStopped:
+    workdir = os.path.dirname(str(manager.directory))
+    return RunStopped(f"no checkpoint in {manager.directory} can be read (they were moved to "
+                      f"{os.path.join(workdir, CORRUPT_DIR)}); {START_OVER_HINT.format(workdir=workdir)}")
+
+
+class _OrbaxFailures(logging.Filter):
+    """Drops orbax's error records (a failed save or read logged with its traceback, often more
+    than once): the run reports each failure itself, in one line (`disk_message`, `set_aside`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _quiet_orbax_failures() -> None:
+    logger = absl_logging.get_absl_logger()
+    if not any(isinstance(f, _OrbaxFailures) for f in logger.filters):
+        logger.addFilter(_OrbaxFailures())
 
 
 def _quiet_abandoned_reads() -> None:
@@ -349,6 +435,51 @@ def _quiet_abandoned_reads() -> None:
 
     hook.quiet_abandoned_reads = True
     sys.unraisablehook = hook
+
+
+# ---------------------------------------------------------------------------------- checksums
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """sum(weight(index) * word) mod 2**32 over the 32-bit words of `x`'s data (a narrower
+    element is one word, a wider one several), each word's weight its flat index times the golden
+    ratio's 32-bit constant, made odd. The shards' sums add up to the same value in any sharding,
+    so it is computed where the array lives, in any process layout, and no data goes to the host.
+    An odd weight makes any change of one word change the sum; other changes go unseen with a
+    chance of about 2**-32."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    words = (jax.lax.bitcast_convert_type(x, jnp.uint32) if size >= 4 else
+             jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[size]).astype(jnp.uint32))
+    index = jnp.zeros(words.shape, jnp.uint32)
+    for axis, n in enumerate(words.shape):
+        index = index * jnp.uint32(n) + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+    return jnp.sum((index * jnp.uint32(0x9E3779B1) | jnp.uint32(1)) * words, dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums(tree) -> list[jax.Array]:
+    return [_leaf_checksum(leaf) for leaf in jax.tree.leaves(tree)]
+
+
+def checksums(tree) -> dict[str, int]:
+    """{leaf path: checksum} of the arrays of `tree` (`_leaf_checksum`); every process that holds
+    part of them calls it (one scalar read per leaf, at a save or a restore)."""
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    values = _checksums(tree)
+    return {path: int(np.asarray(v.addressable_shards[0].data)) for path, v in zip(paths, values)}
+
+
+def verify(item: str, tree, saved: dict | None) -> None:
+    """Raise ValueError naming the first leaf of `tree` whose checksum differs from `saved`, the
+    checksums written with item `item` (nothing to check without them, or on a process that
+    holds none of the data)."""
+    if not saved or not any(not isinstance(leaf, jax.Array) or leaf.addressable_shards for leaf in jax.tree.leaves(tree)):
+        return
+    for path, value in checksums(tree).items():
+        if path in saved and saved[path] != value:
+            raise ValueError(f"the data of {item}{path} does not match the checksum written with it (corrupted on disk)")
 
 
 # ---------------------------------------------------------------------------------- save and restore
@@ -384,6 +515,10 @@ def save(executor, manager: ocp.CheckpointManager, iterations_done: int, config:
         "fingerprint": fingerprint(config),
         # The task costs measured so far: a resumed run chooses its elastic splits as this one would.
         "measured": [[kind, group, values] for (kind, group), values in executor.measured.items()],
+        # The noted keys' values: a resume names those it changes (digen_jax/app/resume_keys.py).
+        "settings": resume_keys.settings(config),
+        # Verified when the checkpoint is read back: data corrupted on disk is not trusted.
+        "checksums": {"state": checksums(executor.state), **({"carried": checksums(carried)} if carried else {})},
     }
     state = jax.tree.map(_writable, executor.state, executor.state_sharding)
     items = {"state": ocp.args.PyTreeSave(state), "meta": ocp.args.JsonSave(meta)}
@@ -453,16 +588,25 @@ def _abstract(tree, shardings=None):
 def _load(executor, manager: ocp.CheckpointManager, step: int) -> tuple:
     """Checkpoint `step` as this process reads it for `executor`: (state, carried, meta)."""
     meta = read_meta(manager, step)
+    sums = meta.get("checksums") or {}
     state = _read(manager, step, "state", _abstract(executor.state, executor.state_sharding))
-    return state, _read_on_host(manager, step, "carried") if meta["carried"] else {}, meta
+    verify("state", state, sums.get("state"))
+    carried = _read_on_host(manager, step, "carried") if meta["carried"] else {}
+    verify("carried", carried, sums.get("carried"))
+    return state, carried, meta
 
 
-def _resume(executor, step: int, state, carried: dict, meta: dict) -> int:
+def _resume(executor, step: int, state, carried: dict, meta: dict) -> tuple[int, dict]:
+    """Continue `executor` from checkpoint `step`: (step, the noted keys the config changes)."""
     version = int(jax.device_get(to_every_process(state.version)))  # one scalar, read by every process
     executor.resume(step, state, carried, meta.get("measured", []))
     executor.log(f"resumed from checkpoint {step} (policy version {version}, {len(executor.carried)} prefetched "
                  "micro-batches)")
-    return step
+    changed = resume_keys.changes(meta.get("settings"), executor.job.config)
+    if changed:
+        executor.log(f"resumed with changed settings (metrics.jsonl records them as config_changes in the row of "
+                     f"step {step + 1}): {resume_keys.describe(changed)}")
+    return step, changed
 
 
 def restore(executor, manager: ocp.CheckpointManager, step: int | None = None) -> int:
@@ -473,28 +617,51 @@ def restore(executor, manager: ocp.CheckpointManager, step: int | None = None) -
     latest = manager.latest_step() if step is None else step
     if latest is None:
         return 0
-    return _resume(executor, latest, *_load(executor, manager, latest))
+    return _resume(executor, latest, *_load(executor, manager, latest))[0]
 
 
-def read_state(manager: ocp.CheckpointManager, like, config: ml_collections.ConfigDict):
-    """The train state of the latest checkpoint, laid out like `like` (its shapes and shardings),
-    or None when there is none; RunStopped when that checkpoint was written by another config."""
-    step = manager.latest_step()
-    if step is None:
-        return None
-    saved = read_meta(manager, step).get("fingerprint")
-    diff = differences(saved, fingerprint(config), carried=False) if saved is not None else []
-    if diff:
-        raise RunStopped(f"checkpoint {step} in {manager.directory} was written by a run whose config differs from "
-                         "this one in what shapes the trained state:\n  " + "\n  ".join(diff))
-    return _read(manager, step, "state", _abstract(like))
+def read_state(manager: ocp.CheckpointManager, like, config: ml_collections.ConfigDict,
+               log: Callable[[str], None] = print):
+    """The train state of the newest checkpoint that reads back and matches its checksums, laid
+    out like `like` (its shapes and shardings), or None when there is none. One that does not is
+    named in one line (`log`) and the one before is tried; nothing is moved (a run may be
+    writing there). RunStopped when a checkpoint was written by another config or none reads back."""
+    steps = sorted(manager.all_steps(), reverse=True)
+    for step in steps:
+        step_dir = os.path.join(str(manager.directory), str(step))
+        reason = _structural_fault(step_dir)
+        if reason is None:
+            try:
+                meta = read_meta(manager, step)
+            except Exception as e:  # noqa: BLE001 (any failure to read it is the fault to report)
+                _quiet_abandoned_reads()
+                reason = f"its meta item cannot be read ({short_reason(e)})"
+        if reason is None:
+            saved = meta.get("fingerprint")
+            diff = differences(saved, fingerprint(config), carried=False) if saved is not None else []
+            if diff:
+                raise RunStopped(f"checkpoint {step} in {manager.directory} was written by a run whose config differs "
+                                 f"from this one in what shapes the trained state ({'; '.join(diff)}): give that "
+                                 "run's --config and overrides")
+            try:
+                state = _read(manager, step, "state", _abstract(like))
+                verify("state", state, (meta.get("checksums") or {}).get("state"))
+                return state
+            except Exception as e:  # noqa: BLE001 (likewise)
+                _quiet_abandoned_reads()
+                reason = short_reason(e)
+        log(f"checkpoint {step} ({step_dir}) cannot be read: {reason}; trying the one before")
+    if steps:
+        raise RunStopped(f"no checkpoint in {manager.directory} can be read (each is named above)")
+    return None
 
 
 def restore_first_readable(executor, manager: ocp.CheckpointManager, candidates: list[int],
-                           config: ml_collections.ConfigDict, log: Callable[[str], None]) -> int:
-    """Restore the newest of `candidates` whose data reads back (`set_aside` for the others);
-    the iteration to start from (0 without candidates). Several processes read different parts
-    of a checkpoint, so they agree on each outcome before acting on it."""
+                           config: ml_collections.ConfigDict, log: Callable[[str], None]) -> tuple[int, dict]:
+    """Restore the newest of `candidates` whose data reads back and matches its checksums
+    (`set_aside` for the others): (the iteration to start from, 0 without candidates; the noted
+    keys the config changes, `resume_keys.changes`). Several processes read different parts of
+    a checkpoint, so they agree on each outcome before acting on it."""
     for step in candidates:
         failure = None
         try:
@@ -514,10 +681,8 @@ def restore_first_readable(executor, manager: ocp.CheckpointManager, candidates:
         set_aside(manager, step, short_reason(failure) if failure is not None else elsewhere,
                   config.train.on_corrupt_checkpoint, log)
     if candidates:
-        raise RunStopped(f"no checkpoint in {manager.directory} can be read (they were moved to "
-                         f"{os.path.join(os.path.dirname(str(manager.directory)), CORRUPT_DIR)}); to start the run over, "
-                         "remove the workdir or use another --workdir.")
-    return 0
+        raise _none_readable(manager)
+    return 0, {}
 
 
 def _agree(outcome: int) -> list[int]:

@@ -186,22 +186,31 @@ def _host(metrics: dict) -> dict:
 
 
 def _keep_rows_through(path: str, step: int, log: Callable[[str], None]) -> None:
-    """Drop metrics rows past `step` (written by a run killed after its last checkpoint) and any
-    row cut short (a write interrupted by a kill or a full disk)."""
-    rows, cut = [], 0
+    """Keep the metrics rows through `step`. Those past it (written by a run killed after its last
+    checkpoint; this run trains those iterations again) and those that are no metrics row (a
+    write cut short by a kill or a full disk, an edited line) move to metrics.dropped.jsonl."""
+    kept, dropped, bad = [], [], 0
     with open(path) as f:
         for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                cut += line.strip() != ""
+            if not line.strip():
                 continue
-            if row["step"] <= step:
-                rows.append(json.dumps(row) + "\n")
-    if cut:
-        log(f"{path}: dropped {cut} incomplete row(s) (an interrupted write)")
+            line = line if line.endswith("\n") else line + "\n"
+            try:
+                past = json.loads(line)["step"] > step
+            except (ValueError, TypeError, KeyError):
+                bad += 1
+                dropped.append(line)
+                continue
+            (dropped if past else kept).append(line)
+    if not dropped:
+        return
+    aside = os.path.join(os.path.dirname(path), "metrics.dropped.jsonl")
+    with open(aside, "a") as f:
+        f.writelines(dropped)
+    if bad:
+        log(f"{path}: moved {bad} row(s) that are no metrics row (a write cut short, or an edited line) to {aside}")
     with open(f"{path}.tmp", "w") as f:  # replaced whole: a failed rewrite leaves the rows as they were
-        f.writelines(rows)
+        f.writelines(kept)
     os.replace(f"{path}.tmp", path)
 
 
@@ -256,9 +265,13 @@ def _finish_save(run: Run, step: int | None, log: Callable[[str], None] | None =
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None], writes_files: bool) -> TrainState:
+    if config.train.start_over:
+        checkpoints.start_over(workdir, log)
     inspection = checkpoints.open_manager(workdir, config)
     candidates = checkpoints.resume_candidates(inspection, config, log)  # before any compute
     inspection.close()
+    if not candidates:  # a run's outputs are never removed: starting at 0 over them is refused
+        checkpoints.refuse_history(workdir)
     init_from = None
     if config.train.init_from and candidates:
         log(f"train.init_from={config.train.init_from!r} ignored: resuming this workdir's own checkpoints")
@@ -266,24 +279,26 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
         init_from = checkpoints.check_init_from(config)
     run = Run(config, workdir, log)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    trace_path = os.path.join(workdir, "trace.json")
-    if writes_files and not candidates:
-        for path in (metrics_path, trace_path):
-            if os.path.exists(path):
-                os.remove(path)
     if init_from is not None:
         run.state = run.trainer.init_state(checkpoints.load_init_from(*init_from, run.state.trainable, config, log))
     executor = Executor(run, log=log)
-    start = checkpoints.restore_first_readable(executor, run.checkpoints, candidates, config, log)
+    start, changed = checkpoints.restore_first_readable(executor, run.checkpoints, candidates, config, log)
+    total = config.train.iterations
+    if start > total:
+        executor.close()
+        raise checkpoints.RunStopped(
+            f"train.iterations={total} is below the iteration this run resumes from (checkpoint {start} in "
+            f"{workdir}): give train.iterations={start} or more to go on with it, or another --workdir for a new run.")
     if writes_files and start and os.path.exists(metrics_path):
         _keep_rows_through(metrics_path, start, log)
-    total = config.train.iterations
     log(f"training {total - start} iterations of {config.rl.prompts_per_iteration * config.rl.group_size} samples "
         f"(from iteration {start}) in {workdir}, runtime.mode={config.runtime.mode}")
 
     def emit(k: int, plan, metrics: dict) -> None:
         m = _host(metrics)
         m.update(executor.timing(k, plan))
+        if k == start and changed:
+            m["config_changes"] = changed  # the noted keys this resume changed: {key: [old, new]}
         if writes_files:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
