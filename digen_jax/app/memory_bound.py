@@ -1,0 +1,105 @@
+"""A lower bound of a run's memory, checked before any compute.
+
+A run's largest arrays have sizes the config fixes: the base weights; the trained ones (LoRA
+adapters, or the whole model) with their two Adam moments and, with `rl.ema`, an EMA copy; the
+trajectories of an iteration's samples (float32 latents along the ladder and the step means);
+and those of the eval prompts. Their sum is a bound from below of what the run holds:
+activations, compiled programs and copies on other roles come on top. When it exceeds all the
+memory of the run's devices and hosts together, no placement can run it, and `check_memory`
+refuses the config with one line naming the key that makes it so, before anything is
+allocated (instead of an abort or an out-of-memory kill minutes into the run).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import jax
+import ml_collections
+
+from digen_jax.app.errors import ConfigError
+
+_LATENT_BYTES = 4  # latents and means are float32 (rl.rollout.Trajectory)
+
+
+class Need(NamedTuple):
+    what: str  # the arrays, with the config values that size them
+    nbytes: int
+    fix: str  # which key to lower
+
+
+def gigabytes(n: float) -> str:
+    """`n` bytes in GB, TB or PB, three significant digits."""
+    for scale, unit in ((1e15, "PB"), (1e12, "TB")):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n / 1e9:.3g} GB"
+
+
+def machine_memory() -> tuple[int, str]:
+    """(bytes, description) of the memory every process of the run can reach together: each
+    accelerator's allocator limit plus the hosts' physical memory (CPU devices share the host's)."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    processes = jax.process_count()
+    accelerators = [d for d in jax.local_devices() if d.platform != "cpu"]
+    device_bytes = sum((d.memory_stats() or {}).get("bytes_limit", 0) for d in accelerators)
+    total = (host + device_bytes) * processes
+    hosts = f"{processes} hosts'" if processes > 1 else "the host's"
+    if accelerators:
+        return total, f"{len(accelerators) * processes} x {accelerators[0].device_kind} and {hosts} memory"
+    return total, f"{hosts} memory"
+
+
+def ladder_copies(config: ml_collections.ConfigDict) -> int:
+    """Latent-sized float32 arrays a sampled trajectory keeps per sample: the N + 1 latents of the
+    ladder and the N step means (GRPO); DiffusionNFT keeps the final sample only."""
+    return 2 * config.sampling.num_steps + 1
+
+
+def needs(config: ml_collections.ConfigDict, abstract_params, lora_shapes: list[tuple[int, ...]],
+          latent_values: int, sample_keys: str) -> list[Need]:
+    """The arrays `check_memory` counts. abstract_params: the transformer's (ShapeDtypeStructs);
+    lora_shapes: the adapted kernels' shapes ((layers,) in, out), empty for full fine-tuning;
+    latent_values: values per sample's latents; sample_keys: the keys that size one sample."""
+    rl = config.rl
+    base = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_params))
+    if rl.lora_rank:
+        trained = sum(4 * math.prod(s[:-2]) * rl.lora_rank * (s[-2] + s[-1]) for s in lora_shapes)
+        what, fix = f"the weights with rl.lora_rank={rl.lora_rank} adapters", "lower rl.lora_rank"
+    else:
+        trained, what = base, "the weights, fully fine-tuned"
+        fix = "train LoRA adapters (rl.lora_rank > 0) or a smaller model"
+    copies = 2 + bool(rl.ema)  # Adam's two moments, the EMA
+    weights = Need(f"{what} (their Adam moments{' and EMA' if rl.ema else ''} included)",
+                   base + (trained if rl.lora_rank else 0) + copies * trained, fix)
+    per_sample = latent_values * _LATENT_BYTES
+    rollout_copies = 1 if rl.algorithm == "nft" else ladder_copies(config)
+    eval_copies = ladder_copies(config)
+    samples = rl.prompts_per_iteration * rl.group_size
+    bigger = "rl.group_size" if rl.group_size >= rl.prompts_per_iteration else "rl.prompts_per_iteration"
+    rollout = Need(f"the trajectories of rl.prompts_per_iteration={rl.prompts_per_iteration} x rl.group_size="
+                   f"{rl.group_size} samples of {latent_values} latent values ({sample_keys})",
+                   samples * rollout_copies * per_sample, f"lower {bigger}")
+    evals = Need(f"the trajectories of train.eval_prompts={config.train.eval_prompts} samples of {latent_values} "
+                 f"latent values ({sample_keys})", config.train.eval_prompts * eval_copies * per_sample,
+                 "lower train.eval_prompts")
+    return [weights, rollout, evals]
+
+
+def check_memory(config: ml_collections.ConfigDict, abstract_params, lora_shapes: list[tuple[int, ...]],
+                 latent_values: int, sample_keys: str, capacity: tuple[int, str] | None = None) -> None:
+    """Raise ConfigError when the run's largest arrays (`needs`) exceed `capacity` (bytes,
+    description; default `machine_memory()`), naming the largest and the key to lower."""
+    items = needs(config, abstract_params, lora_shapes, latent_values, sample_keys)
+    total = sum(n.nbytes for n in items)
+    available, where = machine_memory() if capacity is None else capacity
+    if total <= available:
+        return
+    top = max(items, key=lambda n: n.nbytes)
+    fix = top.fix
+    smallest_group = 2 * ladder_copies(config) * latent_values * _LATENT_BYTES
+    if top is not items[0] and smallest_group > available:  # fewer samples would not do: smaller ones
+        fix = "lower " + " / ".join(key.split("=")[0] for key in sample_keys.split(" x "))
+    raise ConfigError(f"the run needs at least {gigabytes(total)} of memory, more than the {gigabytes(available)} of "
+                      f"{where}; {gigabytes(top.nbytes)} of it are {top.what}: {fix}")
