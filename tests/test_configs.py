@@ -70,7 +70,7 @@ def test_full_size_config_validates_and_fits_its_model(family, size):
     c = get_config(family, size)
     assert c.model.family == family and not c.model.random_init and not c.data.random_embeddings
     c.model.random_init = c.data.random_embeddings = True
-    loop.validate_config(c)
+    loop.validate_config(c, this_machine=False)  # a config for GPUs: its memory is not this machine's
 
     s, zoo = c.sampling, families.ZOO[family]
     model_cfg, vae_cfg = families.model_config(c), families.vae_config(c)
@@ -140,7 +140,7 @@ def test_nft_zoo_configs_validate_with_the_reference_settings(family):
     per sample, beta 1, the 'ramp' decay, KL weight 1e-4; its tiny size validates too."""
     c, grpo = get_config(family, files=NFT_CONFIGS), get_config(family)
     c.model.random_init = c.data.random_embeddings = True
-    loop.validate_config(c)
+    loop.validate_config(c, this_machine=False)  # a config for GPUs
     rl = c.rl
     assert (rl.algorithm, rl.nft_solver, rl.nft_beta, rl.nft_decay, rl.kl_beta) == ("nft", "dpm2", 1.0, "ramp", 1e-4)
     assert c.sampling.cfg_scale == 1.0 and c.sampling.num_steps == 10

@@ -63,16 +63,18 @@ def needs(config: ml_collections.ConfigDict, abstract_params, lora_shapes: list[
     lora_shapes: the adapted kernels' shapes ((layers,) in, out), empty for full fine-tuning;
     latent_values: values per sample's latents; sample_keys: the keys that size one sample."""
     rl = config.rl
-    base = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_params))
-    if rl.lora_rank:
-        trained = sum(4 * math.prod(s[:-2]) * rl.lora_rank * (s[-2] + s[-1]) for s in lora_shapes)
-        what, fix = f"the weights with rl.lora_rank={rl.lora_rank} adapters", "lower rl.lora_rank"
-    else:
-        trained, what = base, "the weights, fully fine-tuned"
-        fix = "train LoRA adapters (rl.lora_rank > 0) or a smaller model"
+    base_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_params))
+    base = Need("the base model's weights", base_bytes,
+                "it needs devices with more memory, or a smaller model (model.variant, model.arch, model.num_layers)")
     copies = 2 + bool(rl.ema)  # Adam's two moments, the EMA
-    weights = Need(f"{what} (their Adam moments{' and EMA' if rl.ema else ''} included)",
-                   base + (trained if rl.lora_rank else 0) + copies * trained, fix)
+    state = f"their Adam moments{' and EMA' if rl.ema else ''}"
+    if rl.lora_rank:  # float32 adapters (rl.lora.init_lora) beside the base
+        adapters = sum(4 * math.prod(s[:-2]) * rl.lora_rank * (s[-2] + s[-1]) for s in lora_shapes)
+        trained = Need(f"the rl.lora_rank={rl.lora_rank} adapters and {state}", (1 + copies) * adapters,
+                       "lower rl.lora_rank")
+    else:  # the base weights are the trained ones
+        trained = Need(f"{state} of the fully fine-tuned weights", copies * base_bytes,
+                       "train LoRA adapters (rl.lora_rank > 0) or a smaller model")
     per_sample = latent_values * _LATENT_BYTES
     rollout_copies = 1 if rl.algorithm == "nft" else ladder_copies(config)
     eval_copies = ladder_copies(config)
@@ -84,7 +86,7 @@ def needs(config: ml_collections.ConfigDict, abstract_params, lora_shapes: list[
     evals = Need(f"the trajectories of train.eval_prompts={config.train.eval_prompts} samples of {latent_values} "
                  f"latent values ({sample_keys})", config.train.eval_prompts * eval_copies * per_sample,
                  "lower train.eval_prompts")
-    return [weights, rollout, evals]
+    return [base, trained, rollout, evals]
 
 
 def check_memory(config: ml_collections.ConfigDict, abstract_params, lora_shapes: list[tuple[int, ...]],
@@ -99,7 +101,7 @@ def check_memory(config: ml_collections.ConfigDict, abstract_params, lora_shapes
     top = max(items, key=lambda n: n.nbytes)
     fix = top.fix
     smallest_group = 2 * ladder_copies(config) * latent_values * _LATENT_BYTES
-    if top is not items[0] and smallest_group > available:  # fewer samples would not do: smaller ones
+    if top in items[2:] and smallest_group > available:  # fewer samples would not do: smaller ones
         fix = "lower " + " / ".join(key.split("=")[0] for key in sample_keys.split(" x "))
     raise ConfigError(f"the run needs at least {gigabytes(total)} of memory, more than the {gigabytes(available)} of "
                       f"{where}; {gigabytes(top.nbytes)} of it are {top.what}: {fix}")

@@ -38,8 +38,11 @@ from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.runtime_config import validate_runtime_config
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Reject a bad config before any compute, naming the offending key (raises ConfigError)."""
+def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = True) -> None:
+    """Reject a bad config before any compute, naming the offending key (raises ConfigError).
+
+    this_machine: also reject a run whose largest arrays exceed the memory of this machine's
+    devices and host (`memory_bound`); False checks the config alone (one written for others)."""
     check_ranges(config)
     _validate_workload(config)
     try:
@@ -87,7 +90,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _validate_colocated_roles(config)
-    _validate_model_size(config)
+    _validate_model_size(config, this_machine)
 
 
 def _validate_colocated_roles(config) -> None:
@@ -137,9 +140,9 @@ def _per_sample(config) -> tuple[int, str]:
     return math.prod(latent_shape(config, vae_config(config))), keys
 
 
-def _validate_model_size(config) -> None:
-    """The transformer's config, the kernels `rl.lora_targets` adapt and `rl.lora_rank`, then the
-    memory the run's largest arrays need (`memory_bound`)."""
+def _validate_model_size(config, this_machine: bool) -> None:
+    """The transformer's config, the kernels `rl.lora_targets` adapt and `rl.lora_rank`, then
+    (`this_machine`) the memory the run's largest arrays need (`memory_bound`)."""
     model_cfg = _transformer_config(config)
     try:
         abstract = _abstract_params(config.model.family, model_cfg)
@@ -161,7 +164,8 @@ def _validate_model_size(config) -> None:
             raise ConfigError(f"rl.lora_rank={rl.lora_rank} exceeds {widest}, the full rank of the largest kernel "
                               f"rl.lora_targets adapts: a higher rank adds parameters and nothing else; use "
                               f"rl.lora_rank <= {widest}, or 0 to fine-tune every weight")
-    check_memory(config, abstract, lora_shapes, *_per_sample(config))
+    if this_machine:
+        check_memory(config, abstract, lora_shapes, *_per_sample(config))
 
 
 def _validate_algorithm(config) -> None:
@@ -209,7 +213,8 @@ def _validate_shapes(config) -> None:
         raise ConfigError(f"task: {e}") from None
     if config.model.checkpoint:
         _validate_shapes_checkpoint(config)
-    else:
+    _transformer_config(config)  # model.arch with the model policy
+    if not config.model.checkpoint:
         _validate_pretrain_cache(config)
 
 

@@ -232,7 +232,7 @@ class ModelZooWorkload(_Workload):
         if c.random_init:
             family, cfg = self.zoo.vae, vae_config(self.config)
             return cfg, random_init.random_params(family, cfg, self.config.seed + 5)
-        _, cfg, params = load_checkpoint(c.vae_checkpoint)
+        _, cfg, params = load_checkpoint(c.vae_checkpoint, dtype=c.dtype)  # decodes in model.dtype
         return cfg, params
 
     @property
