@@ -87,8 +87,9 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     config file checked."""
     with config_file_errors(argv), config_override_errors(argv):
         args = app.parse_flags_with_usage(argv)
-        if "config" in flags.FLAGS:
-            flags.FLAGS["config"].value.get  # a config file that failed to load raises here, not in main
+        config = flags.FLAGS["config"].value if "config" in flags.FLAGS else None
+        if config is not None:
+            config.get  # a config file that failed to load raises here, not in main
         return args
 
 
