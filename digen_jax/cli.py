@@ -110,6 +110,9 @@ def run(main, interrupted: Callable[[], str] = lambda: "interrupted") -> None:
     except KeyboardInterrupt:
         sys.stdout.flush()
         print(interrupted(), file=sys.stderr)
-        if "digen_jax.runtime.peer_watchdog" in sys.modules:  # several processes: tell the others, exit now
-            sys.modules["digen_jax.runtime.peer_watchdog"].end_after_failure("interrupted (Ctrl-C)", INTERRUPTED)
+        # Several processes: tell the others and exit now (a process that watches others has
+        # imported the watchdog; importing it here would load JAX into every script).
+        watchdog = sys.modules.get("digen_jax.runtime.peer_watchdog")
+        if watchdog is not None:
+            watchdog.end_after_failure("interrupted (Ctrl-C)", INTERRUPTED)
         sys.exit(INTERRUPTED)

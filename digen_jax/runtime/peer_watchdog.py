@@ -55,7 +55,6 @@ HEARTBEAT_KEY = "digen_jax/heartbeat/"
 FAILED_KEY = "digen_jax/failed/"  # <process id> -> "<host> <message>" of a process that stopped on an error
 ACKNOWLEDGED_KEY = "digen_jax/acknowledged/"  # <process id> -> "" once it has read a failure
 LOST_STATUS = 1  # the exit status of launch/train.py's other faults
-INTERRUPTED_STATUS = 130  # after Ctrl-C (128 + SIGINT), as shells report it
 _JAX_HEARTBEAT_DEFAULT_S = 100  # jax.distributed.initialize's default heartbeat_timeout_seconds
 _FLUSH_TIMEOUT_S = 2.0  # a flush blocked by a stuck thread must not keep the process alive
 _ACKNOWLEDGED_GRACE_S = 0.5
@@ -226,7 +225,7 @@ def one_line(error: BaseException) -> str:
 def _publish_uncaught(kind, error, tb) -> None:
     """`sys.excepthook` of a watched process: the traceback as usual, then `end_after_failure`."""
     _previous_excepthook(kind, error, tb)
-    end_after_failure(one_line(error), status=INTERRUPTED_STATUS if issubclass(kind, KeyboardInterrupt) else LOST_STATUS)
+    end_after_failure(one_line(error))
 
 
 def watching() -> bool:
