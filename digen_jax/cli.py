@@ -109,7 +109,11 @@ def run(main, interrupted: Callable[[], str] = lambda: "interrupted") -> None:
         app.run(main, flags_parser=parse_flags)
     except KeyboardInterrupt:
         sys.stdout.flush()
-        print(interrupted(), file=sys.stderr)
+        try:
+            line = interrupted()
+        except Exception:  # noqa: BLE001 (interrupted before what it reads exists: a config, a workdir)
+            line = "interrupted"
+        print(line, file=sys.stderr)
         # Several processes: tell the others and exit now (a process that watches others has
         # imported the watchdog; importing it here would load JAX into every script).
         watchdog = sys.modules.get("digen_jax.runtime.peer_watchdog")

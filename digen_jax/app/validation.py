@@ -8,6 +8,7 @@ import math
 import os
 import tempfile
 
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -111,8 +112,6 @@ def _validate_colocated_roles(config) -> None:
 @functools.lru_cache(maxsize=4)
 def _abstract_params(family: str, model_cfg) -> dict:
     """The transformer's unboxed parameter shapes (traced, no FLOPs; validation runs more than once)."""
-    import flax.linen as nn
-
     return nn.unbox(FAMILIES[family].abstract_params(model_cfg))
 
 
