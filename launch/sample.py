@@ -77,4 +77,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, interrupted=lambda: "interrupted: nothing written (samples.png and samples.json come last); rerun the "
+                                      "same command to sample")
