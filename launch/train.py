@@ -29,7 +29,9 @@ checkpoint.
 """
 import json
 import os
+import signal
 import sys
+import threading
 
 import ml_collections
 from absl import flags, logging
@@ -165,9 +167,33 @@ def interrupted_line() -> str:
             f"resume from it{redone}")
 
 
+class _StopAtIteration:
+    """Ctrl-C during the training loop stops it after the iteration under way: a KeyboardInterrupt
+    raised at whatever line runs could land in orbax's save threads' bookkeeping (leaving a
+    half-committed save and their tracebacks) or in an asyncio loop that swallows it. The loop's
+    progress lines (`log`) are the safe points: the first Ctrl-C is raised at the next one on the
+    main thread. Before the loop, and at a second Ctrl-C, it is raised at once."""
+
+    def __init__(self):
+        self.looping = self.requested = False
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if not self.looping or self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("Ctrl-C: stopping after this iteration (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+
+    def log(self, message: str) -> None:
+        print(message, flush=True)
+        self.looping = self.looping or message.startswith("training ")  # the loop's first line
+        if self.requested and threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+
+
 def _train_and_report() -> None:
     try:
-        train(_CONFIG.value, _WORKDIR.value, log=lambda msg: print(msg, flush=True))
+        train(_CONFIG.value, _WORKDIR.value, log=_StopAtIteration().log)
     except (RunStopped, FloatingPointError, RemoteRewardError) as e:
         # An expected fault (a workdir in use, an unreadable checkpoint, a full disk, diverged
         # updates, a reward server that stopped answering): its message says what to do.

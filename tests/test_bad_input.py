@@ -122,9 +122,9 @@ def test_cli_mistakes_are_one_line(tmp_path):
 
 
 def test_ctrl_c_names_the_last_checkpoint(tmp_path, pretrain_cache_dir):
-    """SIGINT to launch/train.py once its first checkpoint is written: status 130, no traceback,
-    one line naming the last checkpoint and that the same command resumes from it. (That a rerun
-    resumes exactly is tests/test_faults.py's.)"""
+    """SIGINT to launch/train.py once its first checkpoint is written: the loop stops after the
+    iteration under way, status 130, no traceback, a last line naming the last checkpoint and
+    that the same command resumes from it. (That a rerun resumes exactly is tests/test_faults.py's.)"""
     workdir = tmp_path / "run"
     command = [sys.executable, TRAIN, f"--workdir={workdir}", f"--config.pretrain.cache_dir={pretrain_cache_dir}",
                # runtime_config of tests/test_runtime.py: its pretrained model is shared
@@ -141,6 +141,7 @@ def test_ctrl_c_names_the_last_checkpoint(tmp_path, pretrain_cache_dir):
     out, err = proc.communicate(timeout=300)
     lines = err.strip().splitlines()
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert lines[-2] == "Ctrl-C: stopping after this iteration (Ctrl-C again stops at once)", err[-3000:]
     steps = sorted(int(name) for name in os.listdir(workdir / "checkpoints") if name.isdigit())
     said = re.fullmatch(r"interrupted after iteration (\d+) of 100000; the last checkpoint is (\d+) \((.+)\): rerun the "
                         r"same command to resume from it(.*)", lines[-1])
