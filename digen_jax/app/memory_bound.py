@@ -29,7 +29,7 @@ class Need(NamedTuple):
     fix: str  # which key to lower
 
 
-def gigabytes(n: float) -> str:
+def size_text(n: float) -> str:
     """`n` bytes in GB, TB or PB, three significant digits."""
     for scale, unit in ((1e15, "PB"), (1e12, "TB")):
         if n >= scale:
@@ -39,7 +39,9 @@ def gigabytes(n: float) -> str:
 
 def machine_memory() -> tuple[int, str]:
     """(bytes, description) of the memory every process of the run can reach together: each
-    accelerator's allocator limit plus the hosts' physical memory (CPU devices share the host's)."""
+    accelerator's allocator limit plus the host's physical memory, times the processes (CPU
+    devices share the host's; processes that share a host count it each, which only loosens the
+    bound)."""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     processes = jax.process_count()
     accelerators = [d for d in jax.local_devices() if d.platform != "cpu"]
@@ -53,7 +55,8 @@ def machine_memory() -> tuple[int, str]:
 
 def ladder_copies(config: ml_collections.ConfigDict) -> int:
     """Latent-sized float32 arrays a sampled trajectory keeps per sample: the N + 1 latents of the
-    ladder and the N step means (GRPO); DiffusionNFT keeps the final sample only."""
+    ladder and the N step means (eval samples and GRPO's rollouts; DiffusionNFT's rollouts keep
+    the final sample only)."""
     return 2 * config.sampling.num_steps + 1
 
 
@@ -103,5 +106,5 @@ def check_memory(config: ml_collections.ConfigDict, abstract_params, lora_shapes
     smallest_group = 2 * ladder_copies(config) * latent_values * _LATENT_BYTES
     if top in items[2:] and smallest_group > available:  # fewer samples would not do: smaller ones
         fix = "lower " + " / ".join(key.split("=")[0] for key in sample_keys.split(" x "))
-    raise ConfigError(f"the run needs at least {gigabytes(total)} of memory, more than the {gigabytes(available)} of "
-                      f"{where}; {gigabytes(top.nbytes)} of it are {top.what}: {fix}")
+    raise ConfigError(f"the run needs at least {size_text(total)} of memory, more than the {size_text(available)} of "
+                      f"{where}; {size_text(top.nbytes)} of it are {top.what}: {fix}")
