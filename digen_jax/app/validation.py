@@ -225,11 +225,11 @@ def _validate_pretrain_cache(config) -> None:
     path = pretrain_lib.cache_path(model_cfg, task, config.pretrain.cache_dir, **args)
     if pretrain_lib.is_cached(path):
         return
-    folder = os.path.dirname(path)
+    existing = os.path.dirname(path)  # the nearest folder that exists: pretraining makes the rest in it
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
     try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        os.rmdir(tempfile.mkdtemp(dir=existing))  # no trace left
     except OSError as e:
         raise ConfigError(f"{key} cannot be written ({e.strerror or e}): the pretrained base model is saved there; "
                           "give a writable directory") from None
