@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import traceback
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
-from absl import app
+from absl import app, flags
 
 USAGE_ERROR = 2  # exit status of a command line that cannot run
+INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as shells report it
 _SHORT_HELP = ("--help", "-help", "--helpshort", "-helpshort", "-h", "-?")
 _FULL_HELP = ("--helpfull", "-helpfull")
 
@@ -42,16 +44,60 @@ def config_override_errors(argv: Sequence[str] | None = None, flag: str = "confi
         sys.exit(USAGE_ERROR)
 
 
+def _given_value(argv: Sequence[str], flag: str) -> str | None:
+    """The last value of `--flag=VALUE` or `--flag VALUE` on the command line, else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{flag}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{flag}" and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+@contextlib.contextmanager
+def config_file_errors(argv: Sequence[str] | None = None, flag: str = "config", default: str | None = None
+                       ) -> Iterator[None]:
+    """Turn a config file that cannot be loaded (ml_collections' chained OSError tracebacks, at
+    the first override or the first use of the config) into one line on stderr naming the file
+    and where it was looked for, and exit status 2. `default`: the flag's default path, where the
+    flag is not defined yet (around its definition, which reads the overrides)."""
+    try:
+        yield
+    except OSError as e:
+        if "config file" not in str(e) and "Configuration is not available" not in str(e):
+            raise
+        argv = sys.argv if argv is None else argv
+        given = _given_value(argv, flag)
+        if default is None and flag in flags.FLAGS:
+            default = flags.FLAGS[flag].default
+        path = str(given if given is not None else default).split(":", 1)[0]
+        what = f"--{flag}={given}" if given is not None else f"the default --{flag}={path}"
+        if not os.path.isfile(path):
+            print(f"error: {what}: no such file (looked for {os.path.abspath(path)}); give the path of a config "
+                  "file such as configs/tiny.py in the repository", file=sys.stderr)
+        else:
+            cause = str(e.__cause__ or e).strip().splitlines()
+            print(f"error: {what} could not be loaded: {cause[-1].strip()}", file=sys.stderr)
+        sys.exit(USAGE_ERROR)
+
+
 def parse_flags(argv: Sequence[str]) -> list[str]:
-    """absl's flag parsing for `app.run(main, flags_parser=parse_flags)`, config keys checked."""
-    with config_override_errors(argv):
-        return app.parse_flags_with_usage(argv)
+    """absl's flag parsing for `app.run(main, flags_parser=parse_flags)`, config keys and the
+    config file checked."""
+    with config_file_errors(argv), config_override_errors(argv):
+        args = app.parse_flags_with_usage(argv)
+        config = flags.FLAGS["config"].value if "config" in flags.FLAGS else None
+        if config is not None:
+            config.get  # a config file that failed to load raises here, not in main
+        return args
 
 
-def run(main) -> None:
+def run(main, interrupted: Callable[[], str] = lambda: "interrupted") -> None:
     """`absl.app.run(main)` with config keys checked (`parse_flags`), except that a help flag
     prints the usage and exits with status 0 (absl exits with 1 after printing it, which reads
-    as a failure to scripts and shells)."""
+    as a failure to scripts and shells), and that Ctrl-C prints `interrupted()` (what was kept
+    and how to go on) instead of a traceback and exits with status 130."""
     args = sys.argv[1:]
     if "--" in args:
         args = args[: args.index("--")]
@@ -59,4 +105,18 @@ def run(main) -> None:
     if asked:
         app.usage(shorthelp=asked[0] in _SHORT_HELP, writeto_stdout=True)
         sys.exit(0)
-    app.run(main, flags_parser=parse_flags)
+    try:
+        app.run(main, flags_parser=parse_flags)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        try:
+            line = interrupted()
+        except Exception:  # noqa: BLE001 (interrupted before what it reads exists: a config, a workdir)
+            line = "interrupted"
+        print(line, file=sys.stderr)
+        # Several processes: tell the others and exit now (a process that watches others has
+        # imported the watchdog; importing it here would load JAX into every script).
+        watchdog = sys.modules.get("digen_jax.runtime.peer_watchdog")
+        if watchdog is not None:
+            watchdog.end_after_failure("interrupted (Ctrl-C)", INTERRUPTED)
+        sys.exit(INTERRUPTED)

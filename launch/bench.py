@@ -47,7 +47,8 @@ from typing import Any, Callable
 from absl import app, flags
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
 from configs.sections import ATTENTION_MLP_TARGETS  # noqa: E402
 from digen_jax import cli  # noqa: E402  (imports neither jax nor torch)
 from digen_jax.app.bench import model, torch_peer  # noqa: E402  (jax and torch are imported where used)
@@ -110,8 +111,8 @@ _PROFILE = flags.DEFINE_bool(
     "<out without .json>_profile/) and put its device time per kernel and per kernel class into the JSON.",
 )
 _PEER = flags.DEFINE_bool("peer", False, "Also time the diffusers PyTorch module (bf16, eager, SDPA) on the same card.")
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/tiny.py", "System mode: the training config (ml_collections; override keys as --config.a.b=v)."
+_CONFIG = config_flags.DEFINE_config_file(  # the default is the repository's, wherever the command runs from
+    "config", os.path.join(REPO_ROOT, "configs", "tiny.py"), "System mode: the training config (ml_collections; override keys as --config.a.b=v)."
 )
 _MODES = flags.DEFINE_list(
     "modes", list(plan.MODES),

@@ -22,13 +22,16 @@ from ml_collections import config_flags
 
 # Config files import `configs.sections`: the repository root must be importable when this
 # script runs from a clone (an editable install maps only `digen_jax`).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
 from digen_jax import cli, xla_flags
 from digen_jax.app import checkpoints
 from digen_jax.app.loop import Run
 from digen_jax.grid import image_grid
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
+# The default is the repository's, wherever the command runs from.
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(REPO_ROOT, "configs", "tiny.py"),
+                                          "Config file (ml_collections).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir to sample from.", required=True)
 _NOISE = flags.DEFINE_float("noise_level", 0.0, "Sampler noise level; 0 is the deterministic ODE.")
 
@@ -78,4 +81,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, interrupted=lambda: "interrupted: nothing written (samples.png and samples.json come last); rerun the "
+                                      "same command to sample")

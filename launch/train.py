@@ -27,9 +27,11 @@ clip_frac, samples_per_s, ...), `WORKDIR/trace.json`, TensorBoard logs in `WORKD
 checkpoints in `WORKDIR/checkpoints`; rerunning with the same workdir resumes from the latest
 checkpoint.
 """
+import json
 import os
+import signal
 import sys
-import traceback
+import threading
 
 import ml_collections
 from absl import flags, logging
@@ -38,7 +40,8 @@ from ml_collections import config_flags
 
 # Config files import `configs.sections`: the repository root must be importable when this
 # script runs from a clone (an editable install maps only `digen_jax`).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
 from digen_jax import cli, xla_flags
 from digen_jax.rewards.remote import RemoteRewardError
 from digen_jax.app.errors import ConfigError
@@ -48,8 +51,10 @@ from digen_jax.app.checkpoints import RunStopped
 from digen_jax.runtime.distributed import initialize
 from digen_jax.runtime.peer_watchdog import await_verdict, end_after_failure, watching
 
-with cli.config_override_errors():
-    _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file (ml_collections).")
+# The default is the repository's, wherever the command runs from.
+_DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "tiny.py")
+with cli.config_file_errors(default=_DEFAULT_CONFIG), cli.config_override_errors():
+    _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Config file (ml_collections).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (metrics, TensorBoard, checkpoints); required to train.")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False,
@@ -122,26 +127,73 @@ def main(argv):
         sys.exit(f"error: --workdir={_WORKDIR.value} cannot be made: {e.strerror}")
     try:
         _train_and_report()
-    except BaseException as e:
-        # Several processes: the error shown, the others learn that this one stopped, and why,
-        # instead of waiting for it in a collective (docs/design.md section 9).
-        if watching() and not (isinstance(e, SystemExit) and e.code in (0, None)):
-            if isinstance(e, SystemExit):
-                print(e.code, file=sys.stderr)
-            else:
-                traceback.print_exc()
-            end_after_failure(str(e.code).removeprefix("stopped: ") if isinstance(e, SystemExit) else _one_line(e))
+    except SystemExit as e:
+        # Several processes: the message shown, the others learn that this one stopped, and why,
+        # instead of waiting for it in a collective (docs/design.md section 9). An exception
+        # does the same through the watchdog's `sys.excepthook`, Ctrl-C through `cli.run`.
+        if watching() and e.code not in (0, None):
+            print(e.code, file=sys.stderr)
+            end_after_failure(str(e.code).removeprefix("stopped: "))
         raise
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+def interrupted_line() -> str:
+    """What Ctrl-C leaves: the last iteration metrics.jsonl records, the last checkpoint, and
+    that the same command resumes from it."""
+    workdir = _WORKDIR.value
+    if not workdir or not os.path.isdir(workdir):
+        return "interrupted"
+    steps = []
+    if os.path.isdir(root := os.path.join(workdir, "checkpoints")):
+        steps = sorted(int(name) for name in os.listdir(root) if name.isdigit())
+    done = 0
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    done = max(done, int(json.loads(line)["step"]))
+                except (ValueError, KeyError, TypeError):
+                    continue  # a row cut short by the interruption
+    except OSError:
+        pass
+    total = _CONFIG.value.train.iterations
+    where = f"interrupted after iteration {done} of {total}" if done else "interrupted before the first iteration ended"
+    if not steps:
+        return f"{where}, before the first checkpoint: rerun the same command to start over"
+    last = steps[-1]
+    redone = (f" (iteration {done} is redone)" if done == last + 1 else
+              f" (iterations {last + 1}-{done} are redone)" if done > last else "")
+    return (f"{where}; the last checkpoint is {last} ({os.path.join(root, str(last))}): rerun the same command to "
+            f"resume from it{redone}")
+
+
+class _StopAtIteration:
+    """Ctrl-C during the training loop stops it after the iteration under way: a KeyboardInterrupt
+    raised at whatever line runs could land in orbax's save threads' bookkeeping (leaving a
+    half-committed save and their tracebacks) or in an asyncio loop that swallows it. The loop's
+    progress lines (`log`) are the safe points: the first Ctrl-C is raised at the next one on the
+    main thread. Before the loop, and at a second Ctrl-C, it is raised at once."""
+
+    def __init__(self):
+        self.looping = self.requested = False
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if not self.looping or self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("Ctrl-C: stopping after this iteration (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+
+    def log(self, message: str) -> None:
+        print(message, flush=True)
+        self.looping = self.looping or message.startswith("training ")  # the loop's first line
+        if self.requested and threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
 
 
 def _train_and_report() -> None:
     try:
-        train(_CONFIG.value, _WORKDIR.value, log=lambda msg: print(msg, flush=True))
+        train(_CONFIG.value, _WORKDIR.value, log=_StopAtIteration().log)
     except (RunStopped, FloatingPointError, RemoteRewardError) as e:
         # An expected fault (a workdir in use, an unreadable checkpoint, a full disk, diverged
         # updates, a reward server that stopped answering): its message says what to do.
@@ -158,4 +210,4 @@ def _train_and_report() -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, interrupted=interrupted_line)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import flax.linen as nn
 import jax
@@ -70,7 +71,7 @@ def test_full_size_config_validates_and_fits_its_model(family, size):
     c = get_config(family, size)
     assert c.model.family == family and not c.model.random_init and not c.data.random_embeddings
     c.model.random_init = c.data.random_embeddings = True
-    loop.validate_config(c)
+    loop.validate_config(c, this_machine=False)  # a config for GPUs: its memory is not this machine's
 
     s, zoo = c.sampling, families.ZOO[family]
     model_cfg, vae_cfg = families.model_config(c), families.vae_config(c)
@@ -140,7 +141,7 @@ def test_nft_zoo_configs_validate_with_the_reference_settings(family):
     per sample, beta 1, the 'ramp' decay, KL weight 1e-4; its tiny size validates too."""
     c, grpo = get_config(family, files=NFT_CONFIGS), get_config(family)
     c.model.random_init = c.data.random_embeddings = True
-    loop.validate_config(c)
+    loop.validate_config(c, this_machine=False)  # a config for GPUs
     rl = c.rl
     assert (rl.algorithm, rl.nft_solver, rl.nft_beta, rl.nft_decay, rl.kl_beta) == ("nft", "dpm2", 1.0, "ramp", 1e-4)
     assert c.sampling.cfg_scale == 1.0 and c.sampling.num_steps == 10
@@ -403,3 +404,19 @@ def test_zoo_configs_replicate_the_weights_and_the_fsdp_rules_shard_them():
         assert not mesh_lib.shards_weights(get_config(family).sharding.train_rules), family
     fsdp = sharding_section(fsdp=True)
     assert mesh_lib.shards_weights(fsdp.train_rules) and not mesh_lib.shards_weights(fsdp.rollout_rules)
+
+
+def test_a_converted_vae_decodes_in_model_dtype(tmp_path):
+    """A converted FLUX VAE's stored config holds no dtype (the port's default is bfloat16): the
+    workload's decoder computes in model.dtype, float32 or bfloat16."""
+    vae_family = FAMILIES["vae_flux"]
+    cfg = vae_family.variants["tiny"]
+    save_checkpoint(str(tmp_path / "vae"), vae_family, cfg, random_init.random_params(vae_family, cfg, 0))
+    for dtype in ("float32", "bfloat16"):
+        c = get_config("flux", "tiny")
+        c.model.random_init, c.model.vae_checkpoint, c.model.dtype = False, str(tmp_path / "vae"), dtype
+        vae_cfg, vae_params = workload.ModelZooWorkload._vae(types.SimpleNamespace(config=c))
+        assert vae_cfg.dtype == families.vae_config(c).dtype == dtype
+        latents = jnp.zeros((1, *families.latent_shape(c, vae_cfg)), jnp.float32)
+        pixels = families.decoder("flux", vae_cfg, c.sampling.height, c.sampling.width)(vae_params, latents)
+        assert pixels.dtype == jnp.dtype(dtype)

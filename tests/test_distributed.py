@@ -1298,6 +1298,52 @@ def test_a_dead_process_stops_the_others(tmp_path):
                 proc.wait()
 
 
+def run_raise_worker(peer_timeout_s: str, raiser: str) -> None:
+    """One process of an idle 2-process run (`run_sleep_worker`); process `raiser` raises once
+    both have joined, and nothing of this program catches it."""
+    config = {"runtime": {"distributed": True, "peer_timeout_s": float(peer_timeout_s)}}
+    assert distributed.initialize(config).num_processes == 2
+    stage(f"process {jax.process_index()} joined")
+    if jax.process_index() == int(raiser):
+        raise RuntimeError(f"injected failure in process {raiser}")
+    time.sleep(LOOP_TIMEOUT_S)
+
+
+def test_an_exception_in_one_process_stops_the_others_in_seconds(tmp_path):
+    """A program of its own whose process 1 (then, in a second run beside it, process 0) raises
+    once both joined: the raiser prints its traceback and exits with status 1 without waiting in
+    JAX's shutdown barrier; the other exits with status 1 within seconds, well before a silent
+    process would be noticed (0.6 of runtime.peer_timeout_s=30), its last line naming the raiser
+    and its error (not JAX's abort, though process 0 holds the coordination service)."""
+    timeout_s, runs = 30, []
+    for raiser, port in zip((1, 0), free_ports(2)):
+        outputs = [str(tmp_path / f"raiser{raiser}_process{pid}.txt") for pid in range(2)]
+        procs = [start_worker(("raise", str(timeout_s), str(raiser)), worker_env(1, **slurm_step_env(pid, port)), out)
+                 for pid, out in enumerate(outputs)]
+        runs.append((raiser, procs, outputs))
+    try:
+        for raiser, procs, outputs in runs:
+            wait_for(lambda: "process 0 joined" in open(outputs[0]).read(), procs[0], WORKER_TIMEOUT_S, outputs[0])
+            joined = time.monotonic()
+            for proc in procs:
+                try:
+                    proc.wait(joined + 0.3 * timeout_s - time.monotonic())
+                except subprocess.TimeoutExpired:
+                    pytest.fail(f"a process outlived the failure of process {raiser} by {0.3 * timeout_s} s:\n"
+                                f"{open(outputs[1 - raiser]).read()[-3000:]}")
+            texts = [open(out).read() for out in outputs]
+            other = 1 - raiser
+            assert [p.returncode for p in procs] == [1, 1], texts
+            assert f"RuntimeError: injected failure in process {raiser}" in texts[raiser]
+            last = texts[other].rstrip().splitlines()[-1]
+            assert last.startswith(f"stopped: process {raiser} of 2 (host "), texts[other][-3000:]
+            assert last.endswith(f"failed: RuntimeError: injected failure in process {raiser}; rerun the same "
+                                 "command on every process to resume from the last checkpoint"), last
+    finally:
+        for _, procs, _ in runs:
+            stop(procs)
+
+
 def run_train_worker(*argv: str) -> None:
     """One process of `launch/train.py argv`. With STALL_ENV set, process 1 stalls after its first
     training task of that iteration (while the checkpoint before it is written) until its stdin
@@ -1489,6 +1535,8 @@ if __name__ == "__main__":
         run_frozen_worker(*sys.argv[2:])
     elif sys.argv[1] == "sleep":
         run_sleep_worker(*sys.argv[2:])
+    elif sys.argv[1] == "raise":
+        run_raise_worker(*sys.argv[2:])
     elif sys.argv[1] == "train":
         run_train_worker(*sys.argv[2:])
     else:

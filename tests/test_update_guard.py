@@ -9,7 +9,7 @@ import pytest
 
 from configs import tiny
 from digen_jax.rl import make_optimizer
-from digen_jax.app.config_ranges import RANGES, check_ranges
+from digen_jax.app.config_ranges import CHOICES, RANGES, check_ranges
 from digen_jax.rl.trainer import LossConfig, Trainer
 from digen_jax.app.errors import ConfigError
 
@@ -58,12 +58,18 @@ def test_shipped_configs_are_in_range(name):
     check_ranges(importlib.import_module(f"configs.{name}").get_config())
 
 
-def test_every_range_names_a_key_of_some_config():
-    keys = set()
-    for name in ("tiny", "flux"):
-        config = importlib.import_module(f"configs.{name}").get_config()
-        keys |= {f"{section}.{key}" for section, values in config.items() if hasattr(values, "keys") for key in values}
-    assert [r.key for r in RANGES if r.key not in keys] == []
+def test_every_range_and_choice_names_a_key_of_some_config():
+    configs = [importlib.import_module(f"configs.{name}").get_config() for name in ("tiny", "flux")]
+
+    def present(config, key):
+        for part in key.split("."):
+            if not hasattr(config, "keys") or part not in config:
+                return False
+            config = config[part]
+        return True
+
+    keys = [r.key for r in RANGES] + [c.key for c in CHOICES]
+    assert [key for key in keys if not any(present(config, key) for config in configs)] == []
 
 
 @pytest.mark.parametrize(

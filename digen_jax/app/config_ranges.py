@@ -1,19 +1,23 @@
-"""Numeric ranges of config keys, checked before any compute.
+"""Numeric ranges and named choices of config keys, checked before any compute.
 
 One table says, for every numeric key whose valid values are an interval, the interval and
-the type; `check_ranges(config)` rejects a value outside it (NaN included) with a
-`ConfigError` naming the key. Keys that a config does not have (the shapes task's `task` and
-`pretrain` sections, the model zoo's `data`) are not checked. Rules that tie several keys
-together (divisibility, step windows, the runtime split) live with the code they protect.
+the type; another, for every key whose value is one of a fixed set of names, the names.
+`check_ranges(config)` rejects a value outside them (NaN and inf included) with a
+`ConfigError` naming the key. Keys that a config does not have (the shapes task's `task`,
+`pretrain` and `model.arch` sections, the model zoo's `data`) are not checked. Rules that tie
+several keys together (divisibility, step windows, the runtime split) live with the code they
+protect.
 """
 from __future__ import annotations
 
 import math
+import typing
 from typing import NamedTuple
 
 import ml_collections
 
 from digen_jax.app.errors import ConfigError
+from digen_jax.models import layers
 
 INF = math.inf
 
@@ -67,6 +71,8 @@ RANGES: tuple[Range, ...] = (
     _ints("rl.nft_timesteps", 0, why="0: int(sampling.num_steps * rl.timestep_fraction), the reference's rule"),
     Range("rl.max_update_ratio", 0.0, INF, closed_low=False, closed_high=True,
           why="an update larger than this times the parameters' norm is skipped; inf: no bound"),
+    Range("rl.timestep_fraction", 0.0, 1.0, closed_low=False, closed_high=True,
+          why="the share of sampling.num_steps trained per sample"),
     _ints("sampling.num_steps", 2, why="the last step is never trained"),
     _positive("sampling.noise_level", why="0 samples the ODE, whose steps have no log-probability to train"),
     _non_negative("sampling.guidance"),
@@ -81,11 +87,35 @@ RANGES: tuple[Range, ...] = (
     _positive("pretrain.learning_rate"),
     Range("task.label_noise", 0.0, 1.0, closed_high=True),
     _ints("task.text_len", 1),
+    # The shapes task's transformer (model.arch: digen_jax.models.flux.FluxConfig's fields).
+    _ints("model.arch.in_channels", 1),
+    _ints("model.arch.num_layers", 1),
+    _ints("model.arch.num_single_layers", 1),
+    _ints("model.arch.attention_head_dim", 1),
+    _ints("model.arch.num_attention_heads", 1),
+    _ints("model.arch.joint_attention_dim", 1),
+    _ints("model.arch.pooled_projection_dim", 1),
     _ints("runtime.reward_workers", 1),
     _ints("runtime.seq_parallel", 1, why="devices per sequence group; 1: each sample's tokens on one device"),
     _ints("runtime.tag_microbatches", -1, why="-1: chosen every iteration from measured costs"),
     _ints("runtime.prefetch_microbatches", -1, why="-1: chosen every iteration from measured costs"),
     _positive("runtime.peer_timeout_s", why="seconds until a silent process stops a multi-process run"),
+)
+
+
+class Choice(NamedTuple):
+    key: str  # dotted config path
+    names: tuple[str, ...]
+    why: str = ""
+
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+CHOICES: tuple[Choice, ...] = (
+    Choice("model.dtype", FLOAT_DTYPES, "the compute dtype of matmuls and activations"),
+    Choice("model.param_dtype", FLOAT_DTYPES, "the dtype the weights are stored and trained in"),
+    Choice("model.attention_impl", typing.get_args(layers.AttentionImpl)),
+    Choice("model.remat_policy", tuple(layers.REMAT_POLICIES), "what the backward pass keeps of each block"),
 )
 
 
@@ -100,7 +130,13 @@ def _lookup(config: ml_collections.ConfigDict, key: str):
 
 
 def check_ranges(config: ml_collections.ConfigDict) -> None:
-    """Raise ConfigError naming the first key of `RANGES` whose value lies outside its range."""
+    """Raise ConfigError naming the first key of `RANGES` whose value lies outside its range, or
+    of `CHOICES` whose value is not one of its names."""
+    for c in CHOICES:
+        present, value = _lookup(config, c.key)
+        if present and value not in c.names:
+            raise ConfigError(f"{c.key}={value!r} is not one of {', '.join(map(repr, c.names))}"
+                              + (f" ({c.why})" if c.why else ""))
     for r in RANGES:
         present, value = _lookup(config, r.key)
         if not present or (value is None and r.optional):

@@ -159,12 +159,13 @@ def depth_overrides(model: ml_collections.ConfigDict) -> dict[str, int]:
 
 
 def vae_config(config: ml_collections.ConfigDict):
-    """The VAE decoder's config without reading any weights."""
+    """The VAE decoder's config without reading any weights; it decodes in `model.dtype`."""
     c, zoo = config.model, ZOO[config.model.family]
     if c.random_init:
-        return zoo.vae.variants["tiny" if c.variant == "tiny" else zoo.full_vae_variant]
+        return dataclasses.replace(zoo.vae.variants["tiny" if c.variant == "tiny" else zoo.full_vae_variant],
+                                   dtype=c.dtype)
     meta = read_model_json(c.vae_checkpoint)
-    return FAMILIES[meta["family"]].config_from_diffusers(meta["config"])
+    return FAMILIES[meta["family"]].config_from_diffusers(meta["config"], dtype=c.dtype)
 
 
 def latent_shape(config: ml_collections.ConfigDict, vae_cfg) -> tuple[int, ...]:

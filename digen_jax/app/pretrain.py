@@ -167,6 +167,16 @@ def cache_key(model_cfg: FluxConfig, task: ShapesTask, **hyperparameters: Any) -
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def cache_path(model_cfg: FluxConfig, task: ShapesTask, cache_dir: str, **hyperparameters: Any) -> str:
+    """Where :func:`pretrained_params` caches the result of these arguments."""
+    return os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), cache_key(model_cfg, task, **hyperparameters))
+
+
+def is_cached(path: str) -> bool:
+    """Whether a complete pretraining result is cached at `path` (a `cache_path`)."""
+    return os.path.exists(os.path.join(path, PRETRAIN_JSON))
+
+
 def pretrained_params(
     model_cfg: FluxConfig,
     task: ShapesTask,
@@ -191,8 +201,8 @@ def pretrained_params(
     hyperparameters = dict(
         steps=steps, batch_size=batch_size, learning_rate=learning_rate, seed=seed, guidance=guidance
     )
-    path = os.path.join(os.path.abspath(cache_dir), cache_key(model_cfg, task, **hyperparameters))
-    if os.path.exists(os.path.join(path, PRETRAIN_JSON)):
+    path = cache_path(model_cfg, task, cache_dir, **hyperparameters)
+    if is_cached(path):
         policy = {k: getattr(model_cfg, k) for k in POLICY_FIELDS}
         _, _, params = load_checkpoint(path, **policy)
         log(f"loaded pretrained model from {path}")

@@ -1,38 +1,49 @@
 """Config validation: every check a config passes before any compute, each failure a
 `ConfigError` that names the key and what to do (files, shapes, families, rewards, ranges, the
-runtime section)."""
+runtime section, LoRA targets, a lower bound of the run's memory)."""
 from __future__ import annotations
 
+import functools
+import math
 import os
+import tempfile
 
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
+from flax import traverse_util
 
 from digen_jax import diffusion
 from digen_jax.app import checkpoints
+from digen_jax.app import pretrain as pretrain_lib
 from digen_jax.app.config_ranges import check_ranges
 from digen_jax.app.errors import ConfigError
+from digen_jax.app.memory_bound import check_memory
 from digen_jax.app.precision import decoupled_loss, validate_rollout_precision
-from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, model_config, read_model_json,
+from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, model_config, policy, read_model_json,
                                     latent_shape, vae_config)
-from digen_jax.app.workload import is_shapes, open_cache, shapes_task
+from digen_jax.app.workload import is_shapes, open_cache, pretrain_recipe, shapes_task
 from digen_jax.models import FAMILIES
 from digen_jax.models.checkpoints import MODEL_JSON
 from digen_jax.models.layers import check_seq_parallel
 from digen_jax.rewards import registry
 from digen_jax.rl import advantages as adv_lib
-from digen_jax.rl import losses
+from digen_jax.rl import lora, losses
 from digen_jax.rl.rollout import SamplerSpec
 from digen_jax.rl.nft_trainer import NftConfig
 from digen_jax.rl.timesteps import plan_steps, validate_nft_timesteps, validate_step_selection
 from digen_jax.rl.trainer import ALGORITHMS, ONPOLICY_ANCHORS
 from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.runtime_config import validate_runtime_config
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Reject a bad config before any compute, naming the offending key (raises ConfigError)."""
+def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = True) -> None:
+    """Reject a bad config before any compute, naming the offending key (raises ConfigError).
+
+    this_machine: also reject a run whose largest arrays exceed the memory of this machine's
+    devices and host (`memory_bound`); False checks the config alone (one written for others)."""
     check_ranges(config)
     _validate_workload(config)
     try:
@@ -79,6 +90,81 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         mesh_lib.build_role_meshes(config.runtime)  # role sizes against the hosts' devices (no compute)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _validate_colocated_roles(config)
+    _validate_model_size(config, this_machine)
+
+
+def _validate_colocated_roles(config) -> None:
+    """Role sizes a colocated run would ignore: rollout and reward share the train role's devices."""
+    rt = config.runtime
+    if not plan_lib.mode_flags(rt.mode).colocated:
+        return
+    for key in ("rollout_devices", "reward_devices"):
+        if rt[key]:
+            raise ConfigError(f"runtime.{key}={rt[key]} has no effect in runtime.mode={rt.mode!r}, where every role "
+                              "shares the devices (runtime.train_devices picks how many): set it to 0, or choose a "
+                              "disaggregated runtime.mode")
+    if rt.train_devices > len(jax.devices()):
+        raise ConfigError(f"runtime.train_devices={rt.train_devices} exceeds the {len(jax.devices())} devices "
+                          "(0: all of them)")
+
+
+@functools.lru_cache(maxsize=4)
+def _abstract_params(family: str, model_cfg) -> dict:
+    """The transformer's unboxed parameter shapes (traced, no FLOPs; validation runs more than once)."""
+    return nn.unbox(FAMILIES[family].abstract_params(model_cfg))
+
+
+def _transformer_config(config):
+    """The run's transformer config (architecture and policy), read without weights."""
+    c = config.model
+    if not is_shapes(config):
+        return model_config(config)  # checked by _validate_zoo
+    try:
+        if c.checkpoint:
+            return FAMILIES[c.family].config_from_diffusers(read_model_json(c.checkpoint)["config"], **policy(config))
+        return pretrain_recipe(config)[0]
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model.arch: {e}") from None
+
+
+def _per_sample(config) -> tuple[int, str]:
+    """(latent values of one sample, the keys that set them)."""
+    s = config.sampling
+    if is_shapes(config):
+        return (config.task.resolution // 2) ** 2 * 12, f"task.resolution={config.task.resolution}"
+    keys = f"sampling.height={s.height} x sampling.width={s.width}"
+    if ZOO[config.model.family].video:
+        keys += f" x sampling.num_frames={s.num_frames}"
+    return math.prod(latent_shape(config, vae_config(config))), keys
+
+
+def _validate_model_size(config, this_machine: bool) -> None:
+    """The transformer's config, the kernels `rl.lora_targets` adapt and `rl.lora_rank`, then
+    (`this_machine`) the memory the run's largest arrays need (`memory_bound`)."""
+    model_cfg = _transformer_config(config)
+    try:
+        abstract = _abstract_params(config.model.family, model_cfg)
+    except TypeError:  # an unhashable config field: trace it uncached
+        abstract = _abstract_params.__wrapped__(config.model.family, model_cfg)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    lora_shapes = []
+    rl = config.rl
+    if rl.lora_rank:
+        try:
+            paths = lora.match_lora_targets(abstract, list(rl.lora_targets))
+        except ValueError as e:
+            raise ConfigError(f"rl.lora_targets={tuple(rl.lora_targets)!r}: {e}") from None
+        flat = traverse_util.flatten_dict(abstract, sep="/")
+        lora_shapes = [flat[p].shape for p in paths]
+        widest = max(min(shape[-2:]) for shape in lora_shapes)
+        if rl.lora_rank > widest:
+            raise ConfigError(f"rl.lora_rank={rl.lora_rank} exceeds {widest}, the full rank of the largest kernel "
+                              f"rl.lora_targets adapts: a higher rank adds parameters and nothing else; use "
+                              f"rl.lora_rank <= {widest}, or 0 to fine-tune every weight")
+    if this_machine:
+        check_memory(config, abstract, lora_shapes, *_per_sample(config))
 
 
 def _validate_algorithm(config) -> None:
@@ -126,6 +212,27 @@ def _validate_shapes(config) -> None:
         raise ConfigError(f"task: {e}") from None
     if config.model.checkpoint:
         _validate_shapes_checkpoint(config)
+    _transformer_config(config)  # model.arch with the model policy
+    if not config.model.checkpoint:
+        _validate_pretrain_cache(config)
+
+
+def _validate_pretrain_cache(config) -> None:
+    """`pretrain.cache_dir` must take the pretrained model unless it holds it already: checked
+    before pretraining, not after it."""
+    model_cfg, task, args = pretrain_recipe(config)
+    key = f"pretrain.cache_dir={config.pretrain.cache_dir!r}"
+    path = pretrain_lib.cache_path(model_cfg, task, config.pretrain.cache_dir, **args)
+    if pretrain_lib.is_cached(path):
+        return
+    existing = os.path.dirname(path)  # the nearest folder that exists: pretraining makes the rest in it
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing))  # no trace left
+    except OSError as e:
+        raise ConfigError(f"{key} cannot be written ({e.strerror or e}): the pretrained base model is saved there; "
+                          "give a writable directory") from None
 
 
 # What ties a transformer to the shapes task: packed pixel tokens in and out, the text encoder's widths.

@@ -67,7 +67,7 @@ def make_reward_fn(config: ml_collections.ConfigDict) -> registry.CombinedReward
 # ---------------------------------------------------------------------------------------- shapes
 
 
-def _pretrain_recipe(config: ml_collections.ConfigDict) -> tuple[Any, ShapesTask, dict]:
+def pretrain_recipe(config: ml_collections.ConfigDict) -> tuple[Any, ShapesTask, dict]:
     """The shapes task's base model as pretrained: (model config, task, pretraining arguments)."""
     c, p = config.model, config.pretrain
     model_cfg = FAMILIES[c.family].config_cls(**c.arch.to_dict(), **policy(config))
@@ -92,7 +92,7 @@ def base_model_id(config: ml_collections.ConfigDict) -> dict[str, str]:
         return {"id": f"checkpoint {digest.hexdigest()[:16]}", "where": path}
     if c.get("random_init"):
         return {"id": f"random {c.variant} seed {config.seed}", "where": f"random {c.variant} weights (seed {config.seed})"}
-    model_cfg, task, args = _pretrain_recipe(config)
+    model_cfg, task, args = pretrain_recipe(config)
     key = cache_key(model_cfg, task, **args)
     return {"id": f"pretrained {key}", "where": os.path.join(os.path.abspath(os.path.expanduser(config.pretrain.cache_dir)), key)}
 
@@ -149,7 +149,7 @@ class ShapesWorkload(_Workload):
         c = self.config.model
         if c.checkpoint:
             return load_checkpoint(c.checkpoint, **policy(self.config))
-        model_cfg, task, args = _pretrain_recipe(self.config)
+        model_cfg, task, args = pretrain_recipe(self.config)
         params = pretrained_params(model_cfg, task, **args, cache_dir=os.path.expanduser(self.config.pretrain.cache_dir))
         return FAMILIES[c.family], model_cfg, params
 
@@ -232,7 +232,7 @@ class ModelZooWorkload(_Workload):
         if c.random_init:
             family, cfg = self.zoo.vae, vae_config(self.config)
             return cfg, random_init.random_params(family, cfg, self.config.seed + 5)
-        _, cfg, params = load_checkpoint(c.vae_checkpoint)
+        _, cfg, params = load_checkpoint(c.vae_checkpoint, dtype=c.dtype)  # decodes in model.dtype
         return cfg, params
 
     @property

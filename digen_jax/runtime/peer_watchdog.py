@@ -16,8 +16,12 @@ daemon threads beside the training loop, which therefore never waits for them:
   long it has been silent>", to stderr, flushes what it can and ends this process with exit
   status 1 (`os._exit`: the training thread may be stuck in a collective that never returns).
 
-A process that stops on an error (`end_after_failure`, as `launch/train.py` calls it) says so
-in the store; the others then stop within an interval, naming it and its error.
+A process that stops on an error says so in the store (`end_after_failure`); the others then
+stop within an interval, naming it and its error. `start` makes every exception that leaves a
+watched process's main thread do that (its traceback printed first, through `sys.excepthook`),
+so that no program of several processes leaves the others waiting in a collective, nor itself
+in `jax.distributed`'s shutdown barrier (minutes) for processes that no longer come; Ctrl-C
+(`digen_jax.cli.run`) and `launch/train.py`'s expected faults call it themselves.
 
 A lost process is so noticed between 0.6 and 1.0 `timeout_s` after it died (the last beat it
 wrote, the read that saw it and the judge's tick each lag by up to an interval). Silence is
@@ -49,9 +53,11 @@ from jax._src.distributed import global_state
 PEER_TIMEOUT_S = 120.0  # configs/sections.py: runtime.peer_timeout_s
 HEARTBEAT_KEY = "digen_jax/heartbeat/"
 FAILED_KEY = "digen_jax/failed/"  # <process id> -> "<host> <message>" of a process that stopped on an error
+ACKNOWLEDGED_KEY = "digen_jax/acknowledged/"  # <process id> -> "" once it has read a failure
 LOST_STATUS = 1  # the exit status of launch/train.py's other faults
 _JAX_HEARTBEAT_DEFAULT_S = 100  # jax.distributed.initialize's default heartbeat_timeout_seconds
 _FLUSH_TIMEOUT_S = 2.0  # a flush blocked by a stuck thread must not keep the process alive
+_ACKNOWLEDGED_GRACE_S = 0.5
 
 
 def jax_heartbeat_timeout_s(timeout_s: float) -> int:
@@ -108,6 +114,7 @@ class PeerWatchdog:
         self._failure = ""  # why the last read failed
         self._failed: dict[int, tuple[str, str, str]] = {}  # process -> (host, " ", message) of `end_after_failure`
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a failure was read: judge now, not at the next tick
         for name, target in (("beat", self._beat), ("judge", self._judge)):
             threading.Thread(target=target, name=f"peer-watchdog-{name}", daemon=True).start()
 
@@ -117,6 +124,7 @@ class PeerWatchdog:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     def _beat(self) -> None:
         key, count = f"{HEARTBEAT_KEY}{self._me}", 0
@@ -138,8 +146,9 @@ class PeerWatchdog:
             self._contact, self._failure = now, ""
             for key, value in failed:
                 process = int(key.rsplit("/", 1)[-1])
-                if process != self._me:
-                    self._failed.setdefault(process, value.partition(" "))
+                if process != self._me and process not in self._failed:
+                    self._failed[process] = value.partition(" ")
+                    self._wake.set()
             for key, value in entries:
                 process, (count, _, host) = int(key.rsplit("/", 1)[-1]), value.partition(" ")
                 self._hosts[process] = host
@@ -147,10 +156,19 @@ class PeerWatchdog:
                     self._count[process], self._since[process] = int(count), now
 
     def _judge(self) -> None:
-        while not self._stop.wait(self.interval_s) and self.alive():
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if not self.alive():
+                return
             message = self.lost()
             if message is not None:
                 self.close()
+                if self._failed:  # the failed process 0 waits for this before it exits
+                    try:
+                        self._client.key_value_set(f"{ACKNOWLEDGED_KEY}{self._me}", "", allow_overwrite=True)
+                    except Exception:  # noqa: BLE001 (it is gone already)
+                        pass
                 self._on_lost(message)
                 return
 
@@ -184,11 +202,30 @@ _watchdog: PeerWatchdog | None = None
 
 
 def start(process_id: int, num_processes: int, timeout_s: float, coordinator_address: str) -> PeerWatchdog:
-    """Watch the other processes of the initialised `jax.distributed` run (once per run)."""
+    """Watch the other processes of the initialised `jax.distributed` run (once per run), and
+    publish an exception that ends this process (`_publish_uncaught`)."""
     global _watchdog
     if _watchdog is None or not _watchdog.alive():
         _watchdog = PeerWatchdog(global_state.client, process_id, num_processes, timeout_s, coordinator_address)
+    if sys.excepthook is not _publish_uncaught:
+        global _previous_excepthook
+        _previous_excepthook, sys.excepthook = sys.excepthook, _publish_uncaught
     return _watchdog
+
+
+_previous_excepthook = sys.excepthook
+
+
+def one_line(error: BaseException) -> str:
+    """`Type: first line of the message`, as the other processes are told it."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def _publish_uncaught(kind, error, tb) -> None:
+    """`sys.excepthook` of a watched process: the traceback as usual, then `end_after_failure`."""
+    _previous_excepthook(kind, error, tb)
+    end_after_failure(one_line(error))
 
 
 def watching() -> bool:
@@ -196,23 +233,33 @@ def watching() -> bool:
     return _watchdog is not None and _watchdog.alive()
 
 
-def end_after_failure(message: str) -> None:
+def end_after_failure(message: str, status: int = LOST_STATUS) -> None:
     """In a multi-process run: tell the other processes that this one stopped (`message`, one
     line; their watchdogs end them within an interval, naming it), then end this process with
-    `LOST_STATUS` without `jax.distributed`'s shutdown barrier, which would wait minutes for
+    `status` without `jax.distributed`'s shutdown barrier, which would wait minutes for
     processes that no longer come. Call it once the error is shown and the run's files are
-    written. Returns at once without a watchdog (one process: exit as usual)."""
+    written. Returns at once without a watchdog (one process: exit as usual).
+
+    Process 0 holds the store the others read: it waits, up to two beat intervals, until each
+    has read the failure (an acknowledgement in the store), since its exit would otherwise end
+    them first, with JAX's abort and stack dump instead of the line naming it."""
     watchdog = _watchdog
     if watchdog is None or not watchdog.alive():
         return
     watchdog.close()
+    client, me = watchdog._client, watchdog._me
     try:
-        host = watchdog._hosts[watchdog._me]
-        watchdog._client.key_value_set(f"{FAILED_KEY}{watchdog._me}", f"{host} {message}", allow_overwrite=True)
+        client.key_value_set(f"{FAILED_KEY}{me}", f"{watchdog._hosts[me]} {message}", allow_overwrite=True)
+        deadline = time.monotonic() + 2 * watchdog.interval_s + 1
+        while me == 0 and time.monotonic() < deadline:
+            if len(client.key_value_dir_get(ACKNOWLEDGED_KEY)) >= watchdog._num - 1:
+                time.sleep(_ACKNOWLEDGED_GRACE_S)  # each acknowledges just before its own exit
+                break
+            time.sleep(0.05)
     except Exception:  # noqa: BLE001 (no coordinator: the others' watchdogs find this process silent)
         pass
     _flush_streams()
-    os._exit(LOST_STATUS)
+    os._exit(status)
 
 
 def await_verdict() -> None:
