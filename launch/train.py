@@ -1,4 +1,5 @@
-r"""Train a model with Flow-GRPO in any schedule mode of the runtime (config key runtime.mode:
+r"""Train a model by RL post-training, Flow-GRPO (config key rl.algorithm='grpo', the default) or
+DiffusionNFT (rl.algorithm='nft'), in any schedule mode of the runtime (config key runtime.mode:
 colocated, the default, rolls out and trains on the same devices; disagg_sync, gap, gap+tsp,
 gap+tsp+tag and gap+tsp+tag+tcss split the devices into rollout and train roles).
 
@@ -25,9 +26,12 @@ Any config key can be overridden as `--config.a.b=value`; `--print_config` lists
 `WORKDIR/metrics.jsonl` (one JSON object per iteration: step, reward_mean, reward_std, loss, kl,
 clip_frac, samples_per_s, ...), `WORKDIR/trace.json`, TensorBoard logs in `WORKDIR/tb` and
 checkpoints in `WORKDIR/checkpoints`; rerunning with the same workdir resumes from the latest
-checkpoint.
+checkpoint. At the end it writes `WORKDIR/metrics.png` (reward and eval curves) and prints a
+summary: the rewards, where each file is, and the command that samples the trained weights. With
+several processes, process 0 alone prints progress; every process prints its own errors.
 """
 import os
+import shlex
 import sys
 import traceback
 
@@ -43,6 +47,7 @@ from digen_jax import cli, xla_flags
 from digen_jax.rewards.remote import RemoteRewardError
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.loop import train
+from digen_jax.app import precision, report
 from digen_jax.app.validation import validate_config
 from digen_jax.app.checkpoints import RunStopped
 from digen_jax.runtime.distributed import initialize
@@ -84,16 +89,18 @@ def autosize_line(config, spec: str) -> str:
             f"micro_batches={rt.micro_batches} (predicted {sizing.prediction.samples_per_s:.3f} samples/s)")
 
 
-def config_lines(config, prefix: str = "") -> list[str]:
-    """Every leaf of `config` as `a.b = value` (sorted by key; the value's repr)."""
-    lines = []
+def config_lines(config, prefix: str = "", notes: dict | None = None) -> list[str]:
+    """Every leaf of `config` as `a.b = value` (sorted by key; the value's repr), `# note` after
+    a key of `notes` (full key -> what the value resolves to)."""
+    lines, notes = [], notes or {}
     for key in sorted(config.keys()):
         value = config[key]
         if isinstance(value, ml_collections.ConfigDict) and value.keys():
-            lines += config_lines(value, f"{prefix}{key}.")
+            lines += config_lines(value, f"{prefix}{key}.", notes)
         else:
             shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
-            lines.append(f"{prefix}{key} = {shown!r}")
+            note = notes.get(f"{prefix}{key}")
+            lines.append(f"{prefix}{key} = {shown!r}" + (f"  # {note}" if note else ""))
     return lines
 
 
@@ -109,7 +116,8 @@ def main(argv):
         if _AUTOSIZE.value:
             print(autosize_line(_CONFIG.value, _AUTOSIZE.value), flush=True)
         if _PRINT_CONFIG.value:
-            print("\n".join(config_lines(_CONFIG.value)))
+            notes = {"model.rollout_precision": precision.rollout_precision_note(_CONFIG.value)}
+            print("\n".join(config_lines(_CONFIG.value, notes=notes)))
             return
         validate_config(_CONFIG.value)  # bad input or missing files: a message, not a traceback
     except ConfigError as e:
@@ -139,9 +147,23 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
+def sample_command(argv: list[str], workdir: str) -> str:
+    """The launch/sample.py command for the run `argv` started: its config file and overrides
+    (but the multi-process switch: sampling is one process)."""
+    overrides = [a for a in argv[1:] if a.startswith("--config.") and not a.startswith("--config.runtime.distributed")]
+    script = os.path.join(os.path.dirname(argv[0]), "sample.py")
+    return shlex.join(["python3", script, f"--config={flags.FLAGS['config'].config_filename}", f"--workdir={workdir}",
+                       *overrides])
+
+
 def _train_and_report() -> None:
+    import jax
+
+    # Several processes: process 0 reports progress; the others print only their errors (stderr).
+    reporting = jax.process_index() == 0
+    log = (lambda msg: print(msg, flush=True)) if reporting else (lambda msg: None)
     try:
-        train(_CONFIG.value, _WORKDIR.value, log=lambda msg: print(msg, flush=True))
+        train(_CONFIG.value, _WORKDIR.value, log=log)
     except (RunStopped, FloatingPointError, RemoteRewardError) as e:
         # An expected fault (a workdir in use, an unreadable checkpoint, a full disk, diverged
         # updates, a reward server that stopped answering): its message says what to do.
@@ -155,6 +177,8 @@ def _train_and_report() -> None:
         if not _TRACEBACK.value:
             await_verdict()
         raise
+    if reporting:
+        report.finish(_WORKDIR.value, sample_command(sys.argv, _WORKDIR.value), log=log)
 
 
 if __name__ == "__main__":
