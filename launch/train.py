@@ -35,6 +35,7 @@ import shlex
 import sys
 import traceback
 
+import jax
 import ml_collections
 from absl import flags, logging
 from jax.errors import JaxRuntimeError
@@ -47,7 +48,7 @@ from digen_jax import cli, xla_flags
 from digen_jax.rewards.remote import RemoteRewardError
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.loop import train
-from digen_jax.app import precision, report
+from digen_jax.app import console, precision, report
 from digen_jax.app.validation import validate_config
 from digen_jax.app.checkpoints import RunStopped
 from digen_jax.runtime.distributed import initialize
@@ -111,7 +112,8 @@ def main(argv):
     if not _PRINT_CONFIG.value:
         if not _WORKDIR.value:
             sys.exit("error: --workdir is required (the run's output directory); --print_config needs none")
-        initialize(_CONFIG.value)  # multi-process runs (runtime.distributed, SLURM) join before any JAX work
+        if initialize(_CONFIG.value).num_processes > 1:  # multi-process runs join before any JAX work
+            console.quiet(jax.process_index())  # process 0 reports; the others print their errors
     try:
         if _AUTOSIZE.value:
             print(autosize_line(_CONFIG.value, _AUTOSIZE.value), flush=True)
@@ -157,8 +159,6 @@ def sample_command(argv: list[str], workdir: str) -> str:
 
 
 def _train_and_report() -> None:
-    import jax
-
     # Several processes: process 0 reports progress; the others print only their errors (stderr).
     reporting = jax.process_index() == 0
     log = (lambda msg: print(msg, flush=True)) if reporting else (lambda msg: None)

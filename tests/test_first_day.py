@@ -110,3 +110,18 @@ def test_every_path_readme_names_exists():
     assert "digen_jax/models/fp8.py" in paths and "configs/tiny.py" in paths
     missing = sorted(p for p in paths if not os.path.exists(os.path.join(ROOT, p)))
     assert not missing, missing
+
+
+def test_readme_gives_the_two_process_command_for_a_cpu_too():
+    """README's 2-process launch on GPUs has a CPU form that is a command, not prose: the same
+    launch/train.py arguments, with the CPU's environment instead of CUDA_VISIBLE_DEVICES."""
+    import re
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    launches = [b.replace("\\\n", " ") for b in blocks if "JAX_NUM_PROCESSES=2" in b and "for i in 0 1" in b]
+    gpu = [b for b in launches if "CUDA_VISIBLE_DEVICES=$i" in b]
+    cpu = [b for b in launches if "JAX_PLATFORMS=cpu" in b and "--xla_force_host_platform_device_count=4" in b]
+    assert len(gpu) == 1 and len(cpu) == 1, launches
+    args = lambda block: block[block.index("python3 launch/train.py"):].split()  # noqa: E731
+    assert args(gpu[0]) == args(cpu[0])

@@ -44,7 +44,7 @@ class Run:
         self.config, self.workdir, self.log = config, workdir, log
         os.makedirs(workdir, exist_ok=True)
         rl = config.rl
-        self.workload = workload_lib.make_workload(config)
+        self.workload = workload_lib.make_workload(config, log)
         self.task = self.workload.task
         self.sampler = self.workload.sampler
         self.latent_shape = self.workload.latent_shape
