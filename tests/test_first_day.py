@@ -125,3 +125,21 @@ def test_readme_gives_the_two_process_command_for_a_cpu_too():
     assert len(gpu) == 1 and len(cpu) == 1, launches
     args = lambda block: block[block.index("python3 launch/train.py"):].split()  # noqa: E731
     assert args(gpu[0]) == args(cpu[0])
+
+
+def test_stdout_filter_drops_gloo_lines_and_keeps_the_rest_in_order():
+    """What Gloo writes to file descriptor 1 from C++ (`[Gloo] Rank ...` per communicator) is
+    dropped; Python's prints and other raw writes come through whole, in order, up to the exit."""
+    script = """
+import os
+from digen_jax.app import console
+console.StdoutFilter()
+print("first", flush=True)
+os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\\n")
+os.write(1, b"raw line\\n[Gloo] Rank 1 is connected to 1 peer ranks.\\n")
+print("last line without a newline", end="")
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == "first\nraw line\nlast line without a newline"

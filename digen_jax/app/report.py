@@ -94,23 +94,29 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> bool:
     return True
 
 
+def _first_and_last(points: Sequence[tuple[int, float]]) -> str:
+    text = [f"{value:.3f} at iteration {step}" for step, value in (points[0], points[-1])]
+    return text[0] if len(points) == 1 else ", ".join(text)
+
+
 def summary(workdir: str, rows: Sequence[dict], plotted: bool, next_command: str) -> list[str]:
     """The lines printed at the end of a run: results, where its files are, what to run next."""
     lines = []
     if rows:
-        first, last = rows[0], rows[-1]
+        last = rows[-1]
         iterations = last["step"]
         lines.append(f"done: {iterations} iterations; policy version {last['version']} (the version counts optimizer "
                      "updates: rl.num_updates_per_batch per iteration)")
-        lines.append(f"  reward of the iteration's samples: {first['reward_mean']:.3f} at iteration {first['step']}, "
-                     f"{last['reward_mean']:.3f} at iteration {iterations}")
+        lines.append(f"  reward of the iteration's samples: {_first_and_last(_series(rows, 'reward_mean'))}")
         evals = _series(rows, "eval_reward_mean")
         if evals:
-            lines.append(f"  eval reward (fixed prompts): {evals[0][1]:.3f} at iteration {evals[0][0]}, "
-                         f"{evals[-1][1]:.3f} at iteration {evals[-1][0]}")
+            lines.append(f"  eval reward (fixed prompts): {_first_and_last(evals)}")
+        # The loop saves a checkpoint after the last iteration; with several processes the train
+        # role's processes write it, so it may still be landing while process 0 reports.
+        checkpoint = os.path.join(workdir, "checkpoints", str(iterations))
     else:
         lines.append("done: no iteration ran")
-    checkpoint = latest_checkpoint(workdir)
+        checkpoint = latest_checkpoint(workdir)
     files = [
         ("checkpoint", checkpoint or "none written"),
         ("metrics", f"{os.path.join(workdir, 'metrics.jsonl')} (one JSON object per iteration)"),
