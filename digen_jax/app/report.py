@@ -69,7 +69,6 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> bool:
         return (left + (step - x0) / (x1 - x0) * (width - left - right),
                 height - bottom - (value - y0) / (y1 - y0) * (height - top - bottom))
 
-    draw.rectangle((left, top, width - right, height - bottom), outline="black")
     for i in range(5):  # value ticks and grid lines
         value = y0 + (y1 - y0) * i / 4
         _, y = xy(x0, value)
@@ -79,6 +78,7 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> bool:
         x, _ = xy(step, y0)
         draw.line((x, height - bottom, x, height - bottom + 4), fill="black")
         draw.text((x - 8, height - bottom + 6), str(step), fill="black", font=font)
+    draw.rectangle((left, top, width - right, height - bottom), outline="black")
     draw.text((width // 2 - 24, height - bottom + 20), "iteration", fill="black", font=font)
     draw.text((left, 12), title or "reward per iteration", fill="black", font=font)
     for i, (points, label, colour) in enumerate(curves):
