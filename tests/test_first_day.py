@@ -13,8 +13,9 @@ from digen_jax.app import report
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_first_hour import ROOT, _env, run_side_by_side  # noqa: E402
 
-# launch/reproduce.py as the runtime install runs it: matplotlib cannot be imported. One model
-# of the grid keeps it to seconds; the flags, tables, --readme and exit path are the script's own.
+# launch/reproduce.py as the runtime install runs it: matplotlib cannot be imported. One cell of
+# the grid (a model on a testbed) keeps it to seconds; the flags, tables, --readme and exit path
+# are the script's own.
 _REPRODUCE_WITHOUT_MATPLOTLIB = """
 import sys
 sys.modules["matplotlib"] = None  # the import system's "not importable" marker
@@ -22,6 +23,8 @@ sys.path.insert(0, "launch")
 import reproduce
 from digen_jax import cli
 reproduce.MODELS = reproduce.MODELS[:1]
+first_testbed = reproduce.testbeds()[:1]
+reproduce.testbeds = lambda: first_testbed
 sys.argv = ["launch/reproduce.py", *sys.argv[1:]]
 cli.run(reproduce.main)
 """
