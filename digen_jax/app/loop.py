@@ -327,7 +327,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
             plan, metrics = executor.iteration(k)
             if config.train.eval_every and (k + 1) % config.train.eval_every == 0:
                 executor.drain()  # evaluation's programs must not interleave with a group's prefetch
-                if (k + 1) // config.train.eval_every == start // config.train.eval_every + 1:  # this process's first
+                if (k + 1) // config.train.eval_every == start // config.train.eval_every + 1:  # first since start
                     log(f"evaluating {config.train.eval_prompts} fixed prompts (compiling the evaluation sampler first)")
                 metrics["eval_reward_mean"] = run.evaluate(executor.state, executor)
             if config.train.image_every and (k + 1) % config.train.image_every == 0:
