@@ -1,6 +1,6 @@
 r"""Simulate the paper's evaluation grid: four models x three testbeds x seven systems.
 
-    python launch/reproduce.py --out_dir=/tmp/paper            # tables (markdown) + PNG plots
+    python launch/reproduce.py --out_dir=/tmp/paper            # tables (markdown) + PNG plots (matplotlib)
     python launch/reproduce.py --readme=benchmarks/README.md  # also rewrite the benchmark log's section
 
 Models: configs/paper/{flux,qwenimage,wan21,hunyuanvideo}.py. Testbeds: configs/paper/testbeds.py
@@ -14,7 +14,8 @@ Every number is simulated (digen_jax/runtime/simulator.py, digen_jax/runtime/cos
 exact FLOPs of each model, the device table and the default `Efficiency` factors, scheduled by
 the executor's planner. Each system runs at its best micro-batch count (a divisor of the
 prompts, <= 16). Writes `tables.md`, `speedup_<testbed>.png` and
-`timeline_<model>_<testbed>.png` to --out_dir.
+`timeline_<model>_<testbed>.png` to --out_dir. The plots need matplotlib (requirements-dev.txt);
+without it the tables and --readme are written and the plots are skipped with a line saying so.
 """
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ README_END = "<!-- simulated-paper-tables:end -->"
 
 _OUT = flags.DEFINE_string("out_dir", "benchmarks/simulated", "Where tables.md and the PNG plots go.")
 _README = flags.DEFINE_string("readme", None, f"Rewrite the part of this file between {README_START} and {README_END}.")
-_PLOTS = flags.DEFINE_boolean("plots", True, "Write PNG plots (needs matplotlib).")
+_PLOTS = flags.DEFINE_boolean("plots", True, "Write PNG plots (needs matplotlib; skipped with a note without it).")
+NO_MATPLOTLIB = ("plots skipped: matplotlib is not installed (python3 -m pip install matplotlib, or "
+                 "requirements-dev.txt); the tables are complete")
 
 
 def testbeds() -> list[tuple[str, cost_model.Pool]]:
@@ -209,11 +212,17 @@ def main(argv):
     with open(os.path.join(_OUT.value, "tables.md"), "w") as f:
         f.write(body + "\n")
     print(body)
-    if _PLOTS.value:
-        for path in plots(grid, _OUT.value):
-            print(f"wrote {path}")
     if _README.value:
         write_readme(_README.value, body)
+        print(f"rewrote the simulated tables in {_README.value}")
+    if _PLOTS.value:
+        try:
+            import matplotlib  # noqa: F401  (a dev extra: the tables need none of it)
+        except ImportError:
+            print(NO_MATPLOTLIB)
+        else:
+            for path in plots(grid, _OUT.value):
+                print(f"wrote {path}")
     print(f"\n{len(grid.cells)} cells x {len(SYSTEMS) + 1} systems simulated in {time.time() - started:.1f} s")
 
 

@@ -77,7 +77,8 @@ def main(argv):
     write_samples(_WORKDIR.value, run.images(traj.final), run.task.prompt_text(run.eval_ids), rewards,
                   int(jax.device_get(state.version)), _NOISE.value)
     print(f"policy version {int(state.version)}: mean reward {np.mean(rewards):.3f} over {len(rewards)} prompts; "
-          f"wrote {_WORKDIR.value}/samples.png")
+          f"wrote {_WORKDIR.value}/samples.png (the policy version counts optimizer updates: "
+          f"rl.num_updates_per_batch={config.rl.num_updates_per_batch} per training iteration)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-r"""Train a model with Flow-GRPO in any schedule mode of the runtime (config key runtime.mode:
+r"""Train a model by RL post-training, Flow-GRPO (config key rl.algorithm='grpo', the default) or
+DiffusionNFT (rl.algorithm='nft'), in any schedule mode of the runtime (config key runtime.mode:
 colocated, the default, rolls out and trains on the same devices; disagg_sync, gap, gap+tsp,
 gap+tsp+tag and gap+tsp+tag+tcss split the devices into rollout and train roles).
 
@@ -25,14 +26,18 @@ Any config key can be overridden as `--config.a.b=value`; `--print_config` lists
 `WORKDIR/metrics.jsonl` (one JSON object per iteration: step, reward_mean, reward_std, loss, kl,
 clip_frac, samples_per_s, ...), `WORKDIR/trace.json`, TensorBoard logs in `WORKDIR/tb` and
 checkpoints in `WORKDIR/checkpoints`; rerunning with the same workdir resumes from the latest
-checkpoint.
+checkpoint. At the end it writes `WORKDIR/metrics.png` (reward and eval curves) and prints a
+summary: the rewards, where each file is, and the command that samples the trained weights. With
+several processes, process 0 alone prints progress; every process prints its own errors.
 """
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
 
+import jax
 import ml_collections
 from absl import flags, logging
 from jax.errors import JaxRuntimeError
@@ -46,6 +51,7 @@ from digen_jax import cli, xla_flags
 from digen_jax.rewards.remote import RemoteRewardError
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.loop import train
+from digen_jax.app import console, precision, report
 from digen_jax.app.validation import validate_config
 from digen_jax.app.checkpoints import RunStopped
 from digen_jax.runtime.distributed import initialize
@@ -89,16 +95,18 @@ def autosize_line(config, spec: str) -> str:
             f"micro_batches={rt.micro_batches} (predicted {sizing.prediction.samples_per_s:.3f} samples/s)")
 
 
-def config_lines(config, prefix: str = "") -> list[str]:
-    """Every leaf of `config` as `a.b = value` (sorted by key; the value's repr)."""
-    lines = []
+def config_lines(config, prefix: str = "", notes: dict | None = None) -> list[str]:
+    """Every leaf of `config` as `a.b = value` (sorted by key; the value's repr), `# note` after
+    a key of `notes` (full key -> what the value resolves to)."""
+    lines, notes = [], notes or {}
     for key in sorted(config.keys()):
         value = config[key]
         if isinstance(value, ml_collections.ConfigDict) and value.keys():
-            lines += config_lines(value, f"{prefix}{key}.")
+            lines += config_lines(value, f"{prefix}{key}.", notes)
         else:
             shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
-            lines.append(f"{prefix}{key} = {shown!r}")
+            note = notes.get(f"{prefix}{key}")
+            lines.append(f"{prefix}{key} = {shown!r}" + (f"  # {note}" if note else ""))
     return lines
 
 
@@ -109,12 +117,14 @@ def main(argv):
     if not _PRINT_CONFIG.value:
         if not _WORKDIR.value:
             sys.exit("error: --workdir is required (the run's output directory); --print_config needs none")
-        initialize(_CONFIG.value)  # multi-process runs (runtime.distributed, SLURM) join before any JAX work
+        if initialize(_CONFIG.value).num_processes > 1:  # multi-process runs join before any JAX work
+            console.quiet(jax.process_index())  # process 0 reports; the others print their errors
     try:
         if _AUTOSIZE.value:
             print(autosize_line(_CONFIG.value, _AUTOSIZE.value), flush=True)
         if _PRINT_CONFIG.value:
-            print("\n".join(config_lines(_CONFIG.value)))
+            notes = {"model.rollout_precision": precision.rollout_precision_note(_CONFIG.value)}
+            print("\n".join(config_lines(_CONFIG.value, notes=notes)))
             return
         validate_config(_CONFIG.value)  # bad input or missing files: a message, not a traceback
     except ConfigError as e:
@@ -174,7 +184,8 @@ class _StopAtIteration:
     progress lines (`log`) are the safe points: the first Ctrl-C is raised at the next one on the
     main thread. Before the loop, and at a second Ctrl-C, it is raised at once."""
 
-    def __init__(self):
+    def __init__(self, echo):
+        self.echo = echo
         self.looping = self.requested = False
         signal.signal(signal.SIGINT, self._on_sigint)
 
@@ -185,15 +196,27 @@ class _StopAtIteration:
         print("Ctrl-C: stopping after this iteration (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
 
     def log(self, message: str) -> None:
-        print(message, flush=True)
+        self.echo(message)
         self.looping = self.looping or message.startswith("training ")  # the loop's first line
         if self.requested and threading.current_thread() is threading.main_thread():
             raise KeyboardInterrupt
 
 
+def sample_command(argv: list[str], workdir: str) -> str:
+    """The launch/sample.py command for the run `argv` started: its config file and overrides
+    (but the multi-process switch: sampling is one process)."""
+    overrides = [a for a in argv[1:] if a.startswith("--config.") and not a.startswith("--config.runtime.distributed")]
+    script = os.path.join(os.path.dirname(argv[0]), "sample.py")
+    return shlex.join(["python3", script, f"--config={flags.FLAGS['config'].config_filename}", f"--workdir={workdir}",
+                       *overrides])
+
+
 def _train_and_report() -> None:
+    # Several processes: process 0 reports progress; the others print only their errors (stderr).
+    reporting = jax.process_index() == 0
+    log = (lambda msg: print(msg, flush=True)) if reporting else (lambda msg: None)
     try:
-        train(_CONFIG.value, _WORKDIR.value, log=_StopAtIteration().log)
+        train(_CONFIG.value, _WORKDIR.value, log=_StopAtIteration(log).log)
     except (RunStopped, FloatingPointError, RemoteRewardError) as e:
         # An expected fault (a workdir in use, an unreadable checkpoint, a full disk, diverged
         # updates, a reward server that stopped answering): its message says what to do.
@@ -207,6 +230,8 @@ def _train_and_report() -> None:
         if not _TRACEBACK.value:
             await_verdict()
         raise
+    if reporting:
+        report.finish(_WORKDIR.value, sample_command(sys.argv, _WORKDIR.value), log=log)
 
 
 if __name__ == "__main__":

@@ -1491,12 +1491,12 @@ def test_sigkill_of_a_process_stops_the_run_and_a_rerun_resumes(stopped_runs, pr
     assert out.rstrip().splitlines()[-1].startswith("stopped: lost process 1 of 2 (host "), out[-3000:]
     assert not runs.checkpoint_2_before_rerun, "the run finished before it was killed"
 
-    # The same command again: both processes resume from checkpoint 1.
+    # The same command again: both processes resume from checkpoint 1 (process 0 says so).
     for name in ("resumed0", "resumed1"):
         out = runs.text[name]
         assert runs.returncodes[name] == 0, f"{name} exited with {runs.returncodes[name]}:\n{out[-8000:]}"
-        assert "resumed from checkpoint 1 (policy version 1, 0 prefetched micro-batches)" in out
-        assert "training 1 iterations of 16 samples (from iteration 1)" in out
+    assert "resumed from checkpoint 1 (policy version 1, 0 prefetched micro-batches)" in runs.text["resumed0"]
+    assert "training 1 iterations of 16 samples (from iteration 1)" in runs.text["resumed0"]
     assert runs.returncodes["reference"] == 0, runs.text["reference"][-8000:]
 
     rows = [json.loads(line) for line in open(multi / "metrics.jsonl")]
@@ -1520,6 +1520,22 @@ def test_sigkill_of_a_process_stops_the_run_and_a_rerun_resumes(stopped_runs, pr
     for kind in ("rollout", "train"):
         ids = [sid for e in events if e["args"]["kind"] == kind for sid in e["args"]["sample_ids"]]
         assert sorted(ids) == list(range(2 * 16)), kind
+
+
+def test_two_processes_report_on_process_0_only(stopped_runs):
+    """`launch/train.py` on 2 processes (the rerun that resumes the killed run, `stopped_runs`):
+    process 0 prints the progress and, at the end, the summary with the next command, and writes
+    metrics.png; process 1 prints none of it, and neither prints Gloo's connection lines or orbax's
+    read-only warning for the manager of a process that writes no checkpoint."""
+    out0, out1 = stopped_runs.text["resumed0"], stopped_runs.text["resumed1"]
+    assert stopped_runs.returncodes["resumed0"] == stopped_runs.returncodes["resumed1"] == 0, out0[-3000:] + out1[-3000:]
+    assert "[   2/2] reward" in out0 and "compiling the rollout, reward and training programs" in out0, out0[-3000:]
+    assert "done: 2 iterations; policy version 2" in out0 and "launch/sample.py --config=" in out0, out0[-3000:]
+    assert (stopped_runs.multi / "metrics.png").exists()
+    for text in ("reward", "training", "done:", "loaded pretrained", "resumed from"):
+        assert text not in out1, (text, out1[-3000:])
+    for out in (out0, out1):
+        assert "[Gloo]" not in out and "Given directory is read only" not in out, out[-3000:]
 
 
 if __name__ == "__main__":

@@ -284,3 +284,4 @@ def test_sample_script_restores_the_latest_state_and_checks_its_config(cache_dir
         samples = json.load(f)
     assert samples["version"] == 2 and len(samples["samples"]) == config.train.eval_prompts
     assert f"policy version 2: mean reward {samples['reward_mean']:.3f}" in result.stdout
+    assert "(the policy version counts optimizer updates: rl.num_updates_per_batch=" in result.stdout

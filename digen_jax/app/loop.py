@@ -44,7 +44,7 @@ class Run:
         self.config, self.workdir, self.log = config, workdir, log
         os.makedirs(workdir, exist_ok=True)
         rl = config.rl
-        self.workload = workload_lib.make_workload(config)
+        self.workload = workload_lib.make_workload(config, log)
         self.task = self.workload.task
         self.sampler = self.workload.sampler
         self.latent_shape = self.workload.latent_shape
@@ -292,7 +292,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
     if writes_files and start and os.path.exists(metrics_path):
         _keep_rows_through(metrics_path, start, log)
     log(f"training {total - start} iterations of {config.rl.prompts_per_iteration * config.rl.group_size} samples "
-        f"(from iteration {start}) in {workdir}, runtime.mode={config.runtime.mode}")
+        f"(from iteration {start}) in {workdir}, runtime.mode={config.runtime.mode}, "
+        f"{config.rl.num_updates_per_batch} update(s) per iteration (the policy version counts updates)")
+    if start < total:  # XLA compiles each program at its first call: the first lines come after it
+        log("compiling the rollout, reward and training programs (the first iteration's line follows them)")
 
     def emit(k: int, plan, metrics: dict) -> None:
         m = _host(metrics)
@@ -339,6 +342,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
             plan, metrics = executor.iteration(k)
             if config.train.eval_every and (k + 1) % config.train.eval_every == 0:
                 executor.drain()  # evaluation's programs must not interleave with a group's prefetch
+                if (k + 1) // config.train.eval_every == start // config.train.eval_every + 1:  # first since start
+                    log(f"evaluating {config.train.eval_prompts} fixed prompts (compiling the evaluation sampler first)")
                 metrics["eval_reward_mean"] = run.evaluate(executor.state, executor)
             if config.train.image_every and (k + 1) % config.train.image_every == 0:
                 finals = executor.last_finals()[:: config.rl.group_size][:16]

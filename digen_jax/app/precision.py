@@ -26,6 +26,15 @@ def rollout_precision(config: ml_collections.ConfigDict) -> str:
     return config.model.get("rollout_precision", "bf16")
 
 
+def rollout_precision_note(config: ml_collections.ConfigDict) -> str:
+    """What `model.rollout_precision` resolves to next to `model.dtype`: 'bf16' names no dtype of
+    its own but the model's unchanged numerics, so model.dtype is what the rollouts compute in."""
+    dtype = config.model.get("dtype", "bfloat16")
+    if rollout_precision(config) == "fp8":
+        return f"rollout attention projections and MLPs in FP8 e4m3, the rest in model.dtype={dtype!r}; training in {dtype!r}"
+    return f"'bf16' means the model's own dtype: rollouts and training compute in model.dtype={dtype!r}"
+
+
 def decoupled_loss(config: ml_collections.ConfigDict) -> tuple[bool, float | None]:
     """(decoupled, is_cap) of the run: `rl.decoupled` / `rl.is_cap` as set, their unset (None)
     values resolved as the module docstring says."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -132,9 +132,10 @@ class _Workload:
 class ShapesWorkload(_Workload):
     """The shapes task in pixel space: (3, H, W) images packed 2x2 into (H/2 * W/2, 12) tokens."""
 
-    def __init__(self, config: ml_collections.ConfigDict):
+    def __init__(self, config: ml_collections.ConfigDict, log: Callable[[str], None] = print):
         super().__init__(config)
         s = config.sampling
+        self.log = log  # pretraining's progress, or where the cached model came from
         self.task = shapes_task(config)
         self.reward_fn = make_reward_fn(config)
         self.family, self.model_cfg, self.base_params = self._base_model()
@@ -150,7 +151,8 @@ class ShapesWorkload(_Workload):
         if c.checkpoint:
             return load_checkpoint(c.checkpoint, **policy(self.config))
         model_cfg, task, args = pretrain_recipe(self.config)
-        params = pretrained_params(model_cfg, task, **args, cache_dir=os.path.expanduser(self.config.pretrain.cache_dir))
+        params = pretrained_params(model_cfg, task, **args, cache_dir=os.path.expanduser(self.config.pretrain.cache_dir),
+                                   log=self.log)
         return FAMILIES[c.family], model_cfg, params
 
     decoder_params = None  # pixel space: nothing to decode with
@@ -285,5 +287,6 @@ def _to_uint8_frames(video: jax.Array) -> jax.Array:
     return jnp.round(unit * 255).astype(jnp.uint8).transpose(0, 2, 3, 4, 1)
 
 
-def make_workload(config: ml_collections.ConfigDict) -> ShapesWorkload | ModelZooWorkload:
-    return (ShapesWorkload if is_shapes(config) else ModelZooWorkload)(config)
+def make_workload(config: ml_collections.ConfigDict, log: Callable[[str], None] = print) -> ShapesWorkload | ModelZooWorkload:
+    """The workload of `config`; `log` gets the shapes task's pretraining progress."""
+    return ShapesWorkload(config, log) if is_shapes(config) else ModelZooWorkload(config)
