@@ -26,6 +26,9 @@ def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_colle
             tag_microbatches=-1,
             prefetch_microbatches=-1,
             staleness=1,  # tcss bound on version lag (0 turns prefetching off)
+            # Keep the optimizer state (Adam moments) in pinned host memory, copied through the train
+            # devices at each update: full fine-tuning of 12-20B models on 80 GB cards (README).
+            offload_optimizer=False,
             reward_workers=2,  # host threads scoring micro-batches
             trace=True,  # WORKDIR/trace.json (Chrome trace)
             distributed=False,  # jax.distributed.initialize() (SLURM auto-detection); see launch/slurm/

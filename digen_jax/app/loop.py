@@ -50,7 +50,8 @@ class Run:
         self.latent_shape = self.workload.latent_shape
         base = self.workload.base_params
         optimizer = optim.make_optimizer(
-            rl.learning_rate, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm
+            rl.learning_rate, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm,
+            state_dtype=rl.get("optimizer_state_dtype", "param"),
         )
         if rl.lora_rank:
             trainable = lora.init_lora(base, rank=rl.lora_rank, target_patterns=list(rl.lora_targets), key=jax.random.key(config.seed + 1))
