@@ -29,6 +29,8 @@ def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_colle
             # Keep the optimizer state (Adam moments) in pinned host memory, copied through the train
             # devices at each update: full fine-tuning of 12-20B models on 80 GB cards (README).
             offload_optimizer=False,
+            # Refuse a run whose memory plan (launch/simulate.py prints it) does not fit its devices.
+            check_memory=True,
             reward_workers=2,  # host threads scoring micro-batches
             trace=True,  # WORKDIR/trace.json (Chrome trace)
             distributed=False,  # jax.distributed.initialize() (SLURM auto-detection); see launch/slurm/

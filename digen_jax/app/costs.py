@@ -150,26 +150,25 @@ def memory_plan(config, pool: Pool, mode: str | None = None) -> MemoryPlan:
     return plan_memory(iteration_work(config), pool, mode, config.runtime.micro_batches)
 
 
-def check_fits(config, devices: Sequence[Any]) -> None:
-    """Refuse (ConfigError, one line) a config whose memory plan does not fit `devices` (a run's
-    devices, of a kind the device table knows; others are not checked), before any compute."""
-    if is_shapes(config) or devices[0].platform == "cpu":
+def check_fits(config, devices: Sequence[Any], mode: str | None = None) -> None:
+    """Refuse (ConfigError, one line) a config whose memory plan in `mode` (default `runtime.mode`)
+    does not fit `devices` (a run's devices), before any compute. Not checked: CPU devices, kinds
+    the device table lacks, the shapes task, and `runtime.check_memory=False`."""
+    rt = config.runtime
+    if is_shapes(config) or not rt.get("check_memory", True) or devices[0].platform == "cpu":
         return
     try:
         kind = local_kind(devices[0].device_kind)
     except ValueError:
         return
-    rt = config.runtime
+    mode = mode or rt.mode
     n = len(devices)
-    if plan_lib.mode_flags(rt.mode).colocated:
-        n = rt.train_devices or n
-        pool = Pool(kind, max(n // 2, 1), kind, max(n - n // 2, 1))
-        pool = dataclasses.replace(pool, rollout_devices=n - 1, train_devices=1) if n > 1 else pool
+    if plan_lib.mode_flags(mode).colocated:
+        pool, colocated = Pool(kind, 1, kind, 1), rt.train_devices or n
     else:
         rollout = rt.rollout_devices or (n - rt.reward_devices) // 2
-        train = rt.train_devices or (n - rt.reward_devices - rollout)
-        pool = Pool(kind, rollout, kind, train)
-    line = memory_advice(iteration_work(config), pool, rt.mode, rt.micro_batches)
+        pool, colocated = Pool(kind, rollout, kind, rt.train_devices or (n - rt.reward_devices - rollout)), None
+    line = memory_advice(iteration_work(config), pool, mode, rt.micro_batches, colocated_devices=colocated)
     if line:
         raise ConfigError(line)
 

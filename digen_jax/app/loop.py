@@ -29,7 +29,7 @@ from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning
 from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
 from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
-from digen_jax.app import checkpoints, precision
+from digen_jax.app import checkpoints, costs, precision
 from digen_jax.app.validation import validate_config
 from digen_jax.runtime.executor import Executor, read_figures
 
@@ -41,6 +41,7 @@ class Run:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print):
         validate_config(config)
+        costs.check_fits(config, jax.devices())  # a run that cannot fit its devices: one line, before any compute
         self.config, self.workdir, self.log = config, workdir, log
         os.makedirs(workdir, exist_ok=True)
         rl = config.rl

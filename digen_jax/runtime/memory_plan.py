@@ -104,10 +104,11 @@ class MemoryPlan:
         return next((r for r in self.roles if not r.fits), None)
 
 
-def advice(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff: Efficiency = Efficiency()) -> str | None:
+def advice(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff: Efficiency = Efficiency(), *,
+           colocated_devices: int | None = None) -> str | None:
     """None when `mode`'s plan fits `pool`, else one line: the role over its memory and the config
     changes whose plans fit (each tried alone), or that more devices are needed."""
-    plan = memory_plan(w, pool, mode, microbatches, eff)
+    plan = memory_plan(w, pool, mode, microbatches, eff, colocated_devices=colocated_devices)
     r = plan.over()
     if r is None:
         return None
@@ -122,21 +123,25 @@ def advice(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff: Effi
     for text, change in candidates:
         if all(getattr(w, k) == v for k, v in change.items()):
             continue
-        if memory_plan(dataclasses.replace(w, **change), pool, mode, microbatches, eff).fits:
+        if memory_plan(dataclasses.replace(w, **change), pool, mode, microbatches, eff,
+                       colocated_devices=colocated_devices).fits:
             fixes.append(text)
     if not plan_lib.mode_flags(mode).colocated and memory_plan(w, pool, plan_lib.COLOCATED, microbatches, eff).fits:
         fixes.append("--config.runtime.mode=colocated")
     fixes = fixes or [f"more {'train ' if r.role == 'train' else ''}devices, or a smaller rl.micro_batch_size"]
     return (f"runtime.mode={mode!r}: the {r.role} role needs {r.device_bytes / GIB:.1f} GiB per device of "
-            f"{r.capacity / GIB:.1f} GiB usable (launch/simulate.py prints the plan); try {' or '.join(fixes)}")
+            f"{r.capacity / GIB:.1f} GiB usable (launch/simulate.py prints the plan); try {' or '.join(fixes)} "
+            "(runtime.check_memory=False runs anyway)")
 
 
-def memory_plan(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff: Efficiency = Efficiency()) -> MemoryPlan:
-    """The per-device bytes of every role of `mode` at `microbatches` micro-batches per iteration."""
+def memory_plan(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff: Efficiency = Efficiency(), *,
+                colocated_devices: int | None = None) -> MemoryPlan:
+    """The per-device bytes of every role of `mode` at `microbatches` micro-batches per iteration;
+    a colocated mode runs on `colocated_devices` (default: the whole pool)."""
     flags = plan_lib.mode_flags(mode)
     samples = w.samples // microbatches
     if flags.colocated:
-        kind, n = pool.slowest, pool.total
+        kind, n = pool.slowest, colocated_devices or pool.total
         role = _train_role(w, "shared", n, kind.hbm_bytes * eff.usable_hbm, pool, samples, colocated=True)
         return MemoryPlan(mode, (role,))
     r_kind, t_kind = pool.kind("rollout"), pool.kind("train")
