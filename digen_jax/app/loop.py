@@ -31,6 +31,7 @@ from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
 from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
 from digen_jax.app import checkpoints, costs, precision
 from digen_jax.app.validation import validate_config
+from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.executor import Executor, read_figures
 
 
@@ -82,7 +83,13 @@ class Run:
                                       NftConfig(rl.nft_solver, rl.nft_beta, rl.nft_decay))
         else:
             self.trainer = Trainer(self.sampler, frozen, optimizer, loss_cfg)
-        self.state = self.trainer.init_state(trainable)  # the initial state; the executor holds the live one
+        # The initial state, in host memory (the CPU backend); the executor places it on its train
+        # devices' shardings and holds the live one. Built on one accelerator, full fine-tuning's
+        # weights and Adam moments (Qwen-Image-20B: 82 GB in bf16) would not fit it, and the copy
+        # kept there for other modes and resumes would crowd the sharded run.
+        host = mesh_lib.host_device()
+        with jax.default_device(host):
+            self.state = self.trainer.init_state(jax.device_put(trainable, host))
         # Every process saves and restores at the same points; with several, the train role's
         # processes write their own shards (checkpoints.save) into a directory every process reads.
         self.checkpoints = checkpoints.open_manager(workdir, config)
