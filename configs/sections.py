@@ -95,6 +95,24 @@ def nft_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def full_ft_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`c` (a model-zoo config) switched to the peers' full fine-tuning recipe (veRL-Omni's
+    Flow-GRPO on Qwen-Image): every weight trained (no LoRA) and sharded over the train devices
+    (FSDP), no CFG, 512 x 512, 10 steps, lr 3e-5, clip range 1e-5, float32 Adam moments. The
+    model, step selection, reward and batch stay `c`'s; launch/simulate.py prints the memory
+    plan of a pool (Qwen-Image-20B needs more than 4 x 80 GB, docs/known_issues.md)."""
+    c.rl.lora_rank = 0
+    c.rl.learning_rate, c.rl.clip_range = 3e-5, 1e-5
+    c.rl.optimizer_state_dtype = "float32"
+    c.sampling.height = c.sampling.width = 512
+    c.sampling.num_steps = 10
+    c.sampling.cfg_scale = 1.0
+    if "cfg_rescale" in c.sampling:
+        c.sampling.cfg_rescale = False
+    c.sharding = sharding_section(fsdp=True)
+    return c
+
+
 # The usual RL target set, "attention and MLP" of every block, per model family: every q/k/v and
 # output projection of the attentions and both MLP matmuls (FLUX/HunyuanVideo single blocks:
 # proj_mlp and the fused proj_out). Embedders, AdaLN modulation and HunyuanVideo's token
