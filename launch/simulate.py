@@ -142,8 +142,9 @@ def main(argv):
             sizing = simulator.autosize(work, pool, eff=eff)
         except ValueError as e:
             raise app.UsageError(str(e)) from None
-        print(f"\nautosize ({plan_lib.BEST_MODE}): {sizing.runtime_overrides()} -> "
-              f"{sizing.prediction.samples_per_s:.3f} samples/s")
+        speed = f"{sizing.prediction.samples_per_s:.3f} samples/s" if sizing.prediction.fits else \
+            f"no split fits: {sizing.prediction.memory.over().role} role over its memory"
+        print(f"\nautosize ({plan_lib.BEST_MODE}): {sizing.runtime_overrides()} -> {speed}")
         out["autosize"] = {**sizing.runtime_overrides(), "samples_per_s": sizing.prediction.samples_per_s}
     if _JSON.value:
         with open(_JSON.value, "w") as f:

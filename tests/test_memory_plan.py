@@ -105,7 +105,7 @@ def test_zoo_config_memory_plans_are_pinned(name, mode):
 def test_simulator_predicts_no_speed_for_a_mode_that_does_not_fit():
     """Qwen-Image-20B full fine-tuning, float32 moments, on 4 H200s: colocated fits, the
     disaggregated train role of 2 devices does not; autosize keeps to splits that fit (3 train
-    devices); on 4 H100s no split does."""
+    devices); on 4 H100s no split does (the fastest comes back marked)."""
     w = costs.iteration_work(qwen_full_ft(optimizer_state_dtype="float32"))
     pool = Pool.parse("h200:4")
     assert sim.simulate(w, pool, "colocated").fits
@@ -114,8 +114,7 @@ def test_simulator_predicts_no_speed_for_a_mode_that_does_not_fit():
     assert p.as_dict()["fits"] is False
     sizing = sim.autosize(w, pool)
     assert sizing.prediction.fits and (sizing.rollout_devices, sizing.train_devices) == (1, 3)
-    with pytest.raises(ValueError, match="no role split"):
-        sim.autosize(w, Pool.parse("h100:4"))
+    assert not sim.autosize(w, Pool.parse("h100:4")).prediction.fits
 
 
 def _gpus(n, kind="NVIDIA H100 80GB HBM3"):

@@ -141,6 +141,7 @@ def _memory_terms(config, terms: flops.ModelTerms) -> dict:
         cfg_forwards=2 if config.sampling.cfg_scale != 1.0 else 1,
         saved_activation_bytes=saved,
         layer_activation_bytes=layer_outputs,
+        seq_parallel=int(rt.get("seq_parallel", 1)),
     )
 
 

@@ -88,8 +88,11 @@ class Run:
         # weights and Adam moments (Qwen-Image-20B: 82 GB in bf16) would not fit it, and the copy
         # kept there for other modes and resumes would crowd the sharded run.
         host = mesh_lib.host_device()
-        with jax.default_device(host):
-            self.state = self.trainer.init_state(jax.device_put(trainable, host))
+        if host.platform == jax.devices()[0].platform:  # no accelerator: the host is where it is built
+            self.state = self.trainer.init_state(trainable)
+        else:
+            with jax.default_device(host):
+                self.state = self.trainer.init_state(jax.device_put(trainable, host))
         # Every process saves and restores at the same points; with several, the train role's
         # processes write their own shards (checkpoints.save) into a directory every process reads.
         self.checkpoints = checkpoints.open_manager(workdir, config)

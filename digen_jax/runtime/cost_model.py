@@ -277,6 +277,7 @@ class IterationWork:
     cfg_forwards: int = 1  # forwards per rollout step (2 with CFG)
     saved_activation_bytes: float = 0.0  # per training unit: the block inputs kept for the backward pass
     layer_activation_bytes: float = 0.0  # per sample: one block's matmul outputs
+    seq_parallel: int = 1  # runtime.seq_parallel: each sample's tokens (and activations) split over this many devices
 
     @property
     def optimizer_bytes(self) -> int:

@@ -166,14 +166,15 @@ def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool
     fp8 = colocated and w.rollout_precision == "fp8"
     rollout_copy = w.params / shard if fp8 else 0.0  # e4m3: one byte per weight, sharded like the weights
     gathered = 2 * 2 * w.params * pb / max(w.layers, 1) if shard > 1 else 0.0  # one layer and the next, forward and backward
-    units = -(-w.micro_batch_size // n)
+    units = -(-w.micro_batch_size * w.seq_parallel // n) / w.seq_parallel  # a unit's tokens split over a sequence group
     chunks = _chunks_per_update(w)
     # Working sets beyond the resident state, per phase. Training: a chunk's gradients beside the
     # running sum (several chunks per update), its units' activations and the gathered layers.
     train_act = (trainable if chunks > 1 else 0.0) + gathered + \
         units * (w.saved_activation_bytes + TRAIN_LAYER_FACTOR * w.layer_activation_bytes)
     # Sampling (colocated, or trainer-assisted rollouts): no gradients are alive.
-    rollout_act = -(-samples // n) * w.cfg_forwards * ROLLOUT_LAYER_FACTOR * w.layer_activation_bytes + gathered / 2 - gradients
+    rollout_act = _per_device(samples, n, w.seq_parallel) * w.cfg_forwards * ROLLOUT_LAYER_FACTOR * w.layer_activation_bytes \
+        + gathered / 2 - gradients
     # The update: outputs its donated inputs cannot hold, as XLA compiled it for Qwen-Image-20B
     # full fine-tuning on 4 H100s (bf16 weights and moments): two weight-sized trees beyond its
     # inputs, 2.1 GiB of temporaries (benchmarks/results/compiled_memory_qwenimage_full_ft_4xh100.json);
@@ -191,13 +192,18 @@ def _rollout_role(w: IterationWork, n: int, capacity: float, samples: int) -> Ro
     shard = n if w.rollout_sharded else 1
     sampling = w.params * (1 if w.rollout_precision == "fp8" else w.param_bytes) / shard
     moved = w.trainable * w.param_bytes if w.lora else sampling  # what each sync brings while the old copy serves
-    per_device = -(-samples // n)
-    activations = per_device * w.cfg_forwards * ROLLOUT_LAYER_FACTOR * w.layer_activation_bytes
+    activations = _per_device(samples, n, w.seq_parallel) * w.cfg_forwards * ROLLOUT_LAYER_FACTOR * w.layer_activation_bytes
     return RoleMemory(
         role="rollout", devices=n, capacity=capacity, weights=sampling + (w.trainable * w.param_bytes if w.lora else 0.0),
         gradients=0.0, optimizer=0.0, copies=0.0, rollout_copy=0.0, activations=activations,
         sync_buffers=moved, host=0.0, weight_shards=shard,
     )
+
+
+def _per_device(samples: int, devices: int, seq_parallel: int) -> float:
+    """Samples' worth of activations on one device: whole samples spread over the sequence groups,
+    each sample's tokens split over its group's `seq_parallel` devices."""
+    return -(-samples // max(devices // seq_parallel, 1)) / seq_parallel
 
 
 def _chunks_per_update(w: IterationWork) -> int:

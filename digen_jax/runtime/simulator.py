@@ -171,7 +171,8 @@ def autosize(w: IterationWork, pool: Pool, *, mode: str = plan_lib.BEST_MODE, ef
     A homogeneous pool's devices are re-split between rollout and trainer (every split in
     steps of `role_step`); a heterogeneous pool keeps its roles (the kinds decide them). For
     each split every micro-batch count of `microbatch_choices` is simulated, and
-    `plan.choose_split` picks the TAG share and prefetch for it.
+    `plan.choose_split` picks the TAG share and prefetch for it. Splits whose memory plan fits
+    come first; when none does, the fastest is returned with `prediction.fits` False.
     """
     if plan_lib.mode_flags(mode).colocated:
         raise ValueError("autosize searches role sizes of a disaggregated mode; runtime.mode='colocated' has one group")
@@ -186,9 +187,7 @@ def autosize(w: IterationWork, pool: Pool, *, mode: str = plan_lib.BEST_MODE, ef
             p = simulate(w, candidate, mode, eff=eff, max_microbatches=max_microbatches)
         except ValueError:  # e.g. weights that do not fit this role size
             continue
-        if not p.fits:
-            continue
-        if best is None or p.samples_per_s > best[1].samples_per_s * (1 + 1e-9):
+        if best is None or (p.fits, p.samples_per_s) > (best[1].fits, best[1].samples_per_s * (1 + 1e-9)):
             best = (candidate, p)
     if best is None:
         raise ValueError(f"no role split of {pool.describe()} can run {mode}")
