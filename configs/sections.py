@@ -26,6 +26,11 @@ def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_colle
             tag_microbatches=-1,
             prefetch_microbatches=-1,
             staleness=1,  # tcss bound on version lag (0 turns prefetching off)
+            # Keep the optimizer state (Adam moments) in pinned host memory, copied through the train
+            # devices at each update: full fine-tuning of 12-20B models on 80 GB cards (README).
+            offload_optimizer=False,
+            # Refuse a run whose memory plan (launch/simulate.py prints it) does not fit its devices.
+            check_memory=True,
             reward_workers=2,  # host threads scoring micro-batches
             trace=True,  # WORKDIR/trace.json (Chrome trace)
             distributed=False,  # jax.distributed.initialize() (SLURM auto-detection); see launch/slurm/
@@ -87,6 +92,24 @@ def nft_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.rl.ema, c.rl.ema_decay, c.rl.ema_every = True, 0.9, 1
     c.rl.std_mode, c.rl.mean_mode = "global", "group"  # per-prompt mean, global std
     c.sampling.cfg_scale, c.sampling.cfg_rescale = 1.0, False  # CFG-free
+    return c
+
+
+def full_ft_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`c` (a model-zoo config) switched to the peers' full fine-tuning recipe (veRL-Omni's
+    Flow-GRPO on Qwen-Image): every weight trained (no LoRA) and sharded over the train devices
+    (FSDP), no CFG, 512 x 512, 10 steps, lr 3e-5, clip range 1e-5, float32 Adam moments. The
+    model, step selection, reward and batch stay `c`'s; launch/simulate.py prints the memory
+    plan of a pool (Qwen-Image-20B needs more than 4 x 80 GB, docs/known_issues.md)."""
+    c.rl.lora_rank = 0
+    c.rl.learning_rate, c.rl.clip_range = 3e-5, 1e-5
+    c.rl.optimizer_state_dtype = "float32"
+    c.sampling.height = c.sampling.width = 512
+    c.sampling.num_steps = 10
+    c.sampling.cfg_scale = 1.0
+    if "cfg_rescale" in c.sampling:
+        c.sampling.cfg_rescale = False
+    c.sharding = sharding_section(fsdp=True)
     return c
 
 

@@ -108,6 +108,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.max_nonfinite_in_row = 3  # stop after this many skipped updates in a row (>= 1)
     # Skip an update larger than this times the parameters' norm (a diverged step; inf: no bound).
     c.rl.max_update_ratio = 1.0
+    c.rl.optimizer_state_dtype = "param"  # Adam moments: "param" (the weights' dtype) | "float32"
     c.rl.update(algorithm_keys())  # rl.algorithm and the DiffusionNFT keys (configs/sections.py)
 
     c.reward = ml_collections.ConfigDict()

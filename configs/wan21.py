@@ -122,6 +122,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.ema_every = 8
     c.rl.max_nonfinite_in_row = 3
     c.rl.max_update_ratio = 1.0
+    c.rl.optimizer_state_dtype = "param"  # Adam moments: "param" (the weights' dtype) | "float32"
     c.rl.update(algorithm_keys())  # rl.algorithm and the DiffusionNFT keys (configs/sections.py)
 
     c.reward = ml_collections.ConfigDict()

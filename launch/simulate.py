@@ -14,7 +14,10 @@ Pools: KIND:N (an even rollout/train split), KIND:N/rollout=R, or rollout=KIND:N
 (kinds: h100, h100_pcie, h200, h800, a100, l40s). Colocated modes use every device of the pool
 and are shown in both styles: fsdp_sampling (the executor's, as GenRL) and offload (as
 veRL-Omni). Prints a markdown table: samples/s, per device, speedup over disagg_sync, bubble
-fraction per device group, the TAG / prefetch split, micro-batches, MFU and samples per dollar.
+fraction per device group, the TAG / prefetch split, micro-batches, MFU and samples per dollar;
+then the memory plan of every mode (digen_jax/runtime/memory_plan.py: GiB per device of each
+role's weights, gradients, optimizer state, copies, rollout copy, activations and sync buffers).
+A mode whose plan does not fit the pool's device memory gets no predicted speed.
 """
 from __future__ import annotations
 
@@ -76,6 +79,11 @@ def table(predictions: list[simulator.Prediction]) -> str:
     ]
     for p in predictions:
         name = p.mode + (f" ({p.style})" if p.style else "")
+        if not p.fits:
+            r = p.memory.over()
+            lines.append(f"| {name} | does not fit: {r.role} needs {r.device_bytes / cost_model.GIB:.1f} of "
+                         f"{r.capacity / cost_model.GIB:.1f} GiB | - | - | - | - | {p.microbatches} | - | - |")
+            continue
         bubble = ", ".join(f"{g} {f:.0%}" for g, f in p.bubble_frac.items())
         speedup = f"{p.samples_per_s / base:.2f}x" if base else "-"
         mfu = f"{p.mfu:.1%}" if p.mfu is not None else "-"
@@ -125,11 +133,18 @@ def main(argv):
     print(f"Simulated on {pool.describe()} (${pool.dollars_per_hour():.2f}/h), {work.family}, "
           f"{work.samples} samples per iteration, costs from FLOPs x device table x efficiency {eff}.\n")
     print(table(predictions))
+    print("\nMemory plan, GiB per device (runtime/memory_plan.py; activations estimated):")
+    for p in predictions:
+        print(f"\n{p.mode}{f' ({p.style})' if p.style else ''}, {p.microbatches} micro-batches:\n{p.memory.table()}")
     out = {"pool": pool.describe(), "predictions": [p.as_dict() for p in predictions]}
     if _AUTOSIZE.value:
-        sizing = simulator.autosize(work, pool, eff=eff)
-        print(f"\nautosize ({plan_lib.BEST_MODE}): {sizing.runtime_overrides()} -> "
-              f"{sizing.prediction.samples_per_s:.3f} samples/s")
+        try:
+            sizing = simulator.autosize(work, pool, eff=eff)
+        except ValueError as e:
+            raise app.UsageError(str(e)) from None
+        speed = f"{sizing.prediction.samples_per_s:.3f} samples/s" if sizing.prediction.fits else \
+            f"no split fits: {sizing.prediction.memory.over().role} role over its memory"
+        print(f"\nautosize ({plan_lib.BEST_MODE}): {sizing.runtime_overrides()} -> {speed}")
         out["autosize"] = {**sizing.runtime_overrides(), "samples_per_s": sizing.prediction.samples_per_s}
     if _JSON.value:
         with open(_JSON.value, "w") as f:

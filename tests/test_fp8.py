@@ -170,11 +170,24 @@ def test_train_role_samples_in_fp8_only_where_it_is_the_rollout_role(mode):
     trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(lora_scale=None, rollout_precision="fp8"), frozen=None)
     weights = weight_sync.RoleWeights(mesh_lib.build_role_meshes(runtime), tiny.get_config().sharding,
                                       flux.FAMILY.abstract_params(CFG), trainer, merge_for_sampling=False)
-    params = make_params()
+    params = jax.device_put(make_params(), weights.sharding["train"])  # as the trainer holds them (FSDP)
 
     def kernels(tree):
         return {str(path[-1].key) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-    assert fp8.QUANTIZED in kernels(weights.to_rollout(params)[1])
+    moved, sampling = weights.to_rollout(params)
+    assert fp8.QUANTIZED in kernels(sampling)
+    # Full fine-tuning: quantised on the train role, so the tree that crossed is the e4m3 one (no
+    # bf16 kernel on the rollout role), laid out by the rollout rules and equal to quantising there.
+    def count(tree, name):
+        return sum(str(path[-1].key) == name for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+    quantized = count(moved, fp8.QUANTIZED)
+    assert moved is sampling and quantized > 0 and count(moved, "kernel") == count(params, "kernel") - quantized
+    rollout_devices = set(weights.meshes.rollout.devices.flat)
+    assert all(a.sharding.device_set == rollout_devices for a in jax.tree.leaves(moved))
+    there = weights._quantize(jax.device_put(params, weights.sharding["rollout"]))
+    assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+               for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(there)))
     on_train = kernels(weights.on_train(params))
     assert (fp8.QUANTIZED in on_train) == (mode == "colocated")

@@ -116,3 +116,33 @@ def test_bad_arguments():
         make_optimizer(1e-3, max_grad_norm=0.0)
     with pytest.raises(ValueError, match="update_every"):
         ema_update({}, {}, 0, update_every=0)
+
+
+def test_float32_optimizer_state_for_bf16_weights():
+    """`rl.optimizer_state_dtype`: 'param' keeps bf16 moments for bf16 weights; 'float32' keeps
+    float32 moments and runs the update in float32: for bf16 weights its update is the float32
+    reference's (the same AdamW on float32 copies) rounded once to bf16, unlike the bf16 one."""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(64,)), jnp.bfloat16)}
+    grads_seq = [{"w": jnp.asarray(rng.normal(size=(64,)) * 1e-3, jnp.bfloat16)} for _ in range(3)]
+    moments = lambda tx: [x for x in jax.tree.leaves(tx.init(params)) if x.ndim]  # noqa: E731
+    assert {x.dtype for x in moments(make_optimizer(1e-2))} == {np.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in moments(make_optimizer(1e-2, state_dtype="float32"))} == {np.dtype(np.float32)}
+
+    def updates(tx, p, cast):
+        state, out = tx.init(p), []
+        for g in grads_seq:
+            u, state = tx.update(jax.tree.map(cast, g), state, p)
+            out.append(u["w"])
+        return out
+
+    f32 = updates(make_optimizer(1e-2, state_dtype="float32"), params, lambda g: g)
+    ref = updates(make_optimizer(1e-2), jax.tree.map(lambda x: x.astype(jnp.float32), params),
+                  lambda g: g.astype(jnp.float32))
+    bf16 = updates(make_optimizer(1e-2), params, lambda g: g)
+    assert all(u.dtype == jnp.bfloat16 for u in f32)
+    for got, want in zip(f32, ref):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(bf16, f32))
+    with pytest.raises(ValueError, match="rl.optimizer_state_dtype"):
+        make_optimizer(1e-3, state_dtype="float16")

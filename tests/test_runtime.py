@@ -223,6 +223,30 @@ def test_pipelined_modes_make_the_same_update_as_disagg_sync(runs):
         assert _max_diff(runs[mode]["after_first"], reference) < 1e-5 * max(moved, 1.0), mode
 
 
+@pytest.mark.parametrize("mode", plan_lib.MODES)
+def test_offloaded_optimizer_state_gives_the_same_numbers(runs, cache_dir, tmp_path, mode):
+    """Full fine-tuning with FSDP train rules and `runtime.offload_optimizer`: the Adam moments
+    live in pinned host memory between updates, sharded like their weights, and every mode's
+    weights and optimizer state after two iterations are bit-equal to keeping them on the
+    devices (the same `Run`, so the same initial weights and compiled steps)."""
+    config = runtime_config(cache_dir, mode, offload_optimizer=True)
+    assert config.rl.lora_rank == 0 and mesh_lib.shards_weights(config.sharding.train_rules)
+    executor = Executor(runs["run"], config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    for k in range(ITERATIONS):
+        executor.iteration(k)
+    executor.close()
+    moments = [a for a in jax.tree.leaves(executor.state.opt_state) if a.ndim]
+    assert moments and {a.sharding.memory_kind for a in jax.tree.leaves(executor.state.opt_state)} == {mesh_lib.HOST_MEMORY}
+    weights = jax.tree.leaves(executor.state.trainable)
+    assert [a.sharding.spec for a in moments] == [w.sharding.spec for w in weights] * 2  # mu, nu: like the weights
+    assert {a.sharding.memory_kind for a in jax.tree.leaves(executor.state.trainable)} == {"device"}
+    on_device = runs[mode]["executor"].state
+    got, want = jax.device_get((executor.state.trainable, executor.state.opt_state)), \
+        jax.device_get((on_device.trainable, on_device.opt_state))
+    assert _max_diff(got[0], runs["initial"]) > 0
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
 def test_grpo_guard_trains_in_colocated_and_disaggregated_modes(runs, cache_dir, tmp_path):
     """`rl.policy_loss='grpo_guard'` through both ways of cutting gradient micro-batches: colocated
     (units of several steps in one micro-batch) and gap (one trained step per micro-batch). Its

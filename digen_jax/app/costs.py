@@ -9,16 +9,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from digen_jax import flops
 from digen_jax.app import families
+from digen_jax.app.errors import ConfigError
 from digen_jax.app.workload import is_shapes
 from digen_jax.models import FAMILIES
 from digen_jax.rl.timesteps import plan_steps
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime import simulator
+from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.cost_model import IterationWork, Pool, local_kind
+from digen_jax.runtime.memory_plan import MemoryPlan
+from digen_jax.runtime.memory_plan import advice as memory_advice
+from digen_jax.runtime.memory_plan import memory_plan as plan_memory
 
 
 def sample_flops(config, model_cfg) -> dict[str, int] | None:
@@ -90,7 +96,82 @@ def iteration_work(config) -> IterationWork:
         updates=rl.num_updates_per_batch,
         unit_forwards=1 + int(_is_nft(rl)) + int(rl.kl_beta > 0),
         rollout_precision=config.model.get("rollout_precision", "bf16"),
+        **_memory_terms(config, terms),
     )
+
+
+def _dtype_bytes(name: str) -> int:
+    return int(np.dtype(jnp.dtype(name)).itemsize)
+
+
+def _memory_terms(config, terms: flops.ModelTerms) -> dict:
+    """The `IterationWork` fields the memory plan reads: dtypes, layouts, copies and activation sizes.
+
+    Activations per sample, from the matmul terms of one forward: a block stack's residual stream
+    is its token rows (each stream's distinct row count) x the model width (the output
+    projection's fan-in); with remat 'full' training keeps it once per block, otherwise every
+    matmul output of every block; one block's working set is the sum of its matmul outputs.
+    """
+    rl, rt, model = config.rl, config.runtime, config.model
+    act = _dtype_bytes(model.dtype)
+    width = next(m.fan_in for m in terms.matmuls if m.stack == "out")
+    stacks = [s for s in terms.stacks if s != "out"]
+    layers, saved, layer_outputs = 0, 0.0, 0.0
+    for stack in stacks:
+        ms = [m for m in terms.matmuls if m.stack == stack]
+        depth = max(m.layers for m in ms)
+        outputs = sum(m.rows * m.fan_out for m in ms) * act
+        residual = sum({m.rows for m in ms if m.reads == "trunk"}) * width * act
+        layers += depth
+        saved += depth * (residual if model.remat_policy == "full" else outputs)
+        layer_outputs = max(layer_outputs, outputs)
+    state_dtype = rl.get("optimizer_state_dtype", "param")
+    sharding = config.sharding
+    return dict(
+        param_bytes=_dtype_bytes(model.param_dtype),
+        optimizer_state_bytes=4 if state_dtype == "float32" else 0,
+        offload_optimizer=bool(rt.get("offload_optimizer", False)),
+        train_sharded=mesh_lib.shards_weights(tuple(sharding.train_rules)),
+        rollout_sharded=mesh_lib.shards_weights(tuple(sharding.rollout_rules)),
+        ema=bool(rl.ema),
+        kl_reference=rl.kl_beta > 0,
+        old_policy=_is_nft(rl),
+        layers=layers,
+        micro_batch_size=rl.micro_batch_size,
+        cfg_forwards=2 if config.sampling.cfg_scale != 1.0 else 1,
+        saved_activation_bytes=saved,
+        layer_activation_bytes=layer_outputs,
+        seq_parallel=int(rt.get("seq_parallel", 1)),
+    )
+
+
+def memory_plan(config, pool: Pool, mode: str | None = None) -> MemoryPlan:
+    """The memory plan (`runtime.memory_plan`) of `config` in `mode` (default `runtime.mode`) on `pool`."""
+    mode = mode or config.runtime.mode
+    return plan_memory(iteration_work(config), pool, mode, config.runtime.micro_batches)
+
+
+def check_fits(config, devices: Sequence[Any], mode: str | None = None) -> None:
+    """Refuse (ConfigError, one line) a config whose memory plan in `mode` (default `runtime.mode`)
+    does not fit `devices` (a run's devices), before any compute. Not checked: CPU devices, kinds
+    the device table lacks, the shapes task, and `runtime.check_memory=False`."""
+    rt = config.runtime
+    if is_shapes(config) or not rt.get("check_memory", True) or devices[0].platform == "cpu":
+        return
+    try:
+        kind = local_kind(devices[0].device_kind)
+    except ValueError:
+        return
+    mode = mode or rt.mode
+    n = len(devices)
+    if plan_lib.mode_flags(mode).colocated:
+        pool, colocated = Pool(kind, 1, kind, 1), rt.train_devices or n
+    else:
+        rollout = rt.rollout_devices or (n - rt.reward_devices) // 2
+        pool, colocated = Pool(kind, rollout, kind, rt.train_devices or (n - rt.reward_devices - rollout)), None
+    line = memory_advice(iteration_work(config), pool, mode, rt.micro_batches, colocated_devices=colocated)
+    if line:
+        raise ConfigError(line)
 
 
 def _is_nft(rl) -> bool:

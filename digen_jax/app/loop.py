@@ -29,8 +29,9 @@ from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning
 from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
 from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
-from digen_jax.app import checkpoints, precision
+from digen_jax.app import checkpoints, costs, precision
 from digen_jax.app.validation import validate_config
+from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.executor import Executor, read_figures
 
 
@@ -41,6 +42,7 @@ class Run:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print):
         validate_config(config)
+        costs.check_fits(config, jax.devices())  # a run that cannot fit its devices: one line, before any compute
         self.config, self.workdir, self.log = config, workdir, log
         os.makedirs(workdir, exist_ok=True)
         rl = config.rl
@@ -50,7 +52,8 @@ class Run:
         self.latent_shape = self.workload.latent_shape
         base = self.workload.base_params
         optimizer = optim.make_optimizer(
-            rl.learning_rate, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm
+            rl.learning_rate, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm,
+            state_dtype=rl.get("optimizer_state_dtype", "param"),
         )
         if rl.lora_rank:
             trainable = lora.init_lora(base, rank=rl.lora_rank, target_patterns=list(rl.lora_targets), key=jax.random.key(config.seed + 1))
@@ -80,7 +83,16 @@ class Run:
                                       NftConfig(rl.nft_solver, rl.nft_beta, rl.nft_decay))
         else:
             self.trainer = Trainer(self.sampler, frozen, optimizer, loss_cfg)
-        self.state = self.trainer.init_state(trainable)  # the initial state; the executor holds the live one
+        # The initial state, in host memory (the CPU backend); the executor places it on its train
+        # devices' shardings and holds the live one. Built on one accelerator, full fine-tuning's
+        # weights and Adam moments (Qwen-Image-20B: 82 GB in bf16) would not fit it, and the copy
+        # kept there for other modes and resumes would crowd the sharded run.
+        host = mesh_lib.host_device()
+        if host.platform == jax.devices()[0].platform:  # no accelerator: the host is where it is built
+            self.state = self.trainer.init_state(trainable)
+        else:
+            with jax.default_device(host):
+                self.state = self.trainer.init_state(jax.device_put(trainable, host))
         # Every process saves and restores at the same points; with several, the train role's
         # processes write their own shards (checkpoints.save) into a directory every process reads.
         self.checkpoints = checkpoints.open_manager(workdir, config)

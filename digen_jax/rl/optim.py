@@ -14,6 +14,11 @@ import optax
 
 PyTree = Any
 
+# `rl.optimizer_state_dtype`: the Adam moments in the trained weights' own dtype ('param': bf16 for
+# bf16 weights, 2 x 2 bytes per weight) or in float32 (2 x 4 bytes), as the references' torch
+# AdamW keeps them for float32 masters.
+OPTIMIZER_STATE_DTYPES = ("param", "float32")
+
 
 def make_optimizer(
     learning_rate: float | optax.Schedule,
@@ -23,6 +28,7 @@ def make_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
     max_grad_norm: float | None = 1.0,
+    state_dtype: str = "param",
 ) -> optax.GradientTransformation:
     """``clip_by_global_norm(max_grad_norm)`` then ``adamw(lr, b1, b2, eps, weight_decay)``.
 
@@ -32,13 +38,33 @@ def make_optimizer(
     decoupled decay of torch.optim.AdamW, which the references use (Flow-GRPO: lr 3e-4 on LoRA,
     DanceGRPO: 1e-5 full fine-tune, both 0.9/0.999, eps 1e-8, wd 1e-4). torch's clip divides by
     ``||g|| + 1e-6`` instead of ``||g||``: a relative difference below 1e-6 at the clip boundary.
+
+    ``state_dtype`` (`OPTIMIZER_STATE_DTYPES`): 'param' keeps both moments in each weight's dtype;
+    'float32' keeps them in float32 and runs the whole update (clip, moments, decay) in float32,
+    casting only the final update to the weight's dtype.
     """
     if max_grad_norm is not None and max_grad_norm <= 0:
         raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+    if state_dtype not in OPTIMIZER_STATE_DTYPES:
+        raise ValueError(f"rl.optimizer_state_dtype must be one of {OPTIMIZER_STATE_DTYPES}, got {state_dtype!r}")
     adamw = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-    if max_grad_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+    tx = adamw if max_grad_norm is None else optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+    return tx if state_dtype == "param" else in_float32(tx)
+
+
+def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` run on float32 views of the gradients and weights: its state is float32 whatever
+    the weights' dtype, and its updates are cast back to each weight's dtype."""
+    up = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
+
+    def init(params):
+        return inner.init(up(params))
+
+    def update(grads, state, params=None):
+        updates, state = inner.update(up(grads), state, None if params is None else up(params))
+        return jax.tree.map(lambda u, g: u.astype(g.dtype), updates, grads), state
+
+    return optax.GradientTransformation(init, update)
 
 
 def ema_decay(step: jax.Array | int, *, max_decay: float = 0.9) -> jax.Array:

@@ -40,6 +40,11 @@ from digen_jax.rl import losses, lora, optim
 from digen_jax.rl.rollout import Conditioning, Sampler, Trajectory, kl_divisor
 
 
+def mesh_on_device(sharding: Any) -> Any:
+    """`sharding` (a tree of shardings) with every leaf in device memory."""
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), sharding)
+
+
 @flax.struct.dataclass
 class TrainUnits:
     """A flat batch of training units (leading axis U)."""
@@ -184,6 +189,7 @@ class Trainer:
         self._log_prob_jit = jax.jit(self._log_prob)
         self._merged = jax.jit(lambda trainable, frozen: self._params_for(trainable, frozen, "merged"))
         self.accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=(0,))
+        self._opt_on_device = None  # device shardings of an offloaded optimizer state (pin_state_sharding)
         self.apply_update = jax.jit(self._apply_update, donate_argnums=(0,))
 
     def rollout(self, params, cond: Conditioning, sample_keys: jax.Array, noise_levels, latent_shape, version) -> Trajectory:
@@ -207,6 +213,8 @@ class Trainer:
         compiled programs (and the same reduction order) as the live one; and gradients the
         trainable weights' own sharding: with sharded weights (FSDP) each device then reduces
         and keeps only its shard of every gradient instead of whole gradients."""
+        host = {s.memory_kind for s in jax.tree.leaves(state_sharding.opt_state)} - {"device", None}
+        self._opt_on_device = mesh_on_device(state_sharding.opt_state) if host else None
         self.apply_update = jax.jit(self._apply_update, donate_argnums=(0,), out_shardings=(state_sharding, None))
         value_and_grad = jax.value_and_grad(self._loss, has_aux=True)
 
@@ -332,6 +340,11 @@ class Trainer:
         )
 
     def _apply_update(self, state: TrainState, grad_sum, count, rewards_finite, end_of_batch):
+        if self._opt_on_device is not None:
+            # Offloaded optimizer state: copied onto the devices inside this program (XLA overlaps
+            # the copies with the update) and its new value written back to host memory by the
+            # program's output shardings; the arithmetic is the same as for state kept on devices.
+            state = state.replace(opt_state=jax.device_put(state.opt_state, self._opt_on_device))
         grads = jax.tree.map(lambda g: g / count, grad_sum)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.trainable)

@@ -264,6 +264,24 @@ class IterationWork:
     # `Efficiency.fp8_rollout_speedup` times faster from weights of one byte; the train role's own
     # rollouts (trainer-assisted generation) stay in the training precision
     rollout_precision: str = "bf16"
+    # What the memory plan (runtime/memory_plan.py) reads besides the sizes above.
+    optimizer_state_bytes: int = 0  # bytes per Adam moment element; 0: param_bytes ('param')
+    offload_optimizer: bool = False  # runtime.offload_optimizer: the moments in host memory
+    train_sharded: bool = True  # the train rules shard the weights (FSDP)
+    rollout_sharded: bool = False  # the rollout rules shard the weights
+    ema: bool = False  # an EMA copy of the trainable weights
+    kl_reference: bool = False  # rl.kl_beta > 0: a frozen reference copy (full fine-tuning)
+    old_policy: bool = False  # DiffusionNFT's old-policy copy of the trainable weights
+    layers: int = 1  # transformer blocks (the FSDP gathers move one at a time)
+    micro_batch_size: int = 1  # training units per gradient chunk (rl.micro_batch_size)
+    cfg_forwards: int = 1  # forwards per rollout step (2 with CFG)
+    saved_activation_bytes: float = 0.0  # per training unit: the block inputs kept for the backward pass
+    layer_activation_bytes: float = 0.0  # per sample: one block's matmul outputs
+    seq_parallel: int = 1  # runtime.seq_parallel: each sample's tokens (and activations) split over this many devices
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.optimizer_state_bytes or self.param_bytes
 
     @property
     def lora(self) -> bool:

@@ -208,7 +208,8 @@ class Executor:
     def _place_weights(self) -> None:
         job = self.job
         self.weights = RoleWeights(self.meshes, self.config.sharding, job.abstract_params, job.trainer,
-                                   merge_for_sampling=self.config.rl.lora_merge_for_sampling)
+                                   merge_for_sampling=self.config.rl.lora_merge_for_sampling,
+                                   offload_optimizer=bool(self.config.runtime.get("offload_optimizer", False)))
         self.state_sharding = self.weights.state_sharding(job.state)
         job.trainer.pin_state_sharding(self.state_sharding)
         self.state = self.weights.fresh_state(job.state, self.state_sharding)

@@ -195,6 +195,11 @@ def like_params(tree: Any, params_sharding: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(pick, tree)
 
 
+# Memory kind of state kept off the devices (`runtime.offload_optimizer`): page-locked host memory,
+# which devices copy from by DMA; the CPU backend has it too (jax 0.10 and later).
+HOST_MEMORY = "pinned_host"
+
+
 def optimizer_state_shardings(optimizer: optax.GradientTransformation, trainable: Any, trainable_sharding: Any, mesh: Mesh) -> Any:
     """Optimizer-state shardings: per-parameter statistics sharded like their parameter."""
     abstract = jax.eval_shape(optimizer.init, trainable)

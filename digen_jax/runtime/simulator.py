@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.cost_model import Efficiency, IterationWork, Pool, model_costs
+from digen_jax.runtime.memory_plan import MemoryPlan, memory_plan
 
 
 # ---------------------------------------------------------------------------------------- simulate
@@ -42,6 +43,12 @@ class Prediction:
     timeline: list[dict]
     mfu: float | None = None
     dollars_per_hour: float | None = None
+    memory: MemoryPlan | None = None  # bytes per device of every role (cost-model predictions)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every role fits its devices' memory (a speed is predicted only for those)."""
+        return self.memory is None or self.memory.fits
 
     @property
     def samples_per_s_per_device(self) -> float:
@@ -52,8 +59,11 @@ class Prediction:
         return None if not self.dollars_per_hour else self.samples_per_s * 3600 / self.dollars_per_hour
 
     def as_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("costs", "timeline")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("costs", "timeline", "memory")}
         d["costs"] = dataclasses.asdict(self.costs)
+        d["fits"] = self.fits
+        if self.memory is not None:
+            d["memory"] = [r.as_dict() for r in self.memory.roles]
         d["samples_per_s_per_device"] = self.samples_per_s_per_device
         d["samples_per_dollar"] = self.samples_per_dollar
         return d
@@ -103,8 +113,10 @@ def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | Non
     """Predict `mode` of the iteration work `w` on `pool`.
 
     `microbatches`: fixed, or None for the best of `microbatch_choices` (each mode at its own
-    best pipeline depth). Returns a `Prediction` (samples/s, per device, bubble fraction per
-    device group, MFU against the datasheet peaks, $/hour, the timed iteration's timeline).
+    best pipeline depth) among those whose memory plan fits. Returns a `Prediction` (samples/s,
+    per device, bubble fraction per device group, MFU against the datasheet peaks, $/hour, the
+    timed iteration's timeline, the memory plan); when no choice fits, `Prediction.fits` is
+    False and its speed is no prediction.
     """
     flags = plan_lib.mode_flags(mode)
     # Colocated runs make the config's `rl.num_updates_per_batch` updates per iteration; the
@@ -123,7 +135,8 @@ def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | Non
         p = predict(mode, costs, batch=w.samples, microbatches=m, devices=pool.total, updates=updates,
                     style=style, flops_per_sample=w.flops_per_sample, peak_flops=peak,
                     dollars_per_hour=pool.dollars_per_hour())
-        if best is None or p.samples_per_s > best.samples_per_s * (1 + 1e-9):
+        p = dataclasses.replace(p, memory=memory_plan(w, pool, mode, m, eff))
+        if best is None or (p.fits, p.samples_per_s) > (best.fits, best.samples_per_s * (1 + 1e-9)):
             best = p
     return best
 
@@ -158,7 +171,8 @@ def autosize(w: IterationWork, pool: Pool, *, mode: str = plan_lib.BEST_MODE, ef
     A homogeneous pool's devices are re-split between rollout and trainer (every split in
     steps of `role_step`); a heterogeneous pool keeps its roles (the kinds decide them). For
     each split every micro-batch count of `microbatch_choices` is simulated, and
-    `plan.choose_split` picks the TAG share and prefetch for it.
+    `plan.choose_split` picks the TAG share and prefetch for it. Splits whose memory plan fits
+    come first; when none does, the fastest is returned with `prediction.fits` False.
     """
     if plan_lib.mode_flags(mode).colocated:
         raise ValueError("autosize searches role sizes of a disaggregated mode; runtime.mode='colocated' has one group")
@@ -173,7 +187,7 @@ def autosize(w: IterationWork, pool: Pool, *, mode: str = plan_lib.BEST_MODE, ef
             p = simulate(w, candidate, mode, eff=eff, max_microbatches=max_microbatches)
         except ValueError:  # e.g. weights that do not fit this role size
             continue
-        if best is None or p.samples_per_s > best[1].samples_per_s * (1 + 1e-9):
+        if best is None or (p.fits, p.samples_per_s) > (best[1].fits, best[1].samples_per_s * (1 + 1e-9)):
             best = (candidate, p)
     if best is None:
         raise ValueError(f"no role split of {pool.describe()} can run {mode}")

@@ -11,7 +11,8 @@ FP8 rollouts (`model.rollout_precision='fp8'`; numerics in `models/fp8.py`, the 
 LoRA the frozen base is quantised once where it is placed (on the rollout role; colocated, once
 beside the train role's copy, which training keeps using) and the adapters stay in their dtype,
 applied factored on top (the config validation rejects merging them); full fine-tuning
-quantises the trainable weights each time sampling weights are made from them (every sync).
+quantises the trainable weights each time sampling weights are made from them: at every sync on
+the train role, before they cross, so only the e4m3 tree moves.
 The train role's own rollouts of a disaggregated run (trainer-assisted generation) stay in the
 training precision (`WeightSync.on_train`).
 
@@ -28,7 +29,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec
 
+from digen_jax.models import fp8 as fp8_lib
 from digen_jax.rl import fp8_weights, lora
 from digen_jax.rl.trainer import Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
@@ -39,10 +43,12 @@ class RoleWeights:
     """The weights of every role of one run, and the sync that carries a version to rollout."""
 
     def __init__(self, meshes: mesh_lib.RoleMeshes, rules, abstract_params: Any, trainer: Trainer,
-                 merge_for_sampling: bool):
+                 merge_for_sampling: bool, offload_optimizer: bool = False):
         """`abstract_params`: the model's boxed abstract parameters (their logical axes name the
-        shardings); `rules`: the config's `sharding` section."""
+        shardings); `rules`: the config's `sharding` section; `offload_optimizer`
+        (`runtime.offload_optimizer`): the optimizer state lives in pinned host memory."""
         self.meshes, self.trainer = meshes, trainer
+        self.offload_optimizer = offload_optimizer
         self.merge_for_sampling = merge_for_sampling
         self.lora_scale = trainer.cfg.lora_scale
         self.rules = {"train": tuple(rules.train_rules), "rollout": tuple(rules.rollout_rules)}
@@ -53,6 +59,8 @@ class RoleWeights:
         if trainer.cfg.rollout_precision == "fp8":
             paths = fp8_weights.quantized_kernel_paths(abstract_params)
             self._quantize = jax.jit(lambda params: fp8_weights.quantize_params(params, paths))
+            self._fp8_paths = paths
+        self._fp8_sharding = None  # `_fp8_rollout_sharding`, made once
         self._frozen_fp8_on_train = None  # colocated FP8 LoRA sampling: the frozen base quantised once
         self.frozen_on_rollout = None
         self.decoders: dict[str, Any] = {}
@@ -65,13 +73,18 @@ class RoleWeights:
         return mesh_lib.model_mesh(self.meshes.for_group(group), self.rules["rollout" if group == "rollout" else "train"])
 
     def state_sharding(self, state: TrainState) -> TrainState:
-        """Shardings of a train state laid out like `state` on the train mesh."""
+        """Shardings of a train state laid out like `state` on the train mesh; with
+        `offload_optimizer` the optimizer state's in pinned host memory, sharded alike (the
+        trainer's update streams it through the devices, `Trainer.pin_state_sharding`)."""
         train_mesh = self.meshes.train
         trainable_sh = mesh_lib.like_params(state.trainable, self.sharding["train"], train_mesh)
+        opt_sh = mesh_lib.optimizer_state_shardings(self.trainer.optimizer, state.trainable, trainable_sh, train_mesh)
+        if self.offload_optimizer:
+            opt_sh = jax.tree.map(lambda s: s.with_memory_kind(mesh_lib.HOST_MEMORY), opt_sh)
         return TrainState(
             version=mesh_lib.replicated(train_mesh),
             trainable=trainable_sh,
-            opt_state=mesh_lib.optimizer_state_shardings(self.trainer.optimizer, state.trainable, trainable_sh, train_mesh),
+            opt_state=opt_sh,
             ema=None if state.ema is None else trainable_sh,
             nonfinite_streak=mesh_lib.replicated(train_mesh),
             old=None if state.old is None else trainable_sh,
@@ -129,11 +142,32 @@ class RoleWeights:
     def to_rollout(self, trainable):
         """`trainable` (on the train role) moved to the rollout role: the tree that moved (only
         adapters with LoRA) and the sampling weights made from it there."""
+        if self.lora_scale is None and self._quantize is not None:
+            # Full fine-tuning with FP8 rollouts: quantised where the trainer holds the weights
+            # (sharded), so only the e4m3 tree crosses and the rollout role never holds a bf16
+            # copy beside its FP8 one. Per-channel maxima are exact, so the result equals
+            # quantising on the rollout role.
+            moved = transfer(self._quantize(trainable), self._fp8_rollout_sharding(trainable))
+            return moved, moved
         if self.lora_scale is None:
             moved = transfer(trainable, self.sharding["rollout"])
         else:
             moved = transfer(trainable, mesh_lib.replicated(self.meshes.rollout))
         return moved, self.for_sampling(moved, self.frozen_on_rollout)
+
+    def _fp8_rollout_sharding(self, trainable):
+        """Rollout-role shardings of the quantised tree of `trainable`: each e4m3 kernel like its
+        kernel, each per-output-channel scale like the kernel without its input axis."""
+        if self._fp8_sharding is None:
+            flat = traverse_util.flatten_dict(self.sharding["rollout"], sep="/")
+            shapes = traverse_util.flatten_dict(trainable, sep="/")
+            for path in self._fp8_paths:
+                prefix, sharding = path[: -len("kernel")], flat.pop(path)
+                spec = tuple(sharding.spec) + (None,) * (shapes[path].ndim - len(sharding.spec))
+                flat[prefix + fp8_lib.QUANTIZED] = sharding
+                flat[prefix + fp8_lib.SCALE] = NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], spec[-1]))
+            self._fp8_sharding = traverse_util.unflatten_dict(flat, sep="/")
+        return self._fp8_sharding
 
     def sync(self, trainable, version: int):
         """Carry `version` (the trainable tree rollouts sample with, `Trainer.rollout_weights`) to the

@@ -31,7 +31,7 @@ import numpy as np
 from digen_jax.app import loop
 from digen_jax.app.bench import provenance
 from digen_jax.app.bench.peaks import datasheet_peak, matmul_size_for, measure_matmul_peak
-from digen_jax.app.costs import sample_flops
+from digen_jax.app.costs import check_fits, sample_flops
 from digen_jax.app.errors import ConfigError
 from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
 from digen_jax.runtime import plan as plan_lib
@@ -114,6 +114,8 @@ def check_arguments(config, modes: Sequence[str], *, warmups: int, iterations: i
                           "rl.algorithm='nft' (no log-prob ratio)")
     if warmups < 0 or iterations < 1:
         raise ConfigError(f"--warmup_iterations must be >= 0 and --iterations >= 1, got {warmups}, {iterations}")
+    for mode in modes:  # every mode's memory plan fits the devices (runtime.check_memory=False skips it)
+        check_fits(config, jax.devices(), mode)
 
 
 def run_modes(
@@ -198,6 +200,9 @@ def run_modes(
             "micro_batches": mode_config.runtime.micro_batches,
             "warmup_iterations": warmup,
             "onpolicy_anchor": mode_config.rl.onpolicy_anchor,
+            # Peak bytes each local device held since the process started (the allocator's figure;
+            # it includes earlier modes), beside the memory plan's prediction.
+            "peak_bytes_in_use": [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()],
             **(_nft_figures(metrics) if algorithm == "nft" else _ratio_figures(metrics)),
         }
         costs = executor.measured_costs()

@@ -1,0 +1,211 @@
+"""The memory plan: bytes per device of every role of a mode, stated before any compute.
+
+For an iteration's work (`cost_model.IterationWork`) on a pool (`cost_model.Pool`), each role
+(colocated: 'shared'; disaggregated: 'rollout' and 'train') holds, per device:
+
+* weights: what it trains (sharded over the role when the train rules shard weights, FSDP),
+  and with LoRA the frozen base beside the adapters; the rollout role its sampling copy (bf16, or
+  e4m3 with `model.rollout_precision='fp8'`), replicated unless the rollout rules shard it;
+* gradients: the running sum of an update's gradients, sharded like the trainable weights;
+* optimizer: AdamW's two moments per trainable weight in `rl.optimizer_state_dtype`, on the
+  devices or, with `runtime.offload_optimizer`, in host memory between updates (`host` bytes);
+  the update program still brings them through the devices, so the update phase counts them;
+* copies: the frozen reference of full fine-tuning with `rl.kl_beta > 0`, the EMA, DiffusionNFT's
+  old policy, each sharded like the trainable weights;
+* rollout copy: the colocated FP8 quantised copy of the weights sampling reads;
+* activations (an estimate): the working set of the largest phase beyond the state above, per
+  device: training keeps each unit's block inputs (remat 'full') and one block's outputs while
+  it is recomputed, the FSDP gathers of one layer's weights (and the next one's, prefetched),
+  and a chunk's gradients beside their running sum; sampling keeps one block's outputs per
+  sample and CFG branch (no gradients are alive then); the update holds two weight-sized trees
+  beyond its donated inputs (what XLA allocated on 4 H100s) and offloaded moments brought onto
+  the devices;
+* sync buffers: the rollout role receives each new version while its rollouts still read the
+  old one (one-step-stale rollouts overlap the sync), so it holds a second copy of its weights
+  (adapters only with LoRA).
+
+A role fits when its device bytes are at most `Efficiency.usable_hbm` of the device's memory
+(the rest: XLA's workspace, fragmentation, the VAE decoder). The simulator predicts no speed for
+a mode that does not fit; the launchers refuse it with the line `advice` gives.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime.cost_model import GIB, Efficiency, IterationWork, Pool
+
+# The rollout's recompute factor of one block: its matmul outputs, and the inputs and outputs of
+# the elementwise work between them, live at once.
+ROLLOUT_LAYER_FACTOR = 2
+# Training recomputes one block (remat 'full') and differentiates it: its outputs, their
+# gradients and the float32 attention statistics and norms between them.
+TRAIN_LAYER_FACTOR = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMemory:
+    """Bytes per device of one role (see the module docstring for each field)."""
+
+    role: str
+    devices: int
+    capacity: float  # usable bytes of one device (Efficiency.usable_hbm x its memory)
+    weights: float
+    gradients: float
+    optimizer: float
+    copies: float
+    rollout_copy: float
+    activations: float
+    sync_buffers: float
+    host: float  # optimizer state kept in host memory, per device
+    weight_shards: int = 1  # devices one copy of the weights is split over
+
+    FIELDS = ("weights", "gradients", "optimizer", "copies", "rollout_copy", "activations", "sync_buffers")
+
+    @property
+    def device_bytes(self) -> float:
+        return sum(getattr(self, f) for f in self.FIELDS)
+
+    @property
+    def fits(self) -> bool:
+        return self.device_bytes <= self.capacity
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d.update(device_bytes=self.device_bytes, fits=self.fits)
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    mode: str
+    roles: tuple[RoleMemory, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.roles)
+
+    def role(self, name: str) -> RoleMemory:
+        return next(r for r in self.roles if r.role == name)
+
+    def table(self) -> str:
+        """A markdown table: GiB per device of every role and field."""
+        head = "| role | devices | " + " | ".join(f.replace("_", " ") for f in RoleMemory.FIELDS) + \
+            " | total | usable | host | fits |"
+        lines = [head, "|---|---:|" + "---:|" * (len(RoleMemory.FIELDS) + 3) + "---|"]
+        for r in self.roles:
+            cells = " | ".join(f"{getattr(r, f) / GIB:.1f}" for f in RoleMemory.FIELDS)
+            lines.append(f"| {r.role} | {r.devices} | {cells} | {r.device_bytes / GIB:.1f} | {r.capacity / GIB:.1f} | "
+                         f"{r.host / GIB:.1f} | {'yes' if r.fits else 'NO'} |")
+        return "\n".join(lines)
+
+    def over(self) -> RoleMemory | None:
+        """The first role over its usable memory, or None."""
+        return next((r for r in self.roles if not r.fits), None)
+
+
+def advice(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff: Efficiency = Efficiency(), *,
+           colocated_devices: int | None = None) -> str | None:
+    """None when `mode`'s plan fits `pool`, else one line: the role over its memory and the config
+    changes whose plans fit (each tried alone), or that more devices are needed."""
+    plan = memory_plan(w, pool, mode, microbatches, eff, colocated_devices=colocated_devices)
+    r = plan.over()
+    if r is None:
+        return None
+    fixes = []
+    candidates = [
+        ("--config.runtime.offload_optimizer=True", dict(offload_optimizer=True)),
+        ("FSDP train rules (--config.sharding.train_rules=\"(('activation_batch','data'),('embed','data'))\")",
+         dict(train_sharded=True)),
+        ("--config.model.rollout_precision=fp8", dict(rollout_precision="fp8")),
+        ("--config.rl.optimizer_state_dtype=param", dict(optimizer_state_bytes=0)),
+    ]
+    for text, change in candidates:
+        if all(getattr(w, k) == v for k, v in change.items()):
+            continue
+        if memory_plan(dataclasses.replace(w, **change), pool, mode, microbatches, eff,
+                       colocated_devices=colocated_devices).fits:
+            fixes.append(text)
+    if not plan_lib.mode_flags(mode).colocated and memory_plan(w, pool, plan_lib.COLOCATED, microbatches, eff).fits:
+        fixes.append("--config.runtime.mode=colocated")
+    fixes = fixes or [f"more {'train ' if r.role == 'train' else ''}devices, or a smaller rl.micro_batch_size"]
+    return (f"runtime.mode={mode!r}: the {r.role} role needs {r.device_bytes / GIB:.1f} GiB per device of "
+            f"{r.capacity / GIB:.1f} GiB usable (launch/simulate.py prints the plan); try {' or '.join(fixes)} "
+            "(runtime.check_memory=False runs anyway)")
+
+
+def memory_plan(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff: Efficiency = Efficiency(), *,
+                colocated_devices: int | None = None) -> MemoryPlan:
+    """The per-device bytes of every role of `mode` at `microbatches` micro-batches per iteration;
+    a colocated mode runs on `colocated_devices` (default: the whole pool)."""
+    flags = plan_lib.mode_flags(mode)
+    samples = w.samples // microbatches
+    if flags.colocated:
+        kind, n = pool.slowest, colocated_devices or pool.total
+        role = _train_role(w, "shared", n, kind.hbm_bytes * eff.usable_hbm, pool, samples, colocated=True)
+        return MemoryPlan(mode, (role,))
+    r_kind, t_kind = pool.kind("rollout"), pool.kind("train")
+    train = _train_role(w, "train", pool.train_devices, t_kind.hbm_bytes * eff.usable_hbm, pool, samples, colocated=False)
+    return MemoryPlan(mode, (_rollout_role(w, pool.rollout_devices, r_kind.hbm_bytes * eff.usable_hbm, samples), train))
+
+
+def _shard(w: IterationWork, devices: int, pool: Pool, sharded: bool) -> int:
+    """Devices one copy is split over: the role's devices inside a host (hybrid sharding), or 1."""
+    return min(devices, pool.devices_per_host) if sharded else 1
+
+
+def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool, samples: int, *,
+                colocated: bool) -> RoleMemory:
+    shard = _shard(w, n, pool, w.train_sharded)
+    pb = w.param_bytes
+    trainable = w.trainable * pb / shard
+    weights = trainable + (w.params * pb / shard if w.lora else 0.0)
+    gradients = trainable  # the update's running sum
+    moments = 2 * w.trainable * w.optimizer_bytes / shard
+    copies = trainable * (int(w.ema) + int(w.old_policy)) + (w.params * pb / shard if w.kl_reference and not w.lora else 0.0)
+    fp8 = colocated and w.rollout_precision == "fp8"
+    rollout_copy = w.params / shard if fp8 else 0.0  # e4m3: one byte per weight, sharded like the weights
+    gathered = 2 * 2 * w.params * pb / max(w.layers, 1) if shard > 1 else 0.0  # one layer and the next, forward and backward
+    units = -(-w.micro_batch_size * w.seq_parallel // n) / w.seq_parallel  # a unit's tokens split over a sequence group
+    chunks = _chunks_per_update(w)
+    # Working sets beyond the resident state, per phase. Training: a chunk's gradients beside the
+    # running sum (several chunks per update), its units' activations and the gathered layers.
+    train_act = (trainable if chunks > 1 else 0.0) + gathered + \
+        units * (w.saved_activation_bytes + TRAIN_LAYER_FACTOR * w.layer_activation_bytes)
+    # Sampling (colocated, or trainer-assisted rollouts): no gradients are alive.
+    rollout_act = _per_device(samples, n, w.seq_parallel) * w.cfg_forwards * ROLLOUT_LAYER_FACTOR * w.layer_activation_bytes \
+        + gathered / 2 - gradients
+    # The update: outputs its donated inputs cannot hold, as XLA compiled it for Qwen-Image-20B
+    # full fine-tuning on 4 H100s (bf16 weights and moments): two weight-sized trees beyond its
+    # inputs, 2.1 GiB of temporaries (benchmarks/results/compiled_memory_qwenimage_full_ft_4xh100.json);
+    # and offloaded moments brought onto the devices.
+    update_act = 2 * trainable + (moments if w.offload_optimizer else 0.0)
+    activations = max(train_act, rollout_act, update_act)
+    return RoleMemory(
+        role=name, devices=n, capacity=capacity, weights=weights, gradients=gradients,
+        optimizer=0.0 if w.offload_optimizer else moments, copies=copies, rollout_copy=rollout_copy,
+        activations=activations, sync_buffers=0.0, host=moments if w.offload_optimizer else 0.0, weight_shards=shard,
+    )
+
+
+def _rollout_role(w: IterationWork, n: int, capacity: float, samples: int) -> RoleMemory:
+    shard = n if w.rollout_sharded else 1
+    sampling = w.params * (1 if w.rollout_precision == "fp8" else w.param_bytes) / shard
+    moved = w.trainable * w.param_bytes if w.lora else sampling  # what each sync brings while the old copy serves
+    activations = _per_device(samples, n, w.seq_parallel) * w.cfg_forwards * ROLLOUT_LAYER_FACTOR * w.layer_activation_bytes
+    return RoleMemory(
+        role="rollout", devices=n, capacity=capacity, weights=sampling + (w.trainable * w.param_bytes if w.lora else 0.0),
+        gradients=0.0, optimizer=0.0, copies=0.0, rollout_copy=0.0, activations=activations,
+        sync_buffers=moved, host=0.0, weight_shards=shard,
+    )
+
+
+def _per_device(samples: int, devices: int, seq_parallel: int) -> float:
+    """Samples' worth of activations on one device: whole samples spread over the sequence groups,
+    each sample's tokens split over its group's `seq_parallel` devices."""
+    return -(-samples // max(devices // seq_parallel, 1)) / seq_parallel
+
+
+def _chunks_per_update(w: IterationWork) -> int:
+    units = w.samples * w.trained_steps // max(w.updates, 1)
+    return max(1, -(-units // max(w.micro_batch_size, 1)))

@@ -1,0 +1,175 @@
+"""The memory plan (runtime/memory_plan.py): bytes per device of every role, checked by hand for
+Qwen-Image-20B full fine-tuning, pinned for every model-zoo config, and what the simulator and
+the launchers do with a plan that does not fit."""
+import importlib
+import subprocess
+import sys
+import types
+
+import pytest
+
+from digen_jax.app import costs
+from digen_jax.app.errors import ConfigError
+from digen_jax.runtime import memory_plan as mp
+from digen_jax.runtime import simulator as sim
+from digen_jax.runtime.cost_model import GIB, Pool
+
+FSDP = (("activation_batch", "data"), ("embed", "data"))
+FULL = "gap+tsp+tag+tcss"
+
+
+def qwen_full_ft(**rl):
+    """Qwen-Image-20B full fine-tuning with FSDP train rules and no CFG (the peers' setting)."""
+    c = importlib.import_module("configs.qwenimage").get_config()
+    c.rl.lora_rank = 0
+    c.sharding.train_rules = FSDP
+    c.sampling.cfg_scale = 1.0
+    c.rl.update(rl)
+    return c
+
+
+def test_qwen_image_full_fine_tuning_by_hand():
+    """20.4B weights: 41 GB in bf16. On 4 H100s colocated each device holds a quarter of the
+    weights, of the gradient sum and of two moments (bf16: 2 bytes each, float32: 4); offloaded,
+    the moments are host bytes instead. The frozen KL reference is sharded like the weights."""
+    w = costs.iteration_work(qwen_full_ft())
+    assert 20.3e9 < w.params < 20.5e9 and w.trainable == w.params and w.param_bytes == 2
+    assert 40.6e9 < 2 * w.params < 41.0e9
+    pool = Pool.parse("h100:4")
+    shared = mp.memory_plan(w, pool, "colocated", 8).role("shared")
+    assert shared.devices == 4 and shared.weight_shards == 4
+    assert shared.weights == pytest.approx(2 * w.params / 4)  # 10.2 GB
+    assert shared.gradients == pytest.approx(2 * w.params / 4)
+    assert shared.optimizer == pytest.approx(2 * 2 * w.params / 4)  # bf16 moments ('param'): 20.4 GB
+    assert shared.copies == shared.rollout_copy == shared.sync_buffers == shared.host == 0
+    assert shared.capacity == pytest.approx(0.85 * 80e9)
+
+    f32 = costs.iteration_work(qwen_full_ft(optimizer_state_dtype="float32"))
+    assert mp.memory_plan(f32, pool, "colocated", 8).role("shared").optimizer == pytest.approx(2 * 4 * w.params / 4)
+    c = qwen_full_ft(optimizer_state_dtype="float32")
+    c.runtime.offload_optimizer = True
+    off = mp.memory_plan(costs.iteration_work(c), pool, "colocated", 8).role("shared")
+    assert off.optimizer == 0 and off.host == pytest.approx(2 * 4 * w.params / 4)  # 40.8 GB of host memory per device
+    kl = mp.memory_plan(costs.iteration_work(qwen_full_ft(kl_beta=0.01)), pool, "colocated", 8).role("shared")
+    assert kl.copies == pytest.approx(2 * w.params / 4)  # the reference: sharded, never replicated
+
+
+def test_disaggregated_rollout_role_holds_whole_weights_and_the_next_version():
+    """The rollout role samples with whole weights (bf16, or e4m3 with FP8 rollouts: one byte a
+    weight) and receives the next version beside them; it holds no gradients or optimizer state."""
+    w = costs.iteration_work(qwen_full_ft())
+    plan = mp.memory_plan(w, Pool.parse("h200:8/rollout=2"), FULL, 8)
+    rollout, train = plan.role("rollout"), plan.role("train")
+    assert rollout.weights == pytest.approx(2 * w.params) and rollout.sync_buffers == pytest.approx(2 * w.params)
+    assert rollout.gradients == rollout.optimizer == rollout.host == 0
+    assert train.devices == 6 and train.weights == pytest.approx(2 * w.params / 6)
+    c = qwen_full_ft()
+    c.model.rollout_precision = "fp8"
+    fp8 = mp.memory_plan(costs.iteration_work(c), Pool.parse("h200:8/rollout=2"), FULL, 8).role("rollout")
+    assert fp8.weights == pytest.approx(w.params) and fp8.sync_buffers == pytest.approx(w.params)
+
+
+# GiB per device of each role's weights, gradients, optimizer, copies, rollout copy, activations,
+# sync buffers and host bytes, for every zoo config on 8 H100s (an even split when disaggregated).
+PINNED = {
+    ("flux", "colocated"): {"shared": (22.6, 0.5, 1.0, 0.5, 0.0, 5.2, 0.0, 0.0)},
+    ("flux", FULL): {"rollout": (22.6, 0.0, 0.0, 0.0, 0.0, 11.4, 0.5, 0.0), "train": (22.6, 0.5, 1.0, 0.5, 0.0, 10.9, 0.0, 0.0)},
+    ("flux_nft", "colocated"): {"shared": (22.6, 0.5, 1.0, 1.0, 0.0, 5.2, 0.0, 0.0)},
+    ("flux_nft", FULL): {"rollout": (22.6, 0.0, 0.0, 0.0, 0.0, 11.4, 0.5, 0.0), "train": (22.6, 0.5, 1.0, 1.0, 0.0, 10.9, 0.0, 0.0)},
+    ("qwenimage", "colocated"): {"shared": (38.8, 0.8, 1.6, 0.0, 0.0, 1.9, 0.0, 0.0)},
+    ("qwenimage", FULL): {"rollout": (38.8, 0.0, 0.0, 0.0, 0.0, 3.8, 0.8, 0.0), "train": (38.8, 0.8, 1.6, 0.0, 0.0, 3.1, 0.0, 0.0)},
+    ("qwenimage_nft", "colocated"): {"shared": (38.8, 0.8, 1.6, 1.6, 0.0, 1.9, 0.0, 0.0)},
+    ("qwenimage_nft", FULL): {"rollout": (38.8, 0.0, 0.0, 0.0, 0.0, 1.9, 0.8, 0.0), "train": (38.8, 0.8, 1.6, 1.6, 0.0, 3.1, 0.0, 0.0)},
+    ("wan21", "colocated"): {"shared": (26.9, 0.3, 0.6, 0.3, 0.0, 10.2, 0.0, 0.0)},
+    ("wan21", FULL): {"rollout": (26.9, 0.0, 0.0, 0.0, 0.0, 20.9, 0.3, 0.0), "train": (26.9, 0.3, 0.6, 0.3, 0.0, 20.7, 0.0, 0.0)},
+    ("hunyuanvideo", "colocated"): {"shared": (24.4, 0.5, 1.0, 0.0, 0.0, 7.8, 0.0, 0.0)},
+    ("hunyuanvideo", FULL): {"rollout": (24.4, 0.0, 0.0, 0.0, 0.0, 9.0, 0.5, 0.0), "train": (24.4, 0.5, 1.0, 0.0, 0.0, 8.5, 0.0, 0.0)},
+    ("flux_full", "colocated"): {"shared": (2.8, 2.8, 11.1, 2.8, 0.0, 6.5, 0.0, 0.0)},
+    ("flux_full", FULL): {"rollout": (22.2, 0.0, 0.0, 0.0, 0.0, 11.4, 22.2, 0.0), "train": (5.5, 5.5, 22.2, 5.5, 0.0, 11.5, 0.0, 0.0)},
+    ("qwenimage_full", "colocated"): {"shared": (4.8, 4.8, 19.0, 0.0, 0.0, 9.5, 0.0, 0.0)},
+    ("qwenimage_full", FULL): {"rollout": (38.0, 0.0, 0.0, 0.0, 0.0, 1.9, 38.0, 0.0), "train": (9.5, 9.5, 38.0, 0.0, 0.0, 19.0, 0.0, 0.0)},  # does not fit
+}
+
+
+@pytest.mark.parametrize("name,mode", sorted(PINNED))
+def test_zoo_config_memory_plans_are_pinned(name, mode):
+    config = importlib.import_module(f"configs.{name}").get_config()
+    plan = costs.memory_plan(config, Pool.parse("h100:8"), mode)
+    got = {r.role: tuple(round(getattr(r, f) / GIB, 1) for f in mp.RoleMemory.FIELDS + ("host",)) for r in plan.roles}
+    assert got == PINNED[(name, mode)]
+    # The zoo's configs fit 8 80 GB cards, except Qwen-Image-20B full fine-tuning's rollout role
+    # (a whole bf16 copy and the next version beside it: 78 GiB).
+    assert plan.fits == ((name, mode) != ("qwenimage_full", FULL))
+
+
+def test_simulator_predicts_no_speed_for_a_mode_that_does_not_fit():
+    """Qwen-Image-20B full fine-tuning, float32 moments, on 4 H200s: colocated fits, the
+    disaggregated train role of 2 devices does not; autosize keeps to splits that fit (3 train
+    devices); on 4 H100s no split does (the fastest comes back marked)."""
+    w = costs.iteration_work(qwen_full_ft(optimizer_state_dtype="float32"))
+    pool = Pool.parse("h200:4")
+    assert sim.simulate(w, pool, "colocated").fits
+    p = sim.simulate(w, pool, FULL)
+    assert not p.fits and p.memory.over().role == "train"
+    assert p.as_dict()["fits"] is False
+    sizing = sim.autosize(w, pool)
+    assert sizing.prediction.fits and (sizing.rollout_devices, sizing.train_devices) == (1, 3)
+    assert not sim.autosize(w, Pool.parse("h100:4")).prediction.fits
+
+
+def _gpus(n, kind="NVIDIA H100 80GB HBM3"):
+    return [types.SimpleNamespace(platform="gpu", device_kind=kind)] * n
+
+
+def test_launch_check_refuses_with_one_line_saying_what_to_change():
+    c = qwen_full_ft(optimizer_state_dtype="float32")
+    c.runtime.update(mode=FULL, rollout_devices=4, train_devices=12)
+    with pytest.raises(ConfigError) as e:
+        costs.check_fits(c, _gpus(16))
+    line = str(e.value)
+    assert "\n" not in line and "rollout role needs" in line and "--config.model.rollout_precision=fp8" in line
+    c.model.rollout_precision = "fp8"
+    costs.check_fits(c, _gpus(16))  # fits now
+    c.runtime.update(mode="colocated", rollout_devices=0, train_devices=0)
+    with pytest.raises(ConfigError, match="shared role needs"):
+        costs.check_fits(c, _gpus(2))
+    c.runtime.check_memory = False
+    costs.check_fits(c, _gpus(2))
+    c.runtime.check_memory = True
+    costs.check_fits(c, [types.SimpleNamespace(platform="cpu", device_kind="cpu")] * 2)  # CPU runs: no plan
+
+
+def test_simulate_prints_the_memory_plan_and_marks_what_does_not_fit():
+    out = subprocess.run(
+        [sys.executable, "launch/simulate.py", "--config=configs/qwenimage.py", "--config.rl.lora_rank=0",
+         f"--config.sharding.train_rules={FSDP}", "--config.rl.optimizer_state_dtype=float32", "--pool=h200:4"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    assert f"| {FULL} | does not fit: train needs" in out
+    assert "| colocated (fsdp_sampling) | " in out and "Memory plan, GiB per device" in out
+    assert "| train | 2 | 19.0 | 19.0 | 76.1 |" in out  # 20.4B weights over 2 devices: bf16, gradients, f32 moments
+
+
+def test_full_fine_tuning_zoo_configs_follow_the_peers_recipe(tmp_path):
+    """configs/{qwenimage,flux}_full.py: every weight trained and sharded (FSDP), no CFG, 512 px,
+    10 steps, lr 3e-5, clip range 1e-5, float32 moments; the tiny variant trains one iteration
+    through the real entry point with float32 moments for every weight."""
+    import jax
+    import numpy as np
+
+    from digen_jax.app import loop
+    from digen_jax.runtime import mesh as mesh_lib
+
+    for name in ("qwenimage_full", "flux_full"):
+        c = importlib.import_module(f"configs.{name}").get_config()
+        assert c.rl.lora_rank == 0 and mesh_lib.shards_weights(c.sharding.train_rules), name
+        assert (c.sampling.cfg_scale, c.sampling.height, c.sampling.width, c.sampling.num_steps) == (1.0, 512, 512, 10)
+        assert (c.rl.learning_rate, c.rl.clip_range, c.rl.optimizer_state_dtype) == (3e-5, 1e-5, "float32"), name
+    c = importlib.import_module("configs.qwenimage_full").get_config("tiny")
+    c.model.dtype = c.model.param_dtype = "bfloat16"  # float32 moments beside bf16 weights
+    state = loop.train(c, str(tmp_path), log=lambda _: None)
+    weights = jax.tree.leaves(state.trainable)
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert {x.dtype for x in weights} == {np.dtype(jax.numpy.bfloat16)} and len(moments) == 2 * len(weights)
+    assert {x.dtype for x in moments} == {np.dtype(np.float32)}
+    assert int(state.version) == 1
