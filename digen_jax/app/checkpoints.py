@@ -69,7 +69,7 @@ _CARRIED_KEYS = ("task.resolution", "sampling.height", "sampling.width", "sampli
 _WEIGHT_KEYS = ("model.family", "model.variant", "model.num_layers", "model.num_single_layers", "model.scan_layers",
                 "trainable", "rl.lora_rank", "rl.lora_targets")
 # Fingerprint keys a checkpoint may predate: compared only when it records them.
-_RECORDED_LATER = ("seed",)
+_RECORDED_LATER = ("seed", "rl.optimizer_state_dtype")
 _DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
                 errno.EROFS: "the file system is read-only"}
@@ -102,6 +102,7 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
     if rl.get("algorithm", "grpo") != "grpo":  # DiffusionNFT's state holds the old policy too
         fp["rl.algorithm"] = rl.algorithm
     fp["optimizer"] = "adamw" if rl.max_grad_norm is None else "clip_by_global_norm, adamw"
+    fp["rl.optimizer_state_dtype"] = rl.get("optimizer_state_dtype", "param")  # the moments' dtype
     carried = {}
     for key in _CARRIED_KEYS:
         section, name = key.split(".")

@@ -26,7 +26,7 @@ REFUSED = (
     # configs/tiny.py pretrains its base model: the recipe is its identity
     "task.resolution", "task.text_len", "task.label_noise",
     "pretrain.steps", "pretrain.batch_size", "pretrain.learning_rate",
-    "rl.lora_rank", "rl.lora_alpha", "rl.lora_targets", "rl.ema", "rl.algorithm",
+    "rl.lora_rank", "rl.lora_alpha", "rl.lora_targets", "rl.ema", "rl.algorithm", "rl.optimizer_state_dtype",
 )
 NOTED = (
     # configs/tiny.py: dtype, attention_impl and sampling.guidance are part of its pretraining recipe (refused)
@@ -44,6 +44,8 @@ FREE = (
     "pretrain.cache_dir",  # where the pretrained weights are cached; the recipe names them
     "rl.max_nonfinite_in_row",  # when a diverging run stops, not what it computes
     "runtime.reward_workers", "runtime.trace", "runtime.distributed", "runtime.peer_timeout_s",
+    # the Adam moments in host memory give the same numbers; the memory check refuses, never changes
+    "runtime.offload_optimizer", "runtime.check_memory",
     # train.iterations: a resume checks it against the checkpoint's iteration
     "train",
 )
