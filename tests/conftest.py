@@ -15,17 +15,17 @@ to the suite's.
 import os
 
 # Must happen before JAX initialises its backends. The tests compile far more than they compute
-# (hundreds of small programs per training run, each run a few iterations of a tiny model), so
-# XLA's code generation runs at optimization level 0 unless XLA_FLAGS sets a level: it compiles
-# about a third faster. Child processes inherit these flags (and so load the programs this
-# process wrote to the compilation cache, whose key holds them), except the background
-# pretraining below, which computes more than it compiles.
+# (hundreds of small programs per training run, each run a few iterations of a tiny model), so on
+# CPU XLA's code generation runs at optimization level 0 unless XLA_FLAGS sets a level: it
+# compiles about a third faster. Child processes inherit these flags (and so load the programs
+# this process wrote to the compilation cache, whose key holds them), except the background
+# pretraining below, which computes more than it compiles. GPU runs keep XLA's default level.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 OPTIMIZATION_LEVEL = "--xla_backend_optimization_level"
 _flags = os.environ.get("XLA_FLAGS", "").split()
-if not any(flag.startswith(OPTIMIZATION_LEVEL + "=") for flag in _flags):
+if os.environ["JAX_PLATFORMS"] == "cpu" and not any(flag.startswith(OPTIMIZATION_LEVEL + "=") for flag in _flags):
     _flags.append(OPTIMIZATION_LEVEL + "=0")
 os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_count=8"])
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
