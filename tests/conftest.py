@@ -17,9 +17,10 @@ import os
 # Must happen before JAX initialises its backends. The tests compile far more than they compute
 # (hundreds of small programs per training run, each run a few iterations of a tiny model), so on
 # CPU XLA's code generation runs at optimization level 0 unless XLA_FLAGS sets a level: the
-# compile-bound tests take 16-44% less CPU time (docs/known_issues.md). Child processes inherit these flags (and so load the programs
-# this process wrote to the compilation cache, whose key holds them), except the background
-# pretraining below, which computes more than it compiles. GPU runs keep XLA's default level.
+# compile-bound tests take 16-44% less CPU time (docs/known_issues.md). Child processes inherit
+# these flags (and so load the programs this process wrote to the compilation cache, whose key
+# holds them), except the background pretraining below, which computes more than it compiles.
+# GPU runs keep XLA's default level.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 OPTIMIZATION_LEVEL = "--xla_backend_optimization_level"
 _flags = os.environ.get("XLA_FLAGS", "").split()
