@@ -620,10 +620,12 @@ def free_ports(n: int) -> list[int]:
 
 
 def worker_env(devices: int, **extra: str) -> dict:
-    """The environment of a worker process: `devices` fake CPU devices, this repository importable."""
+    """The environment of a worker process: `devices` fake CPU devices, the test process's other
+    XLA flags (conftest.py's optimization level), this repository importable."""
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_"))}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     return inherited | {
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
     } | extra

@@ -1,5 +1,7 @@
 """The disaggregated runtime on 8 fake CPU devices: plans, mode equivalence, trace invariants, TAG, resume."""
 import collections
+import copy
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +20,7 @@ from digen_jax.app import loop
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.validation import validate_config
 from digen_jax.rl import nft as nft_lib
+from digen_jax.rl.trainer import Trainer
 from digen_jax.runtime import distributed
 from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import mesh as mesh_lib
@@ -534,17 +537,25 @@ def test_fsdp_programs_gather_the_weights_and_keep_gradient_shards(runs, cache_d
 def test_bf16_rollout_log_probs_differ_and_the_trainer_anchor_removes_the_gap(cache_dir, tmp_path):
     """In bf16 the rollout's program (whole micro-batch, merged weights) and the trainer's (chunks
     of units, under differentiation) round differently. Anchored on the rollout's log-prob, the
-    lag-0 ratio is off by that gap; anchored on the trainer's own first pass it is exactly 1."""
+    lag-0 ratio is off by that gap; anchored on the trainer's own first pass it is exactly 1.
+    Both anchors from one Run (the same weights, samples and rollout programs), one trainer each."""
+    config = runtime_config(cache_dir, "colocated")
+    config.model.dtype = "bfloat16"
+    config.rl.onpolicy_anchor = "rollout"
+    config.rl.micro_batch_size = 3  # chunks unlike the rollout's batch of 4 samples
+    run = loop.Run(config, str(tmp_path), log=lambda _: None)
     rows = {}
     for anchor in ("rollout", "trainer"):
-        config = runtime_config(cache_dir, "colocated")
-        config.model.dtype = "bfloat16"
-        config.rl.onpolicy_anchor = anchor
-        config.rl.micro_batch_size = 3  # chunks unlike the rollout's batch of 4 samples
-        config.train.iterations = 1
-        loop.train(config, str(tmp_path / anchor), log=lambda _: None)
-        with open(tmp_path / anchor / "metrics.jsonl") as f:
-            rows[anchor] = json.loads(f.readline())
+        anchored = copy.deepcopy(config)
+        anchored.rl.onpolicy_anchor = anchor
+        if anchor != run.trainer.cfg.onpolicy_anchor:  # the Run's own trainer anchors on the rollout
+            run.trainer = Trainer(run.sampler, run.trainer.frozen, run.trainer.optimizer,
+                                  dataclasses.replace(run.trainer.cfg, onpolicy_anchor=anchor))
+        executor = Executor(run, config=anchored, trace_path=str(tmp_path / f"{anchor}.json"), log=lambda _: None)
+        _, metrics = executor.iteration(0)
+        rows[anchor] = {name: float(value) for name, value in executor_lib.read_figures(metrics).items()
+                        if name in ("rollout_logp_gap_max", "logp_diff_max", "ratio_mean", "clip_frac")}
+        executor.close()
     gap = rows["rollout"]["rollout_logp_gap_max"]
     assert gap > 0 and rows["rollout"]["logp_diff_max"] == gap
     assert rows["rollout"]["ratio_mean"] != 1
@@ -676,8 +687,7 @@ class KilledRuns:
     def __init__(self, cache_dir, compile_cache, workdirs):
         self.cache_dir, self.workdirs = cache_dir, workdirs
         self.env = dict(
-            os.environ,
-            XLA_FLAGS="--xla_force_host_platform_device_count=8",
+            os.environ,  # conftest.py's XLA flags: 8 devices, its optimization level
             JAX_PLATFORMS="cpu",
             JAX_DEFAULT_MATMUL_PRECISION="highest",
             JAX_COMPILATION_CACHE_DIR=compile_cache,

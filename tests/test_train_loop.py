@@ -275,7 +275,7 @@ def test_sample_script_restores_the_latest_state_and_checks_its_config(cache_dir
     run.checkpoints.close()
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {**os.environ, "PYTHONPATH": root,  # conftest.py's XLA flags (8 devices), so the cache's programs fit
            "JAX_DEFAULT_MATMUL_PRECISION": "highest", "JAX_COMPILATION_CACHE_DIR": compile_cache}
     result = subprocess.run([sys.executable, "launch/sample.py", "--config=configs/tiny.py", f"--workdir={workdir}",
                              *_overrides(config)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
