@@ -40,8 +40,9 @@ class Run:
 
     It is the `Job` the runtime's executor runs (`runtime.executor.Job`)."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print):
-        validate_config(config)
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print,
+                 one_mode: bool = True):
+        validate_config(config, one_mode=one_mode)  # one_mode=False: run in several modes (validate_config)
         costs.check_fits(config, jax.devices())  # a run that cannot fit its devices: one line, before any compute
         self.config, self.workdir, self.log = config, workdir, log
         os.makedirs(workdir, exist_ok=True)

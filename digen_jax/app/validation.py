@@ -39,11 +39,14 @@ from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.runtime_config import validate_runtime_config
 
 
-def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = True) -> None:
+def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = True, one_mode: bool = True) -> None:
     """Reject a bad config before any compute, naming the offending key (raises ConfigError).
 
     this_machine: also reject a run whose largest arrays exceed the memory of this machine's
-    devices and host (`memory_bound`); False checks the config alone (one written for others)."""
+    devices and host (`memory_bound`); False checks the config alone (one written for others).
+    one_mode: the config runs in its own `runtime.mode`, so role sizes that mode ignores are
+    refused; False: it is run in several modes (the system bench), its role sizes serving the
+    disaggregated ones."""
     check_ranges(config)
     _validate_workload(config)
     try:
@@ -90,7 +93,8 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
         mesh_lib.build_role_meshes(config.runtime)  # role sizes against the hosts' devices (no compute)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _validate_colocated_roles(config)
+    if one_mode:
+        _validate_colocated_roles(config)
     _validate_model_size(config, this_machine)
 
 
