@@ -14,19 +14,12 @@ to the suite's.
 """
 import os
 
-# Must happen before JAX initialises its backends. The tests compile far more than they compute
-# (hundreds of small programs per training run, each run a few iterations of a tiny model), so on
-# CPU XLA's code generation runs at optimization level 0 unless XLA_FLAGS sets a level: the
-# compile-bound tests take 16-44% less CPU time (docs/known_issues.md). Child processes inherit
-# these flags (and so load the programs this process wrote to the compilation cache, whose key
-# holds them), except the background pretraining below, which computes more than it compiles.
-# GPU runs keep XLA's default level.
+# Must happen before JAX initialises its backends. Child processes the tests start inherit these
+# flags, and so load the programs this process wrote to the compilation cache (its key holds them).
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-OPTIMIZATION_LEVEL = "--xla_backend_optimization_level"
-_flags = os.environ.get("XLA_FLAGS", "").split()
-if os.environ["JAX_PLATFORMS"] == "cpu" and not any(flag.startswith(OPTIMIZATION_LEVEL + "=") for flag in _flags):
-    _flags.append(OPTIMIZATION_LEVEL + "=0")
-os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_count=8"])
 
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -64,10 +57,8 @@ class _BackgroundPretraining:
     def __init__(self):
         self.cache_dir = tempfile.mkdtemp(prefix="digen_tiny_pretrained_")
         self.log_path = os.path.join(self.cache_dir, "pretraining.log")
-        # The test process's devices (set above) and matmul precision, at XLA's default
-        # optimization level: hundreds of training steps of one model, compute-bound.
-        flags = [f for f in os.environ["XLA_FLAGS"].split() if f != OPTIMIZATION_LEVEL + "=0"]
-        env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest", XLA_FLAGS=" ".join(flags))
+        # The test process's devices (set above) and matmul precision.
+        env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _PRETRAIN_TINY, self.cache_dir],

@@ -621,7 +621,7 @@ def free_ports(n: int) -> list[int]:
 
 def worker_env(devices: int, **extra: str) -> dict:
     """The environment of a worker process: `devices` fake CPU devices, the test process's other
-    XLA flags (conftest.py's optimization level), this repository importable."""
+    XLA flags (conftest.py's), this repository importable."""
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_"))}
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     return inherited | {

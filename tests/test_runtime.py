@@ -687,7 +687,7 @@ class KilledRuns:
     def __init__(self, cache_dir, compile_cache, workdirs):
         self.cache_dir, self.workdirs = cache_dir, workdirs
         self.env = dict(
-            os.environ,  # conftest.py's XLA flags: 8 devices, its optimization level
+            os.environ,  # conftest.py's XLA flags: 8 devices
             JAX_PLATFORMS="cpu",
             JAX_DEFAULT_MATMUL_PRECISION="highest",
             JAX_COMPILATION_CACHE_DIR=compile_cache,

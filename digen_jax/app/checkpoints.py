@@ -423,9 +423,23 @@ def _quiet_orbax_failures() -> None:
         logger.addFilter(_OrbaxFailures())
 
 
+class _AbandonedReadErrors(logging.Filter):
+    """Drops asyncio's 'Future exception was never retrieved' records of the other reads of a
+    restore that failed: each damaged array's read fails on its own, after the first failure has
+    been reported (`set_aside`), whenever the garbage collector finds its future."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, ValueError) and "tensorstore_spec" in str(error))
+
+
 def _quiet_abandoned_reads() -> None:
     """Keep quiet about the reads orbax abandons when a restore fails: their callbacks find its
-    event loop closed and Python would print each as an 'Exception ignored' traceback."""
+    event loop closed and Python would print each as an 'Exception ignored' traceback, and
+    asyncio logs the failures nobody retrieved (`_AbandonedReadErrors`)."""
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedReadErrors) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(_AbandonedReadErrors())
     previous = sys.unraisablehook
     if getattr(previous, "quiet_abandoned_reads", False):
         return

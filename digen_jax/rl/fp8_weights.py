@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import flax.linen as nn
 from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec
 
 from digen_jax.models.fp8 import QUANTIZED, QUANTIZED_AXES, SCALE, quantize_weight
 
@@ -38,4 +39,18 @@ def quantize_params(params: Mapping, paths: frozenset[str]) -> dict[str, Any]:
     for path in paths:
         prefix = path[: -len("kernel")]  # the module's path and '/', or '' for a lone layer's params
         flat[prefix + QUANTIZED], flat[prefix + SCALE] = quantize_weight(flat.pop(path))
+    return traverse_util.unflatten_dict(flat, sep="/")
+
+
+def quantized_shardings(shardings: Mapping, params: Mapping, paths: frozenset[str]) -> dict[str, Any]:
+    """The shardings of `quantize_params(params, paths)` from `params`' own (`shardings`): each
+    e4m3 kernel like its kernel, each per-output-channel scale like the kernel without its input
+    axis."""
+    flat = traverse_util.flatten_dict(shardings, sep="/")
+    shapes = traverse_util.flatten_dict(params, sep="/")
+    for path in paths:
+        prefix, sharding = path[: -len("kernel")], flat.pop(path)
+        spec = tuple(sharding.spec) + (None,) * (shapes[path].ndim - len(sharding.spec))
+        flat[prefix + QUANTIZED] = sharding
+        flat[prefix + SCALE] = NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], spec[-1]))
     return traverse_util.unflatten_dict(flat, sep="/")

@@ -29,10 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import traverse_util
-from jax.sharding import NamedSharding, PartitionSpec
 
-from digen_jax.models import fp8 as fp8_lib
 from digen_jax.rl import fp8_weights, lora
 from digen_jax.rl.trainer import Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
@@ -156,17 +153,9 @@ class RoleWeights:
         return moved, self.for_sampling(moved, self.frozen_on_rollout)
 
     def _fp8_rollout_sharding(self, trainable):
-        """Rollout-role shardings of the quantised tree of `trainable`: each e4m3 kernel like its
-        kernel, each per-output-channel scale like the kernel without its input axis."""
+        """Rollout-role shardings of the quantised tree of `trainable` (`fp8_weights.quantized_shardings`)."""
         if self._fp8_sharding is None:
-            flat = traverse_util.flatten_dict(self.sharding["rollout"], sep="/")
-            shapes = traverse_util.flatten_dict(trainable, sep="/")
-            for path in self._fp8_paths:
-                prefix, sharding = path[: -len("kernel")], flat.pop(path)
-                spec = tuple(sharding.spec) + (None,) * (shapes[path].ndim - len(sharding.spec))
-                flat[prefix + fp8_lib.QUANTIZED] = sharding
-                flat[prefix + fp8_lib.SCALE] = NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], spec[-1]))
-            self._fp8_sharding = traverse_util.unflatten_dict(flat, sep="/")
+            self._fp8_sharding = fp8_weights.quantized_shardings(self.sharding["rollout"], trainable, self._fp8_paths)
         return self._fp8_sharding
 
     def sync(self, trainable, version: int):
