@@ -5,7 +5,7 @@ in the config's parameter dtype, plus an EMA copy when `rl.ema`; every weight fo
 fine-tuning) with random values on the default device, then times one checksum pass over it,
 which a save adds before its background write and a restore adds after its read:
 
-    python3 benchmarks/checkpoint_checksums.py --config=configs/qwenimage.py --repeats=3
+    PYTHONPATH=. python3 benchmarks/checkpoint_checksums.py --config=configs/qwenimage.py --repeats=3
 
 On a GPU the pass reads the arrays once at memory speed; on a CPU it runs on its cores.
 """
@@ -48,6 +48,7 @@ def _state_shapes(config) -> dict[str, tuple]:
 def main(argv):
     del argv
     config = _CONFIG.value
+    config.model.random_init = True  # the architecture alone: no weight files
     dtype = jnp.dtype(config.model.param_dtype)
     shapes = _state_shapes(config)
     keys = jax.random.split(jax.random.key(0), len(shapes))
