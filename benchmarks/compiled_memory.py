@@ -1,7 +1,7 @@
 r"""`launch/bench.py` with XLA's compiled memory of the transformer programs recorded.
 
-Every argument goes to launch/bench.py. Before the first call of each rollout step, gradient
-and update program (per executor: modes compile their own), the program is lowered and compiled
+Every argument goes to launch/bench.py. Before the first call of each rollout step, gradient,
+update check and update program (per executor: modes compile their own), the program is lowered and compiled
 once more for `compiled.memory_analysis()` (argument, output, temporary and aliased bytes per
 device), printed as it comes and written to --memory_out, to set against the memory plan
 (digen_jax/runtime/memory_plan.py) of the same config:
@@ -59,7 +59,8 @@ def install() -> None:
     def pinned(self, state_sharding):
         pin(self, state_sharding)
         self._grad = recording("gradient", self._grad)
-        self.apply_update = recording("update", self.apply_update)
+        self._check_update = recording("update_check", self._check_update)
+        self._commit_update = recording("update", self._commit_update)
 
     trainer.Trainer.pin_state_sharding = pinned
     init = rollout.Sampler.__init__

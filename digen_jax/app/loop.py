@@ -228,7 +228,7 @@ def _keep_rows_through(path: str, step: int, log: Callable[[str], None]) -> None
 
 
 def _skip_reason(m: dict, rl) -> str:
-    """Why an iteration's update was skipped, from its metrics (`Trainer._apply_update`'s checks)."""
+    """Why an iteration's update was skipped, from its metrics (`Trainer.apply_update`'s checks)."""
     ratio = m["update_ratio"]
     if math.isfinite(ratio) and ratio > rl.max_update_ratio:
         return f"an update {ratio:.3g} times the parameters' norm (over rl.max_update_ratio={rl.max_update_ratio})"

@@ -190,7 +190,8 @@ class Trainer:
         self._merged = jax.jit(lambda trainable, frozen: self._params_for(trainable, frozen, "merged"))
         self.accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=(0,))
         self._opt_on_device = None  # device shardings of an offloaded optimizer state (pin_state_sharding)
-        self.apply_update = jax.jit(self._apply_update, donate_argnums=(0,))
+        self._check_update = jax.jit(self._update_check)
+        self._commit_update = jax.jit(self._commit, donate_argnums=(0,))
 
     def rollout(self, params, cond: Conditioning, sample_keys: jax.Array, noise_levels, latent_shape, version) -> Trajectory:
         """A batch's rollout with sampling weights `params` (`Sampler.rollout`: the whole path)."""
@@ -215,7 +216,7 @@ class Trainer:
         and keeps only its shard of every gradient instead of whole gradients."""
         host = {s.memory_kind for s in jax.tree.leaves(state_sharding.opt_state)} - {"device", None}
         self._opt_on_device = mesh_on_device(state_sharding.opt_state) if host else None
-        self.apply_update = jax.jit(self._apply_update, donate_argnums=(0,), out_shardings=(state_sharding, None))
+        self._commit_update = jax.jit(self._commit, donate_argnums=(0,), out_shardings=(state_sharding, None))
         value_and_grad = jax.value_and_grad(self._loss, has_aux=True)
 
         def sharded_grad(*args):
@@ -339,16 +340,34 @@ class Trainer:
             clip_range=self.cfg.clip_range, adv_clip=self.cfg.adv_clip, step_index=units.step_index,
         )
 
-    def _apply_update(self, state: TrainState, grad_sum, count, rewards_finite, end_of_batch):
+    def apply_update(self, state: TrainState, grad_sum, count, rewards_finite, end_of_batch):
+        """(the state after one optimizer step with the gradient sum `grad_sum` of `count`
+        micro-batches, its metrics); the step is skipped (the state kept, its version too) if
+        anything is non-finite or the update exceeds `cfg.max_update_ratio`.
+
+        Two programs: the first decides from norms alone whether the step is kept, the second
+        writes the step into the donated state in place. In one program XLA has to hold the new
+        weights and Adam moments beside the old ones until the decision is known: a second copy
+        of the optimizer state, 20 GB per device for a 20B model on 4 GPUs."""
+        ok, checks = self._check_update(state, grad_sum, count, rewards_finite)
+        state, metrics = self._commit_update(state, grad_sum, count, ok, end_of_batch)
+        return state, {**checks, **metrics}
+
+    def _step(self, state: TrainState, grad_sum, count):
+        """The optimizer step on `state`: (averaged gradients, updates, new optimizer state, new weights)."""
         if self._opt_on_device is not None:
-            # Offloaded optimizer state: copied onto the devices inside this program (XLA overlaps
+            # Offloaded optimizer state: copied onto the devices inside the program (XLA overlaps
             # the copies with the update) and its new value written back to host memory by the
             # program's output shardings; the arithmetic is the same as for state kept on devices.
             state = state.replace(opt_state=jax.device_put(state.opt_state, self._opt_on_device))
         grads = jax.tree.map(lambda g: g / count, grad_sum)
-        grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.trainable)
-        trainable = optax.apply_updates(state.trainable, updates)
+        return grads, updates, opt_state, optax.apply_updates(state.trainable, updates)
+
+    def _update_check(self, state: TrainState, grad_sum, count, rewards_finite):
+        """(whether the step is kept, its norms): reductions only, nothing the size of the state."""
+        grads, updates, _, trainable = self._step(state, grad_sum, count)
+        grad_norm = optax.tree.norm(grads)
         # The parameters themselves are checked, not only what produced them: a learning rate of
         # nan or 1e6 gives finite rewards, losses and gradients but non-finite or exploded weights.
         update_norm, param_norm = optax.tree.norm(updates), optax.tree.norm(state.trainable)
@@ -356,6 +375,11 @@ class Trainer:
         ok &= jnp.isfinite(optax.tree.norm(trainable))
         if self.cfg.max_update_ratio != float("inf"):
             ok &= update_norm <= self.cfg.max_update_ratio * param_norm
+        return ok, {"grad_norm": grad_norm, "update_ratio": update_norm / param_norm}
+
+    def _commit(self, state: TrainState, grad_sum, count, ok, end_of_batch):
+        """The state after the step where `ok`, else `state` itself, and the step's bookkeeping."""
+        _, _, opt_state, trainable = self._step(state, grad_sum, count)
         keep = lambda new, prev: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, prev)  # noqa: E731
         ema = state.ema
         if ema is not None:
@@ -374,8 +398,6 @@ class Trainer:
         )
         # Fresh outputs (not views of the state, which the next update donates).
         metrics = {
-            "grad_norm": grad_norm,
-            "update_ratio": update_norm / param_norm,
             "skipped": 1 - ok.astype(jnp.int32),
             "version": new_state.version + 0,
             "nonfinite_streak": new_state.nonfinite_streak + 0,
