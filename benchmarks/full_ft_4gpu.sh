@@ -1,8 +1,9 @@
 #!/bin/bash
 # Qwen-Image-20B full fine-tuning at full size (random weights and embeddings) on a 4-GPU host:
 # the peers' setting (no CFG, 512 px, 10 steps, lr 3e-5), FSDP train rules, 8 prompts x 8 images
-# per iteration. `$1`: 'colocated' (all 4 GPUs) or 'disagg' (gap+tsp+tag+tcss, 1 rollout GPU
-# with FP8 rollout weights, 3 train GPUs). The memory plan is not enforced
+# per iteration. `$1`: 'colocated' (all 4 GPUs), 'disagg' (gap+tsp+tag+tcss, 1 rollout GPU
+# with FP8 rollout weights, 3 train GPUs) or 'pair' (both modes in one process, one after the
+# other, bf16 rollout weights: the same-call comparison; further arguments are bench flags). The memory plan is not enforced
 # (runtime.check_memory=False): the run measures what it predicts. Writes under $2 (default
 # $OUT): the system bench JSON and XLA's compiled memory of the transformer programs.
 #   bash benchmarks/full_ft_4gpu.sh colocated /tmp/out
@@ -23,6 +24,7 @@ case $which in
   colocated) args+=(--modes=colocated) ;;
   disagg) args+=(--modes=gap+tsp+tag+tcss --config.runtime.rollout_devices=1 --config.runtime.train_devices=3
                  --config.model.rollout_precision=fp8) ;;
+  pair) args+=(--modes=colocated,gap+tsp+tag+tcss --config.runtime.rollout_devices=1 --config.runtime.train_devices=3) ;;
   *) echo "unknown: $which"; exit 2 ;;
 esac
 python3 benchmarks/compiled_memory.py --memory_out="$out/programs_$which.json" --out="$out/system_$which.json" \

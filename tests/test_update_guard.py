@@ -53,6 +53,23 @@ def test_healthy_update_is_applied_and_the_bound_can_be_lifted():
     assert int(metrics["skipped"]) == 0 and int(new.version) == 1 and float(metrics["update_ratio"]) > 1
 
 
+def test_bfloat16_state_keeps_its_dtypes_and_is_updated_in_place():
+    """Full fine-tuning keeps bfloat16 weights and moments (`rl.optimizer_state_dtype='param'`):
+    an update returns every leaf in its own dtype (the gradients are averaged in float32, which
+    made optax's first moment float32) and writes the whole donated state in place."""
+    trainer = Trainer(None, None, make_optimizer(1e-3), LossConfig())
+    params = {"w": jnp.full((64, 32), 0.1, jnp.bfloat16), "b": jnp.zeros((32,), jnp.bfloat16)}
+    state = trainer.init_state(params)
+    dtypes = jax.tree.map(lambda x: x.dtype, state)
+    args = (state, _grads(state), np.float32(2), jnp.bool_(True), np.bool_(True))
+    analysis = trainer._commit_update.lower(*args).compile().memory_analysis()
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    assert analysis.alias_size_in_bytes >= state_bytes - 64  # scalars (version, counters) aside
+    new, metrics = trainer.apply_update(*args)
+    assert int(metrics["skipped"]) == 0 and int(new.version) == 1
+    assert jax.tree.map(lambda x: x.dtype, new) == dtypes
+
+
 @pytest.mark.parametrize("name", ["tiny", "flux", "qwenimage", "wan21", "hunyuanvideo"])
 def test_shipped_configs_are_in_range(name):
     check_ranges(importlib.import_module(f"configs.{name}").get_config())

@@ -380,7 +380,9 @@ class Trainer:
     def _commit(self, state: TrainState, grad_sum, count, ok, end_of_batch):
         """The state after the step where `ok`, else `state` itself, and the step's bookkeeping."""
         _, _, opt_state, trainable = self._step(state, grad_sum, count)
-        keep = lambda new, prev: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, prev)  # noqa: E731
+        # Every leaf keeps its dtype: averaged in float32, a bfloat16 gradient makes optax's first
+        # moment float32, which would double its memory and recompile the next update.
+        keep = lambda new, prev: jax.tree.map(lambda a, b: jnp.where(ok, a.astype(b.dtype), b), new, prev)  # noqa: E731
         ema = state.ema
         if ema is not None:
             decay = {} if self.cfg.ema_decay is None else {"decay": self.cfg.ema_decay}
