@@ -327,11 +327,15 @@ def test_peer_timeout_must_be_positive():
 # ---------------------------------------------------------------------------- transfers in one process
 
 
-def test_transfer_in_one_process_is_device_put():
+def test_transfer_in_one_process_moves_device_to_device():
+    """Layouts jax.device_put would carry through host memory (shard k of the source is not
+    shard k of the destination) move over a mesh spanning both device sets; shard-for-shard
+    copies stay a device_put. Values and shardings come out the same either way."""
     devices = jax.devices()
     src = NamedSharding(Mesh(np.array(devices[:4]).reshape(2, 2), ("a", "b")), P("a", "b"))
     dst = NamedSharding(Mesh(np.array(devices[4:]), ("data",)), P(None, "data"))
     x = jax.device_put(jnp.arange(32.0).reshape(4, 8), src)
+    assert distributed._through_host(x, dst)
     y = distributed.transfer({"w": x}, dst)["w"]
     assert y.sharding == dst and np.array_equal(y, x)
     # A prefix tree of shardings, as jax.device_put takes.
@@ -339,6 +343,17 @@ def test_transfer_in_one_process_is_device_put():
     moved = distributed.transfer({"a": x, "b": (x, None, x)}, {"a": dst, "b": replicated})
     assert moved["a"].sharding == dst and moved["b"][1] is None
     assert all(leaf.sharding == replicated and np.array_equal(leaf, x) for leaf in moved["b"][::2])
+    # Full fine-tuning's sync: FSDP shards on 3 train devices onto 1 rollout device, bf16.
+    fsdp = NamedSharding(Mesh(np.array(devices[1:4]), ("data",)), P("data"))
+    one = NamedSharding(Mesh(np.array(devices[:1]), ("data",)), P())
+    w = jax.device_put(jnp.arange(6 * 5, dtype=jnp.bfloat16).reshape(6, 5), fsdp)
+    assert distributed._through_host(w, one)
+    moved = distributed.transfer([w, jnp.float32(3)], one)
+    assert moved[0].sharding == one and moved[0].dtype == jnp.bfloat16 and np.array_equal(moved[0], w)
+    # Shard for shard between equal meshes: jax copies device to device itself.
+    same = NamedSharding(Mesh(np.array(devices[4:]).reshape(2, 2), ("a", "b")), P("a", "b"))
+    assert not distributed._through_host(x, same)
+    assert np.array_equal(distributed.transfer(x, same), x)
 
 
 def test_to_every_process_in_one_process_is_free():
