@@ -59,7 +59,8 @@ def install() -> None:
     def pinned(self, state_sharding):
         pin(self, state_sharding)
         self._grad = recording("gradient", self._grad)
-        self._check_update = recording("update_check", self._check_update)
+        if hasattr(self._check_update, "lower"):  # pinning again re-jits only the step, not the check
+            self._check_update = recording("update_check", self._check_update)
         self._commit_update = recording("update", self._commit_update)
 
     trainer.Trainer.pin_state_sharding = pinned

@@ -17,9 +17,9 @@ For an iteration's work (`cost_model.IterationWork`) on a pool (`cost_model.Pool
   device: training keeps each unit's block inputs (remat 'full') and one block's outputs while
   it is recomputed, the FSDP gathers of one layer's weights (and the next one's, prefetched),
   and a chunk's gradients beside their running sum; sampling keeps one block's outputs per
-  sample and CFG branch (no gradients are alive then); the update holds two weight-sized trees
-  beyond its donated inputs (what XLA allocated on 4 H100s) and offloaded moments brought onto
-  the devices;
+  sample and CFG branch (no gradients are alive then); the update's check holds float32
+  temporaries of a third of the trainable bytes (XLA's figure for Qwen-Image-20B) and offloaded
+  moments brought onto the devices;
 * sync buffers: the rollout role receives each new version while its rollouts still read the
   old one (one-step-stale rollouts overlap the sync), so it holds a second copy of its weights
   (adapters only with LoRA).
@@ -175,11 +175,12 @@ def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool
     # Sampling (colocated, or trainer-assisted rollouts): no gradients are alive.
     rollout_act = _per_device(samples, n, w.seq_parallel) * w.cfg_forwards * ROLLOUT_LAYER_FACTOR * w.layer_activation_bytes \
         + gathered / 2 - gradients
-    # The update: outputs its donated inputs cannot hold, as XLA compiled it for Qwen-Image-20B
-    # full fine-tuning on 4 H100s (bf16 weights and moments): two weight-sized trees beyond its
-    # inputs, 2.1 GiB of temporaries (benchmarks/results/compiled_memory_qwenimage_full_ft_4xh100.json);
+    # The update (two programs, `Trainer.apply_update`): the check's float32 temporaries, a third of
+    # the trainable weights' bytes as XLA compiled it for Qwen-Image-20B full fine-tuning with bf16
+    # weights and moments (3.4 of 10.2 GB per device on 4 GPUs, 4.5 of 13.6 on 3; the in-place
+    # step needs under 1 MB, benchmarks/results/compiled_memory_qwenimage_full_ft_4xh200.json);
     # and offloaded moments brought onto the devices.
-    update_act = 2 * trainable + (moments if w.offload_optimizer else 0.0)
+    update_act = trainable / 3 + (moments if w.offload_optimizer else 0.0)
     activations = max(train_act, rollout_act, update_act)
     return RoleMemory(
         role=name, devices=n, capacity=capacity, weights=weights, gradients=gradients,
