@@ -1,0 +1,112 @@
+"""Splash attention (`attention_impl='splash'`, Pallas' TPU kernel run interpreted on the CPU)
+against the XLA path: each family's attention calls at its tiny variant's heads and head_dim,
+with masked text and odd lengths padded to blocks, forward and gradients in float32; the same
+under a sequence-parallel (Ulysses) mesh and a data-parallel one; and the block choice."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from digen_jax.models import FAMILIES, layers, splash_attention
+
+IMG, TXT = 30, 7  # image/video tokens and text tokens: odd joint lengths, padded to a 128 block
+TEXT_LENGTHS = jnp.array([TXT, 3], jnp.int32)  # the second sample's text is right-padded
+
+
+def _qkv(rng, family: str, length: int, batch: int = 2):
+    cfg = FAMILIES[family].variants["tiny"]
+    shape = (batch, length, cfg.num_attention_heads, cfg.attention_head_dim)
+    return tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(3))
+
+
+def _family_attention(family: str, impl: str):
+    """(inputs, f): the attention calls `family`'s model makes, as one function of its q/k/v
+    inputs returning every output (on 2 samples; text masked where the family masks it)."""
+    rng = np.random.default_rng(0)
+    dot = lambda q, k, v, lengths=None: layers.dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl)  # noqa: E731
+    if family == "flux":  # joint [text, image], no mask
+        return _qkv(rng, family, TXT + IMG), lambda q, k, v: (dot(q, k, v),)
+    if family == "qwenimage":  # joint [image, text], the text padding masked through key lengths
+        return _qkv(rng, family, IMG + TXT), lambda q, k, v: (dot(q, k, v, IMG + TEXT_LENGTHS),)
+    if family == "wan":  # self-attention of the video tokens, cross-attention to unmasked text
+        inputs = _qkv(rng, family, IMG) + _qkv(rng, family, TXT)[1:]
+
+        def wan(q, k, v, tk, tv):
+            return (layers.token_parallel_attention(q, k, v, impl=impl),
+                    layers.token_parallel_attention(q, tk, tv, impl=impl, cross=True))
+
+        return inputs, wan
+    # HunyuanVideo: [video, text] with the text appended and masked; the token refiner's masked text self-attention
+    inputs = _qkv(rng, family, IMG) + _qkv(rng, family, TXT)
+
+    def hunyuan(q, k, v, tq, tk, tv):
+        joint = layers.token_parallel_attention(q, k, v, kv_lengths=IMG + TEXT_LENGTHS, appended=(tq, tk, tv), impl=impl)
+        return (*joint, dot(tq, tk, tv, TEXT_LENGTHS))
+
+    return inputs, hunyuan
+
+
+def _value_and_grads(f, inputs):
+    """f's outputs and the gradients of a non-linear scalar of them with respect to every input."""
+    def loss(*args):
+        outs = f(*args)
+        return sum(jnp.sum(jnp.sin(3 * o)) for o in outs), outs
+
+    (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(inputs))), has_aux=True))(*inputs)
+    return outs, grads
+
+
+def _relative(a, b) -> float:
+    """Largest |a - b| over the trees relative to the largest |b|."""
+    diff = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return diff / max(float(jnp.max(jnp.abs(y))) for y in jax.tree.leaves(b))
+
+
+@pytest.mark.parametrize("family", ["flux", "qwenimage", "wan", "hunyuan_video"])
+def test_splash_matches_xla_forward_and_gradients(family):
+    inputs, splash_fn = _family_attention(family, "splash")
+    _, xla_fn = _family_attention(family, "xla")
+    outs, grads = _value_and_grads(splash_fn, inputs)
+    ref_outs, ref_grads = _value_and_grads(xla_fn, inputs)
+    assert [o.shape for o in outs] == [o.shape for o in ref_outs]
+    assert _relative(outs, ref_outs) <= 1e-5
+    assert _relative(grads, ref_grads) <= 1e-5
+    if family == "qwenimage":  # the text mask matters: without it the output differs
+        assert _relative(outs, (layers.dot_product_attention(*inputs, impl="xla"),)) > 1e-2
+
+
+def test_splash_under_ulysses_and_data_parallel_meshes_matches_xla():
+    """HunyuanVideo's joint attention as Ulysses over a (data 4, seq 2) mesh (the kernel runs
+    inside the all-to-all shard_map), and Qwen-Image's masked joint attention under a data mesh
+    of 2 (the kernel runs per device in its own shard_map, the batch split): splash equals XLA,
+    forward and gradients."""
+    joint_inputs, _ = _family_attention("hunyuan_video", "xla")
+
+    def ulysses(impl):
+        return lambda q, k, v, tq, tk, tv: layers.token_parallel_attention(
+            q, k, v, kv_lengths=IMG + TEXT_LENGTHS, appended=(tq, tk, tv), impl=impl)
+
+    seq_mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "seq"))
+    with jax.set_mesh(seq_mesh):
+        compiled = jax.jit(ulysses("splash")).lower(*joint_inputs).compile()
+        outs, grads = _value_and_grads(ulysses("splash"), joint_inputs)
+        ref_outs, ref_grads = _value_and_grads(ulysses("xla"), joint_inputs)
+    assert "all-to-all" in compiled.as_text()  # Ulysses ran
+    assert _relative(outs, ref_outs) <= 1e-5 and _relative(grads, ref_grads) <= 1e-5
+
+    masked_inputs, splash_fn = _family_attention("qwenimage", "splash")
+    _, xla_fn = _family_attention("qwenimage", "xla")
+    with jax.set_mesh(Mesh(np.array(jax.devices()[:2]), ("data",))):
+        outs, grads = _value_and_grads(splash_fn, masked_inputs)
+    ref_outs, ref_grads = _value_and_grads(xla_fn, masked_inputs)
+    assert _relative(outs, ref_outs) <= 1e-5 and _relative(grads, ref_grads) <= 1e-5
+
+
+def test_block_sizes_follow_the_sequence_length():
+    assert splash_attention.block_size(37) == 128
+    assert splash_attention.block_size(1000) == 512  # 24 tokens of padding (at most 1000 / 8)
+    assert splash_attention.block_size(1792) == 256  # 512 would pad 256 tokens, 256 none
+    assert splash_attention.block_size(4096 + 512) == 512
+    assert splash_attention.block_size(640) == 128  # 512 or 256 would pad 384 / 128 tokens (> 80)
+    assert layers.resolve_attention_impl("splash", jnp.float32, 12) == "splash"
