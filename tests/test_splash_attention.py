@@ -103,10 +103,13 @@ def test_splash_under_ulysses_and_data_parallel_meshes_matches_xla():
     assert _relative(outs, ref_outs) <= 1e-5 and _relative(grads, ref_grads) <= 1e-5
 
 
-def test_block_sizes_follow_the_sequence_length():
+def test_block_sizes_and_kernel_choice(monkeypatch):
     assert splash_attention.block_size(37) == 128
     assert splash_attention.block_size(1000) == 512  # 24 tokens of padding (at most 1000 / 8)
     assert splash_attention.block_size(1792) == 256  # 512 would pad 256 tokens, 256 none
     assert splash_attention.block_size(4096 + 512) == 512
     assert splash_attention.block_size(640) == 128  # 512 or 256 would pad 384 / 128 tokens (> 80)
-    assert layers.resolve_attention_impl("splash", jnp.float32, 12) == "splash"
+    assert layers.resolve_attention_impl("splash", jnp.float32, 12) == "splash"  # interpreted off a TPU
+    assert layers.resolve_attention_impl("auto", jnp.float32, 12) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert layers.resolve_attention_impl("auto", jnp.bfloat16, 128) == "splash"
