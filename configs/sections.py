@@ -61,13 +61,16 @@ def tpu_overrides(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
     * splash attention, Pallas' TPU kernel (`auto` picks it on a TPU as well; named so that the
       run's config says which kernel ran);
-    * the training weights sharded over the train role's chips (FSDP): the per-layer gathers run
-      over the slice's ICI, and a chip holds 16-95 GB (v5e-v5p);
+    * every role's weights sharded over its chips (FSDP, rollout too): a chip holds 16-95 GB
+      (v5e-v5p), the per-layer gathers run over the slice's ICI, and the programs run under
+      their role's mesh, where the kernel runs per chip (`shard_map`) rather than as one call
+      that XLA would have to partition;
     * `runtime.distributed=True`: every host of the slice runs the same command and
       `jax.distributed.initialize()` takes the hosts from the TPU metadata (one host: one process).
     """
     c.model.attention_impl = "splash"
     c.sharding = sharding_section(fsdp=True)
+    c.sharding.rollout_rules = c.sharding.train_rules
     c.runtime.distributed = True
     return c
 
