@@ -1,6 +1,6 @@
 """A model-zoo config on a Cloud TPU slice: `--config=configs/tpu.py:NAME` or `:NAME/SIZE` runs
 configs/NAME.py (of SIZE, e.g. `wan21/81f_480p`, `qwenimage/tiny`) with `sections.tpu_overrides`
-(splash attention, FSDP training, jax.distributed from the TPU metadata). README "TPU":
+(splash attention, every role's weights sharded, jax.distributed from the TPU metadata). README "TPU":
 
     python launch/train.py --config=configs/tpu.py:qwenimage --workdir=/tmp/qwen-tpu \\
         --config.model.checkpoint=... --config.data.embedding_cache=...

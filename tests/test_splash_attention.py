@@ -1,7 +1,12 @@
 """Splash attention (`attention_impl='splash'`, Pallas' TPU kernel run interpreted on the CPU)
 against the XLA path: each family's attention calls at its tiny variant's heads and head_dim,
 with masked text and odd lengths padded to blocks, forward and gradients in float32; the same
-under a sequence-parallel (Ulysses) mesh and a data-parallel one; and the block choice."""
+under a sequence-parallel (Ulysses) mesh and, through launch/check_splash.py, a data-parallel
+one; and the block and kernel choice."""
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +15,7 @@ from jax.sharding import Mesh
 
 from digen_jax.models import FAMILIES, layers, splash_attention
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMG, TXT = 30, 7  # image/video tokens and text tokens: odd joint lengths, padded to a 128 block
 TEXT_LENGTHS = jnp.array([TXT, 3], jnp.int32)  # the second sample's text is right-padded
 
@@ -24,7 +30,10 @@ def _family_attention(family: str, impl: str):
     """(inputs, f): the attention calls `family`'s model makes, as one function of its q/k/v
     inputs returning every output (on 2 samples; text masked where the family masks it)."""
     rng = np.random.default_rng(0)
-    dot = lambda q, k, v, lengths=None: layers.dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl)  # noqa: E731
+
+    def dot(q, k, v, lengths=None):
+        return layers.dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl)
+
     if family == "flux":  # joint [text, image], no mask
         return _qkv(rng, family, TXT + IMG), lambda q, k, v: (dot(q, k, v),)
     if family == "qwenimage":  # joint [image, text], the text padding masked through key lengths
@@ -41,7 +50,8 @@ def _family_attention(family: str, impl: str):
     inputs = _qkv(rng, family, IMG) + _qkv(rng, family, TXT)
 
     def hunyuan(q, k, v, tq, tk, tv):
-        joint = layers.token_parallel_attention(q, k, v, kv_lengths=IMG + TEXT_LENGTHS, appended=(tq, tk, tv), impl=impl)
+        lengths = IMG + TEXT_LENGTHS
+        joint = layers.token_parallel_attention(q, k, v, kv_lengths=lengths, appended=(tq, tk, tv), impl=impl)
         return (*joint, dot(tq, tk, tv, TEXT_LENGTHS))
 
     return inputs, hunyuan
@@ -54,7 +64,8 @@ def _value_and_grads(f, inputs, program: list | None = None):
         outs = f(*args)
         return sum(jnp.sum(jnp.sin(3 * o)) for o in outs), outs
 
-    compiled = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(inputs))), has_aux=True)).lower(*inputs).compile()
+    grad = jax.value_and_grad(loss, argnums=tuple(range(len(inputs))), has_aux=True)
+    compiled = jax.jit(grad).lower(*inputs).compile()
     if program is not None:
         program.append(compiled.as_text())
     (_, outs), grads = compiled(*inputs)
@@ -80,11 +91,9 @@ def test_splash_matches_xla_forward_and_gradients(family):
         assert _relative(outs, (layers.dot_product_attention(*inputs, impl="xla"),)) > 1e-2
 
 
-def test_splash_under_ulysses_and_data_parallel_meshes_matches_xla():
+def test_splash_under_ulysses_matches_xla():
     """HunyuanVideo's joint attention as Ulysses over a (data 4, seq 2) mesh (the kernel runs
-    inside the all-to-all shard_map), and Qwen-Image's masked joint attention under a data mesh
-    of 2 (the kernel runs per device in its own shard_map, the batch split): splash equals XLA,
-    forward and gradients."""
+    inside the all-to-all shard_map): splash equals XLA, forward and gradients."""
     joint_inputs, _ = _family_attention("hunyuan_video", "xla")
 
     def ulysses(impl):
@@ -99,12 +108,18 @@ def test_splash_under_ulysses_and_data_parallel_meshes_matches_xla():
     assert "all-to-all" in program[0]  # Ulysses ran
     assert _relative(outs, ref_outs) <= 1e-5 and _relative(grads, ref_grads) <= 1e-5
 
-    masked_inputs, splash_fn = _family_attention("qwenimage", "splash")
-    _, xla_fn = _family_attention("qwenimage", "xla")
-    with jax.set_mesh(Mesh(np.array(jax.devices()[:2]), ("data",))):
-        outs, grads = _value_and_grads(splash_fn, masked_inputs)
-    ref_outs, ref_grads = _value_and_grads(xla_fn, masked_inputs)
-    assert _relative(outs, ref_outs) <= 1e-5 and _relative(grads, ref_grads) <= 1e-5
+
+def test_check_script_passes_on_a_data_mesh():
+    """launch/check_splash.py (the first command on a TPU) at tiny shapes on 2 CPU devices: masked
+    joint attention with the batch split over a data mesh (the kernel runs per device in its own
+    shard_map) equals XLA's to 1e-5, forward and gradients."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
+    args = ["--tokens=30", "--text=7", "--heads=2", "--head_dim=16", "--dtype=float32", "--repeats=1",
+            "--tolerance=1e-5"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "check_splash.py"), *args],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "backend cpu, 2 x cpu; batch 4" in out.stdout and "matches XLA's within 1e-05" in out.stdout
 
 
 def test_block_sizes_and_kernel_choice(monkeypatch):
