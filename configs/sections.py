@@ -1,6 +1,6 @@
 """What the configs share, as data: the `runtime` and `sharding` sections, the `rl.algorithm` keys,
-the LoRA target sets of the model families, the CPU-size (`:tiny`) and clip-length (`:81f...`)
-overrides of the model-zoo configs and the DiffusionNFT recipe of the `*_nft.py` zoo configs."""
+the LoRA target sets of the model families, the CPU-size (`:tiny`), clip-length (`:81f...`) and
+TPU-slice overrides of the model-zoo configs and the DiffusionNFT recipe of the `*_nft.py` zoo configs."""
 from __future__ import annotations
 
 import ml_collections
@@ -54,6 +54,25 @@ def sharding_section(fsdp: bool = True) -> ml_collections.ConfigDict:
             train_rules=batch + ((("embed", "data"),) if fsdp else ()),
         )
     )
+
+
+def tpu_overrides(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`c` (a model-zoo config) on a Cloud TPU slice (README "TPU"; `configs/tpu.py` applies it):
+
+    * splash attention, Pallas' TPU kernel (`auto` picks it on a TPU as well; named so that the
+      run's config says which kernel ran);
+    * every role's weights sharded over its chips (FSDP, rollout too): a chip holds 16-95 GB
+      (v5e-v5p), the per-layer gathers run over the slice's ICI, and the programs run under
+      their role's mesh, where the kernel runs per chip (`shard_map`) rather than as one call
+      that XLA would have to partition;
+    * `runtime.distributed=True`: every host of the slice runs the same command and
+      `jax.distributed.initialize()` takes the hosts from the TPU metadata (one host: one process).
+    """
+    c.model.attention_impl = "splash"
+    c.sharding = sharding_section(fsdp=True)
+    c.sharding.rollout_rules = c.sharding.train_rules
+    c.runtime.distributed = True
+    return c
 
 
 def algorithm_keys() -> dict:

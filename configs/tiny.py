@@ -36,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
     )
     c.model.dtype = "float32"
     c.model.param_dtype = "float32"
-    c.model.attention_impl = "auto"
+    c.model.attention_impl = "auto"  # 'auto' (TPU: splash; GPU, bf16: cudnn; else xla) | 'cudnn' | 'xla' | 'splash'
     c.model.remat_policy = "none"
     c.model.scan_layers = True  # False unrolls blocks: no per-layer weight copies, longer compiles
     # Numerics of the rollouts' forward: 'bf16' = the model's dtype, 'fp8' = e4m3 block matmuls (README).

@@ -91,7 +91,8 @@ _SEQ_PARALLEL = flags.DEFINE_integer(
     "seq_parallel", 1, "Model mode, video families: split each sample's tokens over this many devices "
     "(Ulysses attention, as runtime.seq_parallel); FLOP rates, MFU and memory are then per device.")
 _ATTENTION = flags.DEFINE_enum(
-    "attention_impl", "auto", ["auto", "cudnn", "xla"], "Attention kernel (auto: cuDNN on GPU in bf16)."
+    "attention_impl", "auto", ["auto", "cudnn", "xla", "splash"],
+    "Attention kernel (auto: splash on TPU, cuDNN on GPU in bf16)."
 )
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weights and compute dtype.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed calls per measurement (the median is reported).")

@@ -11,7 +11,8 @@ or against the task costs a system bench run measured:
     python launch/simulate.py --profile=benchmarks/results/system_<...>.json
 
 Pools: KIND:N (an even rollout/train split), KIND:N/rollout=R, or rollout=KIND:N,train=KIND:N
-(kinds: h100, h100_pcie, h200, h800, a100, l40s). Colocated modes use every device of the pool
+(kinds: h100, h100_pcie, h200, h800, a100, l40s; TPU chips v5e, v5p, v6e, whose slice shares ICI:
+`--pool=v5p:8 --devices_per_host=8`). Colocated modes use every device of the pool
 and are shown in both styles: fsdp_sampling (the executor's, as GenRL) and offload (as
 veRL-Omni). Prints a markdown table: samples/s, per device, speedup over disagg_sync, bubble
 fraction per device group, the TAG / prefetch split, micro-batches, MFU and samples per dollar;

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs.sections import tpu_overrides
 from digen_jax.data import write_cache
 from digen_jax.models import FAMILIES, save_checkpoint
 from digen_jax.app import loop, workload
@@ -107,14 +108,29 @@ def test_full_size_config_validates_and_fits_its_model(family, size):
     assert frames.shape == (1, 3, s.num_frames if zoo.video else 1, s.height, s.width)
 
 
+# The tiny iteration's schedule mode per family: two families (both with masked text) disaggregated,
+# 4 rollout + 4 train devices, with the TPU settings (`sections.tpu_overrides`, one process).
+TINY_MODES = {"flux": "colocated", "qwenimage": "gap", "wan": "colocated", "hunyuan_video": "gap"}
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_tiny_flow_grpo_iteration_through_train(family, tmp_path):
     """configs/<family>.py:tiny (random tiny weights and embeddings): one iteration of rollout,
-    VAE decode, reward, advantages and a LoRA update, through the real entry point. The update is
-    on-policy: the ratio of every unit is exactly 1 (nothing clipped), and the trainer's
-    log-probabilities of the rollout's own steps (true CFG for Qwen-Image and Wan, padded prompts,
-    video latents) match the ones the rollout recorded to fp32 rounding."""
+    VAE decode, reward, advantages and a LoRA update, through the real entry point, in the
+    family's `TINY_MODES` mode and with splash attention (Pallas' TPU kernel, interpreted on the
+    CPU; its parity with XLA's is tests/test_splash_attention.py's); the disaggregated ones with
+    every role's weights sharded (FSDP), so the kernel runs per device. The update is on-policy: the
+    ratio of every unit is exactly 1 (nothing clipped), and the trainer's log-probabilities of the
+    rollout's own steps (true CFG for Qwen-Image and Wan, padded prompts, video latents) match the
+    ones the rollout recorded to fp32 rounding."""
     c = get_config(family, "tiny")
+    c.runtime.mode = TINY_MODES[family]
+    if c.runtime.mode == "colocated":
+        c.model.attention_impl = "splash"
+    else:
+        c = tpu_overrides(c)  # splash attention, every role's weights sharded
+        c.runtime.distributed = False  # one process here
+        c.runtime.rollout_devices = c.runtime.train_devices = 4
     state = loop.train(c, str(tmp_path), log=lambda _: None)
     rows = read_metrics(tmp_path)
     assert len(rows) == 1 and rows[0]["step"] == 1 and rows[0]["version"] == 1 and rows[0]["skipped"] == 0

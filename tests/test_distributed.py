@@ -186,6 +186,21 @@ def test_single_process_initialize_is_a_no_op():
     assert not jax.distributed.is_initialized()
 
 
+def test_tpu_vm_starts_jax_distributed_without_arguments(monkeypatch):
+    """On a Cloud TPU VM, `runtime.distributed=True` with no SLURM step or coordinator calls
+    `jax.distributed.initialize()` with no arguments (JAX reads the slice from the TPU metadata);
+    elsewhere the same settings are an error naming the launchers."""
+    calls = []
+    monkeypatch.setattr(distributed, "on_tpu_vm", lambda: True)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: calls.append((args, kwargs)))
+    assert resolve_settings(DistributedSettings(enabled=True), {}, tpu_vm=True) == ProcessLayout("tpu-vm")
+    assert resolve_settings(DistributedSettings(enabled="auto"), {}, tpu_vm=True) == ProcessLayout("single")
+    assert resolve_settings(DistributedSettings(enabled=True), slurm_env(), tpu_vm=True).source == "slurm-task-per-gpu"
+    layout = distributed.initialize({"runtime": {"distributed": True}}, env={})
+    assert calls == [((), {})] and (layout.source, layout.num_processes) == ("tpu-vm", 1)
+
+
 def test_unknown_config_key():
     with pytest.raises(ValueError, match=r"unknown keys runtime.distributed.\['port'\]"):
         DistributedSettings.from_config({"runtime": {"distributed": {"port": 1}}})

@@ -10,8 +10,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY_POINTS = ("launch/train.py", "launch/sample.py", "launch/bench.py", "launch/reproduce.py", "launch/simulate.py",
-                "launch/reward_server.py", "convert/diffusers_to_orbax.py", "convert/encode_prompts.py",
-                "convert/clip_to_orbax.py")
+                "launch/reward_server.py", "launch/check_splash.py", "convert/diffusers_to_orbax.py",
+                "convert/encode_prompts.py", "convert/clip_to_orbax.py")
 # Installed by requirements-dev.txt only: the main job must not import them.
 DEV_ONLY = ("torch", "diffusers", "transformers", "matplotlib", "tensorboard", "pytest", "safetensors")
 

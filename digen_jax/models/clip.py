@@ -134,6 +134,7 @@ class CLIPBlock(nn.Module):
             for n in ("q", "k", "v")
         )
         impl = layers.resolve_attention_impl(cfg.attention_impl, dtype, width // self.heads)
+        impl = "xla" if impl == "splash" else impl  # the splash path serves unmasked / key-padded attention
         attn = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation=impl)
         attn = layers.logical_dense(width, ("heads", "embed"), name="out_proj", **cfg.kw)(attn.reshape(b, s, width))
         x = x + attn

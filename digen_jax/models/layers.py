@@ -49,9 +49,9 @@ import numpy as np
 
 from jax.sharding import PartitionSpec
 
-from digen_jax.models import fp8
+from digen_jax.models import fp8, splash_attention
 
-AttentionImpl = Literal["auto", "cudnn", "xla"]
+AttentionImpl = Literal["auto", "cudnn", "xla", "splash"]
 
 # cuDNN's fused attention backward rejects odd sequence lengths; padding to a
 # multiple of 128 also keeps its tiles full. Padding is masked through lengths.
@@ -369,11 +369,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def resolve_attention_impl(impl: AttentionImpl, dtype: jnp.dtype, head_dim: int) -> str:
-    """Pick the attention kernel: `auto` takes cuDNN where it applies, else XLA.
+    """Pick the attention kernel: `auto` takes splash on a TPU, cuDNN where it applies, else XLA.
 
-    cuDNN's fused kernel needs a GPU, fp16/bf16 inputs and head_dim a multiple of 8
-    up to 256 (Hopper); asking for it where it cannot run is an error, not a fallback.
-    """
+    cuDNN's fused kernel needs a GPU, fp16/bf16 inputs and head_dim % 8 == 0 up to 256 (Hopper);
+    asking for it where it cannot run is an error. Splash runs interpreted off a TPU (tests)."""
     cudnn_ok = (
         jax.default_backend() == "gpu"
         and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -381,14 +380,14 @@ def resolve_attention_impl(impl: AttentionImpl, dtype: jnp.dtype, head_dim: int)
         and head_dim <= 256
     )
     if impl == "auto":
-        return "cudnn" if cudnn_ok else "xla"
+        return "splash" if jax.default_backend() == "tpu" else "cudnn" if cudnn_ok else "xla"
     if impl == "cudnn" and not cudnn_ok:
         raise ValueError(
             f"attention_impl='cudnn' needs a GPU, bf16/fp16 and head_dim % 8 == 0 <= 256; "
             f"got backend={jax.default_backend()}, dtype={jnp.dtype(dtype).name}, head_dim={head_dim}"
         )
-    if impl not in ("cudnn", "xla"):
-        raise ValueError(f"attention_impl must be one of 'auto', 'cudnn', 'xla', got {impl!r}")
+    if impl not in ("cudnn", "xla", "splash"):
+        raise ValueError(f"attention_impl must be one of 'auto', 'cudnn', 'xla', 'splash', got {impl!r}")
     return impl
 
 
@@ -412,12 +411,13 @@ def dot_product_attention(
 ) -> jax.Array:
     """Scaled dot-product attention on (B, T, N, H) queries and (B, S, N, H) keys/values.
 
-    `kv_lengths` (B,) masks key positions >= length (right padding). Sequences are
-    zero-padded to a multiple of `seq_multiple` (default: `CUDNN_SEQ_MULTIPLE` for
-    cuDNN, 1 for XLA) and the padding masked through sequence lengths, so odd lengths
-    never reach cuDNN's backward pass; the output keeps the original T.
-    """
+    `kv_lengths` (B,) masks key positions >= length (right padding). Sequences are zero-padded
+    to a multiple of `seq_multiple` (default: `CUDNN_SEQ_MULTIPLE` for cuDNN, 1 for XLA; splash
+    picks its blocks) and the padding masked through sequence lengths, so odd lengths never
+    reach cuDNN's backward pass; the output keeps the original T."""
     backend = resolve_attention_impl(impl, q.dtype, q.shape[-1])
+    if backend == "splash":  # pads to its own blocks
+        return splash_attention.attention(q, k, v, kv_lengths, data_axis=DATA_AXIS)
     multiple = seq_multiple or (CUDNN_SEQ_MULTIPLE if backend == "cudnn" else 1)
     batch, t_len, s_len = q.shape[0], q.shape[1], k.shape[1]
     if multiple == 1 or (t_len % multiple == 0 and s_len % multiple == 0):
@@ -497,13 +497,11 @@ def token_parallel_attention(
     Cross-attention (`cross=True`): k, v (B, L, N, H) of tokens every device holds whole; the
     queries' token split needs no communication.
 
-    With sequence parallelism (P > 1, `seq_parallel_size`), Ulysses inside `shard_map`: the
-    video q/k/v arrive split on tokens, an all-to-all regroups them as N/P heads of the whole
-    sequence, each device takes its N/P heads of the appended tokens, `dot_product_attention`
-    runs locally (its cuDNN / XLA choice kept), and an all-to-all returns the video output to
-    token shards; the appended tokens' output leaves the shard_map split on heads. The heads
-    must divide by P (no ring-attention fallback).
-    """
+    With sequence parallelism (P > 1, `seq_parallel_size`), Ulysses inside `shard_map`: the video
+    q/k/v arrive split on tokens, an all-to-all regroups them as N/P heads of the whole sequence,
+    each device takes its N/P heads of the appended tokens, `dot_product_attention` runs locally
+    (its kernel choice kept), and an all-to-all returns the video output to token shards; the
+    appended tokens' output leaves split on heads. The heads must divide by P (no ring attention)."""
     size = seq_parallel_size()
     batch, tokens, heads, _ = q.shape
     if size == 1:
@@ -544,7 +542,8 @@ def token_parallel_attention(
     in_specs = (split, kv_spec, kv_spec, whole) + ((whole,) * 3 if appended is not None else ())
     # The appended tokens' output leaves split on heads; the compiler gathers it where it is used.
     out_specs = (split, PartitionSpec(data, None, SEQ_AXIS)) if appended is not None else split
-    run = jax.shard_map(attend, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    checked = resolve_attention_impl(impl, q.dtype, q.shape[-1]) != "splash"  # Pallas outputs carry no vma types
+    run = jax.shard_map(attend, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=checked)
     return run(q, k, v, lengths, *(appended or ()))
 
 

@@ -77,7 +77,7 @@ class WanConfig:
     # Execution policy: not part of the weights.
     dtype: str = "bfloat16"  # compute dtype of matmuls and the residual stream
     param_dtype: str = "float32"  # master weights
-    attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla'
+    attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla' | 'splash'
     remat_policy: str = "none"  # a key of layers.REMAT_POLICIES
     scan_layers: bool = True  # False: blocks unrolled (layers.scan_blocks): slower compile, no weight slicing
 

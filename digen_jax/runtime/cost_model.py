@@ -72,7 +72,17 @@ DEVICES: dict[str, DeviceKind] = {
     "h800": DeviceKind("H800 SXM", 989.4e12, 80e9, 3.35e12, 200e9, 55e9, 2.00),
     "a100": DeviceKind("A100 SXM 80GB", 312e12, 80e9, 2.04e12, 300e9, 25e9, 1.30),
     "l40s": DeviceKind("L40S", 362e12, 48e9, 0.864e12, 32e9, 25e9, 0.90),
+    # Cloud TPU chips (Google's published per-chip bf16 peak, HBM size and bandwidth, ICI bandwidth
+    # as link_bw: v5e 197 TFLOP/s, 16 GB, 819 GB/s, 1,600 Gb/s; v5p 459 TFLOP/s, 95 GB, 2,765 GB/s,
+    # 4,800 Gb/s; v6e 918 TFLOP/s, 32 GB, 1,640 GB/s, 3,584 Gb/s; on-demand $ per chip-hour 1.20,
+    # 4.20, 2.70). Host bandwidth is not published per chip: 25 GB/s assumed. A slice's chips all
+    # share ICI: plan a slice with launch/simulate.py --devices_per_host=<its chips>.
+    "v5e": DeviceKind("TPU v5e", 197e12, 16e9, 0.819e12, 200e9, 25e9, 1.20),
+    "v5p": DeviceKind("TPU v5p", 459e12, 95e9, 2.765e12, 600e9, 25e9, 4.20),
+    "v6e": DeviceKind("TPU v6e", 918e12, 32e9, 1.64e12, 448e9, 25e9, 2.70),
 }
+# JAX's `device_kind` of the TPU chips in `DEVICES`.
+TPU_DEVICE_KINDS = {"tpu v5 lite": "v5e", "tpu v5": "v5p", "tpu v5p": "v5p", "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
 
 
 def device_kind(name: str) -> DeviceKind:
@@ -85,8 +95,10 @@ def device_kind(name: str) -> DeviceKind:
 
 def local_kind(jax_device_kind: str) -> str:
     """The `DEVICES` key of a JAX `device_kind` ('NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H100 PCIe'
-    -> 'h100_pcie'); a ValueError for kinds the table lacks (then name a pool, e.g. 'h100:8')."""
+    -> 'h100_pcie', 'TPU v5 lite' -> 'v5e'); a ValueError for kinds the table lacks (then name a pool, e.g. 'h100:8')."""
     name = jax_device_kind.lower()
+    if name in TPU_DEVICE_KINDS:
+        return TPU_DEVICE_KINDS[name]
     for key in sorted(DEVICES, key=len, reverse=True):  # 'h100_pcie' before 'h100'
         model, _, variant = key.partition("_")
         if model in name and (not variant or variant in name):

@@ -2,8 +2,9 @@
 
 Every process runs the same program (multi-controller JAX, docs/design.md section 2). The pieces:
 
-* `initialize` starts `jax.distributed` from explicit settings (config or `JAX_*` env) or from
-  a SLURM step (one task per GPU, or one task per node owning all its GPUs), and the peer
+* `initialize` starts `jax.distributed` from explicit settings (config or `JAX_*` env), from
+  a SLURM step (one task per GPU, or one task per node owning all its GPUs) or, on a Cloud TPU
+  VM, with no arguments (JAX reads the slice's hosts from the TPU metadata), and the peer
   watchdog (`peer_watchdog`: a dead process ends the others); a single process is a no-op.
   `resolve_settings` is the pure part, tested without a cluster.
 * `role_devices` cuts the global device list into contiguous role lists (rollout, train,
@@ -58,6 +59,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import glob
+import importlib.util
 import os
 import re
 import threading
@@ -132,7 +135,8 @@ class DistributedSettings:
 class ProcessLayout:
     """The resolved launch: what `jax.distributed.initialize` is called with.
 
-    source: 'single', 'explicit', 'slurm-task-per-gpu' or 'slurm-task-per-node'.
+    source: 'single', 'explicit', 'slurm-task-per-gpu', 'slurm-task-per-node' or 'tpu-vm' (the
+    process count and index known once `jax.distributed` has started).
     """
 
     source: str
@@ -204,8 +208,16 @@ def _slurm_tasks_per_node(env: Mapping[str, str], num_tasks: int) -> int:
     return max(1, num_tasks // nodes)
 
 
-def resolve_settings(settings: DistributedSettings, env: Mapping[str, str]) -> ProcessLayout:
-    """The process layout from explicit settings, then `JAX_*` env, then SLURM env (pure).
+def on_tpu_vm() -> bool:
+    """Whether this host is a Cloud TPU VM (libtpu installed, TPU chips present), found without
+    starting a JAX backend."""
+    chips = glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*")
+    return bool(chips) and importlib.util.find_spec("libtpu") is not None
+
+
+def resolve_settings(settings: DistributedSettings, env: Mapping[str, str], tpu_vm: bool = False) -> ProcessLayout:
+    """The process layout from explicit settings, then `JAX_*` env, then SLURM env, then (on a
+    Cloud TPU VM, `tpu_vm`) the TPU slice's own (pure).
 
     Explicit values win over SLURM's but must agree with it when both are present.
     """
@@ -257,6 +269,8 @@ def resolve_settings(settings: DistributedSettings, env: Mapping[str, str]) -> P
             source = "slurm-task-per-node"
 
     if num is None and pid is None and address is None:
+        if settings.enabled is True and tpu_vm:  # JAX reads the slice's hosts from the TPU VM's metadata
+            return ProcessLayout("tpu-vm")
         if settings.enabled is True:
             raise ValueError(
                 "runtime.distributed is on but there is no SLURM step and no coordinator: run under srun "
@@ -297,7 +311,11 @@ def initialize(config_or_settings=None, env: Mapping[str, str] | None = None) ->
     else:
         settings = DistributedSettings.from_config(config_or_settings)
         peer_timeout_s = _get(_get(config_or_settings, "runtime"), "peer_timeout_s")
-    layout = resolve_settings(settings, os.environ if env is None else env)
+    layout = resolve_settings(settings, os.environ if env is None else env, tpu_vm=on_tpu_vm())
+    if layout.source == "tpu-vm":  # every host of the slice runs the same command
+        if not jax.distributed.is_initialized():
+            jax.distributed.initialize()
+        layout = ProcessLayout("tpu-vm", jax.process_count(), jax.process_index(), global_state.coordinator_address)
     if layout.num_processes == 1:
         return layout
     peer_timeout_s = peer_watchdog.check_timeout(
