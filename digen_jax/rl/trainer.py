@@ -353,19 +353,24 @@ class Trainer:
         state, metrics = self._commit_update(state, grad_sum, count, ok, end_of_batch)
         return state, {**checks, **metrics}
 
+    def _on_device(self, state: TrainState) -> TrainState:
+        """`state` with an offloaded optimizer state copied onto the devices inside the program
+        (XLA overlaps the copies with the update; the program's output shardings write the new
+        value back to host memory): the arithmetic is the same as for state kept on devices."""
+        if self._opt_on_device is None:
+            return state
+        return state.replace(opt_state=jax.device_put(state.opt_state, self._opt_on_device))
+
     def _step(self, state: TrainState, grad_sum, count):
-        """The optimizer step on `state`: (averaged gradients, updates, new optimizer state, new weights)."""
-        if self._opt_on_device is not None:
-            # Offloaded optimizer state: copied onto the devices inside the program (XLA overlaps
-            # the copies with the update) and its new value written back to host memory by the
-            # program's output shardings; the arithmetic is the same as for state kept on devices.
-            state = state.replace(opt_state=jax.device_put(state.opt_state, self._opt_on_device))
+        """The optimizer step on `state` (on the devices): (averaged gradients, updates, new
+        optimizer state, new weights)."""
         grads = jax.tree.map(lambda g: g / count, grad_sum)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.trainable)
         return grads, updates, opt_state, optax.apply_updates(state.trainable, updates)
 
     def _update_check(self, state: TrainState, grad_sum, count, rewards_finite):
         """(whether the step is kept, its norms): reductions only, nothing the size of the state."""
+        state = self._on_device(state)
         grads, updates, _, trainable = self._step(state, grad_sum, count)
         grad_norm = optax.tree.norm(grads)
         # The parameters themselves are checked, not only what produced them: a learning rate of
@@ -379,6 +384,7 @@ class Trainer:
 
     def _commit(self, state: TrainState, grad_sum, count, ok, end_of_batch):
         """The state after the step where `ok`, else `state` itself, and the step's bookkeeping."""
+        state = self._on_device(state)
         _, _, opt_state, trainable = self._step(state, grad_sum, count)
         # Every leaf keeps its dtype: averaged in float32, a bfloat16 gradient makes optax's first
         # moment float32, which would double its memory and recompile the next update.
