@@ -40,13 +40,15 @@ def _rollouts_and_trains(plans):
     return rolled, trained
 
 
+@pytest.mark.parametrize("updates", [1, 2])
 @pytest.mark.parametrize("mode", plan_lib.MODES)
-def test_plans_roll_out_and_train_every_microbatch_once(mode):
+def test_plans_roll_out_and_train_every_microbatch_once(mode, updates):
     flags = plan_lib.mode_flags(mode)
     m_total, prefetch, tag = 4, (2 if flags.tcss else 0), (1 if flags.tag else 0)
     plans, carried = [], 0
     for k in range(3):
-        plans.append(plan_lib.plan_iteration(mode, k, m_total, carried=carried, tag=tag, prefetch=prefetch))
+        plans.append(plan_lib.plan_iteration(mode, k, m_total, carried=carried, tag=tag, prefetch=prefetch,
+                                             updates=updates))
         carried = prefetch
     rolled, trained = _rollouts_and_trains(plans)
     for k in range(3):
@@ -59,9 +61,30 @@ def test_plans_roll_out_and_train_every_microbatch_once(mode):
         for t in p.tasks:
             assert all(d in seen or d[1] < p.iteration or d[0] in ("update", "sync") and d[1] < t.iteration + 1 for d in t.deps), t
             seen.add(t.key)
+    _assert_versions_follow_the_updates(plans, updates)
+
+
+def _assert_versions_follow_the_updates(plans, updates):
+    """Iteration k starts at version k * updates; its u-th share of micro-batches (in index order)
+    trains with version k * updates + u and ends in the update making the next version; every
+    rollout of iteration k's weights, the prefetched ones of k + 1 included, uses its head's
+    version, which one sync per iteration carries after the last update. So a sample's lag is u,
+    plus `updates` when it was prefetched in the iteration before."""
     for p in plans:
+        k, start, per_update = p.iteration, p.iteration * updates, p.microbatches // updates
+        assert [(t.index, t.version) for t in p.of_kind("update")] == [(u, start + u + 1) for u in range(updates)]
         for t in p.of_kind("train"):
-            assert 0 <= t.version - t.sample_version <= (1 if flags.tcss else 0)
+            u = t.index // per_update
+            assert t.version == start + u
+            assert t.version - t.sample_version == u + (updates if t.index < p.carried else 0), t
+            if u and t.index % per_update == 0:  # a share's first training waits for the update before it
+                assert ("update", k, u - 1) in t.deps, t
+        assert {t.version for t in p.of_kind("rollout")} <= {start}
+        syncs = p.of_kind("sync")
+        if syncs:
+            (sync,) = syncs
+            assert sync.version == start + updates and sync.deps == (("update", k, updates - 1),)
+            assert {t.iteration for t in p.of_kind("rollout") if t.group == "rollout"} <= {k, k + 1}
 
 
 def test_disagg_sync_waits_for_the_whole_batch_and_gap_does_not():
@@ -92,8 +115,8 @@ def test_bad_plan_arguments():
         plan_lib.plan_iteration("gap+tag", 0, 2)
     with pytest.raises(ValueError, match="trainer rollouts"):
         plan_lib.plan_iteration("gap", 0, 2, tag=1)
-    with pytest.raises(ValueError, match="num_updates_per_batch"):
-        plan_lib.plan_iteration("gap", 0, 2, updates=2)
+    with pytest.raises(ValueError, match="num_updates_per_batch=3 must divide runtime.micro_batches=4"):
+        plan_lib.plan_iteration("gap", 0, 4, updates=3)
 
 
 def _costs(rollout, train):
