@@ -207,12 +207,13 @@ def cache_dir(pretrain_cache_dir):
     return pretrain_cache_dir
 
 
-def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable) -> dict:
-    """Every mode for two iterations from the same Run (same initial weights, shared compiled
-    steps), its configs from `make_config(mode)`; `snapshot(state)` after the first update."""
+def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable, modes=plan_lib.MODES) -> dict:
+    """Every mode of `modes` for two iterations from the same Run (same initial weights, shared
+    compiled steps), its configs from `make_config(mode)`; `snapshot(state)` after the first
+    iteration."""
     run = loop.Run(make_config("colocated"), str(workdir), log=lambda _: None)
     out = {"run": run, "initial": jax.device_get(run.state.trainable)}
-    for mode in plan_lib.MODES:
+    for mode in modes:
         trace_path = os.path.join(workdir, mode.replace("+", "_") + ".json")
         executor = Executor(run, config=make_config(mode), trace_path=trace_path, log=lambda _: None)
         plans, metrics, after_first = [], [], None
@@ -311,7 +312,14 @@ def test_trace_shows_every_sample_trained_once_at_bounded_staleness(runs, mode):
 
 
 def _assert_every_sample_trained_once_at_bounded_staleness(result, mode):
+    """The trace's invariants: every sample generated once and trained once, each training task's
+    samples of one version, share u of iteration k's micro-batches trained with version
+    k * U + u (U updates per iteration) and a lag of u, plus U for a micro-batch prefetched in
+    the iteration before (TCSS only); the timings' staleness figures and the metrics' versions
+    agree."""
     executor, events, timings = result["executor"], result["trace"], result["timings"]
+    updates = executor.config.rl.num_updates_per_batch
+    per_update = executor.microbatches // updates
     batch = 16
     rollouts = [e for e in events if e["args"]["kind"] == "rollout"]
     trains = [e for e in events if e["args"]["kind"] == "train"]
@@ -323,19 +331,72 @@ def _assert_every_sample_trained_once_at_bounded_staleness(result, mode):
     trained = collections.Counter(sid for e in trains for sid in e["args"]["sample_ids"])
     assert sorted(trained) == list(range(ITERATIONS * batch))  # nothing lost
     assert set(trained.values()) == {1}  # nothing doubled
-    bound = executor.config.runtime.staleness if "tcss" in mode else 0
     for e in trains:
-        versions = {generated_by[sid] for sid in e["args"]["sample_ids"]}
-        assert versions == {e["args"]["sample_version"]}  # one version per trajectory batch
-        assert 0 <= e["args"]["version"] - e["args"]["sample_version"] <= bound
+        args = e["args"]
+        versions = {generated_by[sid] for sid in args["sample_ids"]}
+        assert versions == {args["sample_version"]}  # one version per trajectory batch
+        k, u = args["iteration"], args["microbatch"] // per_update
+        assert args["version"] == k * updates + u
+        prefetched = args["sample_version"] < k * updates
+        assert not prefetched or "tcss" in mode and executor.config.runtime.staleness >= 1
+        assert args["version"] - args["sample_version"] == u + (updates if prefetched else 0), args
     groups = {e["args"]["group"] for e in rollouts}
     assert groups == ({"shared"} if mode == "colocated" else {"rollout", "train"} if "tag" in mode else {"rollout"})
+    bound = updates - 1 + (updates if "tcss" in mode else 0)
     for t in timings:
         assert t["samples_per_s"] > 0 and all(0 <= f <= 1 for f in t["bubble_frac"].values())
         assert t["staleness_max"] <= bound
     if "tcss" in mode:
-        assert timings[1]["staleness_max"] == 1  # iteration 1 trained a micro-batch prefetched with version 0
-    assert [int(m["version"]) for m in result["metrics"]] == list(range(1, ITERATIONS + 1))
+        assert timings[1]["staleness_max"] == updates  # iteration 1 trained a micro-batch prefetched with version 0
+    assert [int(m["version"]) for m in result["metrics"]] == [updates * (k + 1) for k in range(ITERATIONS)]
+
+
+# Several updates per iteration: the modes that cover every way an update's share reaches the
+# trainer (all at once, pipelined, pipelined with trainer rollouts and a prefetch carried in).
+MULTI_UPDATE_MODES = (plan_lib.COLOCATED, "gap", plan_lib.BEST_MODE)
+
+
+@pytest.fixture(scope="module")
+def multi_update_runs(cache_dir, compile_cache, tmp_path_factory):
+    """`runs` with `rl.num_updates_per_batch=2`: each iteration's 4 micro-batches make two updates."""
+    def config(mode):
+        c = runtime_config(cache_dir, mode)
+        c.rl.num_updates_per_batch = 2
+        return c
+
+    return run_every_mode(config, tmp_path_factory.mktemp("runtime_updates"), modes=MULTI_UPDATE_MODES)
+
+
+@pytest.mark.parametrize("mode", MULTI_UPDATE_MODES)
+def test_several_updates_per_iteration_train_every_sample_once_at_their_share_s_staleness(multi_update_runs, mode):
+    """Two updates per iteration: the trace invariants with each share's lag; one metrics row per
+    iteration whose version advanced by two, its staleness histogram per trained sample (the
+    second share one version old; TCSS's prefetched micro-batch two, in share 0), the lag-0
+    units those of the first share's own samples only, and the rollout role holding the last
+    version."""
+    result = multi_update_runs[mode]
+    _assert_every_sample_trained_once_at_bounded_staleness(result, mode)
+    prefetched = result["executor"].config.runtime.prefetch_microbatches if "tcss" in mode else 0
+    for k, (m, t) in enumerate(zip(jax.device_get(result["metrics"]), result["timings"])):
+        stale = 4 * prefetched if k else 0  # samples of the micro-batches carried into iteration k
+        want = {"0": 8 - stale, "1": 8, "2": stale}
+        assert t["staleness_hist"] == {lag: n for lag, n in want.items() if n}, (k, t["staleness_hist"])
+        assert int(m["lag0_units"]) == (8 - stale) * 3 and np.isfinite(m["loss"]), k
+        assert int(m["skipped"]) == 0
+    executor = result["executor"]
+    assert int(executor.state.version) == 2 * ITERATIONS
+    if mode != plan_lib.COLOCATED:
+        assert executor.weights.rollout_version == 2 * ITERATIONS
+
+
+def test_several_updates_per_iteration_are_the_same_in_pipelined_and_colocated_modes(multi_update_runs):
+    """The first iteration's two updates (the second on samples one version old, anchored on the
+    log-probs their rollout recorded) move the weights the same in gap as colocated: the shares,
+    versions and anchors are the schedule's, not the mode's."""
+    reference = multi_update_runs[plan_lib.COLOCATED]["after_first"]
+    moved = _max_diff(reference, multi_update_runs["initial"])
+    assert moved > 1e-5
+    assert _max_diff(multi_update_runs["gap"]["after_first"], reference) < 1e-5 * max(moved, 1.0)
 
 
 def nft_config(cache_dir, mode):
