@@ -351,9 +351,9 @@ def _assert_every_sample_trained_once_at_bounded_staleness(result, mode):
     assert [int(m["version"]) for m in result["metrics"]] == [updates * (k + 1) for k in range(ITERATIONS)]
 
 
-# Several updates per iteration: the modes that cover every way an update's share reaches the
-# trainer (all at once, pipelined, pipelined with trainer rollouts and a prefetch carried in).
-MULTI_UPDATE_MODES = (plan_lib.COLOCATED, "gap", plan_lib.BEST_MODE)
+# Several updates per iteration: the modes at both ends, between them every way an update's share
+# reaches the trainer (all at once; pipelined, with trainer rollouts and a prefetch carried in).
+MULTI_UPDATE_MODES = (plan_lib.COLOCATED, plan_lib.BEST_MODE)
 
 
 @pytest.fixture(scope="module")
@@ -391,12 +391,38 @@ def test_several_updates_per_iteration_train_every_sample_once_at_their_share_s_
 
 def test_several_updates_per_iteration_are_the_same_in_pipelined_and_colocated_modes(multi_update_runs):
     """The first iteration's two updates (the second on samples one version old, anchored on the
-    log-probs their rollout recorded) move the weights the same in gap as colocated: the shares,
-    versions and anchors are the schedule's, not the mode's."""
+    log-probs their rollout recorded) move the weights the same in the full mode as colocated:
+    the shares, versions and anchors are the schedule's, whichever group rolled a sample out."""
     reference = multi_update_runs[plan_lib.COLOCATED]["after_first"]
     moved = _max_diff(reference, multi_update_runs["initial"])
     assert moved > 1e-5
-    assert _max_diff(multi_update_runs["gap"]["after_first"], reference) < 1e-5 * max(moved, 1.0)
+    assert _max_diff(multi_update_runs[plan_lib.BEST_MODE]["after_first"], reference) < 1e-5 * max(moved, 1.0)
+
+
+def test_a_resumed_run_with_several_updates_per_iteration_continues_bit_equal(multi_update_runs, tmp_path):
+    """The full mode with two updates per iteration, resumed after iteration 0 by a fresh executor
+    from host copies of its state and prefetched micro-batch (what a checkpoint holds): iteration
+    1 rolls out only what was not carried, and its updates equal the uninterrupted run's bit for bit."""
+    reference = multi_update_runs[plan_lib.BEST_MODE]
+    config, run = reference["executor"].config, multi_update_runs["run"]
+    first = Executor(run, config=config, trace_path=str(tmp_path / "first.json"), log=lambda _: None)
+    first.iteration(0)
+    first.drain()
+    state, carried = jax.device_get(first.state), first.carried_snapshot()
+    first.close()
+    assert list(carried) == ["0"] and int(carried["0"]["version"]) == 0
+    resumed = Executor(run, config=config, trace_path=str(tmp_path / "resumed.json"), log=lambda _: None)
+    resumed.resume(1, jax.device_put(state, resumed.state_sharding), carried, [])
+    _, metrics = resumed.iteration(1)
+    resumed.close()
+    assert float(metrics["loss"]) == float(reference["metrics"][1]["loss"])
+    assert int(metrics["version"]) == 4
+    for a, b in zip(jax.tree.leaves(jax.device_get(resumed.state.trainable)),
+                    jax.tree.leaves(jax.device_get(reference["executor"].state.trainable))):
+        np.testing.assert_array_equal(a, b)
+    events = read_trace(tmp_path / "resumed.json")
+    assert sorted(e["args"]["microbatch"] for e in events if e["args"]["kind"] == "rollout"
+                  and e["args"]["iteration"] == 1) == [1, 2, 3]
 
 
 def nft_config(cache_dir, mode):
