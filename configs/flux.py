@@ -113,7 +113,6 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
 
     # Colocated by default (any device count); on a multi-GPU host try e.g.
     # --config.runtime.mode=gap+tsp+tag+tcss --config.runtime.rollout_devices=2 --config.runtime.train_devices=2
-    # --config.rl.num_updates_per_batch=1 (a disaggregated mode makes one update per iteration)
     c.runtime = runtime_section(micro_batches=4)
     # LoRA: the frozen base fits one GPU and is replicated on every train device (data parallel, one
     # adapter-gradient all-reduce per micro-batch, no per-layer weight gathers). Full fine-tuning

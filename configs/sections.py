@@ -25,7 +25,7 @@ def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_colle
             # stale weights (tcss); -1: chosen every iteration from measured costs.
             tag_microbatches=-1,
             prefetch_microbatches=-1,
-            staleness=1,  # tcss bound on version lag (0 turns prefetching off)
+            staleness=1,  # tcss: iterations a prefetched sample's weights may lag (0 turns prefetching off)
             # Keep the optimizer state (Adam moments) in pinned host memory, copied through the train
             # devices at each update: full fine-tuning of 12-20B models on 80 GB cards (README).
             offload_optimizer=False,

@@ -85,7 +85,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.kl_beta = 0.0
     # Two optimizer updates per batch, each on half of its micro-batches (Flow-GRPO's recipe): the
     # second half is trained one update off-policy, which is where clip_frac and approx_kl move.
-    # Disaggregated runtime.modes make one update per iteration: set it to 1 there.
     c.rl.num_updates_per_batch = 2
     c.rl.micro_batch_size = 112  # training units per gradient micro-batch
     # Decoupled PPO (proximal policy) for off-policy updates; None: on with model.rollout_precision='fp8'

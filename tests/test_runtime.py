@@ -40,13 +40,15 @@ def _rollouts_and_trains(plans):
     return rolled, trained
 
 
+@pytest.mark.parametrize("updates", [1, 2])
 @pytest.mark.parametrize("mode", plan_lib.MODES)
-def test_plans_roll_out_and_train_every_microbatch_once(mode):
+def test_plans_roll_out_and_train_every_microbatch_once(mode, updates):
     flags = plan_lib.mode_flags(mode)
     m_total, prefetch, tag = 4, (2 if flags.tcss else 0), (1 if flags.tag else 0)
     plans, carried = [], 0
     for k in range(3):
-        plans.append(plan_lib.plan_iteration(mode, k, m_total, carried=carried, tag=tag, prefetch=prefetch))
+        plans.append(plan_lib.plan_iteration(mode, k, m_total, carried=carried, tag=tag, prefetch=prefetch,
+                                             updates=updates))
         carried = prefetch
     rolled, trained = _rollouts_and_trains(plans)
     for k in range(3):
@@ -59,9 +61,30 @@ def test_plans_roll_out_and_train_every_microbatch_once(mode):
         for t in p.tasks:
             assert all(d in seen or d[1] < p.iteration or d[0] in ("update", "sync") and d[1] < t.iteration + 1 for d in t.deps), t
             seen.add(t.key)
+    _assert_versions_follow_the_updates(plans, updates)
+
+
+def _assert_versions_follow_the_updates(plans, updates):
+    """Iteration k starts at version k * updates; its u-th share of micro-batches (in index order)
+    trains with version k * updates + u and ends in the update making the next version; every
+    rollout of iteration k's weights, the prefetched ones of k + 1 included, uses its head's
+    version, which one sync per iteration carries after the last update. So a sample's lag is u,
+    plus `updates` when it was prefetched in the iteration before."""
     for p in plans:
+        k, start, per_update = p.iteration, p.iteration * updates, p.microbatches // updates
+        assert [(t.index, t.version) for t in p.of_kind("update")] == [(u, start + u + 1) for u in range(updates)]
         for t in p.of_kind("train"):
-            assert 0 <= t.version - t.sample_version <= (1 if flags.tcss else 0)
+            u = t.index // per_update
+            assert t.version == start + u
+            assert t.version - t.sample_version == u + (updates if t.index < p.carried else 0), t
+            if u and t.index % per_update == 0:  # a share's first training waits for the update before it
+                assert ("update", k, u - 1) in t.deps, t
+        assert {t.version for t in p.of_kind("rollout")} <= {start}
+        syncs = p.of_kind("sync")
+        if syncs:
+            (sync,) = syncs
+            assert sync.version == start + updates and sync.deps == (("update", k, updates - 1),)
+            assert {t.iteration for t in p.of_kind("rollout") if t.group == "rollout"} <= {k, k + 1}
 
 
 def test_disagg_sync_waits_for_the_whole_batch_and_gap_does_not():
@@ -92,8 +115,8 @@ def test_bad_plan_arguments():
         plan_lib.plan_iteration("gap+tag", 0, 2)
     with pytest.raises(ValueError, match="trainer rollouts"):
         plan_lib.plan_iteration("gap", 0, 2, tag=1)
-    with pytest.raises(ValueError, match="num_updates_per_batch"):
-        plan_lib.plan_iteration("gap", 0, 2, updates=2)
+    with pytest.raises(ValueError, match="num_updates_per_batch=3 must divide runtime.micro_batches=4"):
+        plan_lib.plan_iteration("gap", 0, 4, updates=3)
 
 
 def _costs(rollout, train):
@@ -184,12 +207,13 @@ def cache_dir(pretrain_cache_dir):
     return pretrain_cache_dir
 
 
-def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable) -> dict:
-    """Every mode for two iterations from the same Run (same initial weights, shared compiled
-    steps), its configs from `make_config(mode)`; `snapshot(state)` after the first update."""
+def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable, modes=plan_lib.MODES) -> dict:
+    """Every mode of `modes` for two iterations from the same Run (same initial weights, shared
+    compiled steps), its configs from `make_config(mode)`; `snapshot(state)` after the first
+    iteration."""
     run = loop.Run(make_config("colocated"), str(workdir), log=lambda _: None)
     out = {"run": run, "initial": jax.device_get(run.state.trainable)}
-    for mode in plan_lib.MODES:
+    for mode in modes:
         trace_path = os.path.join(workdir, mode.replace("+", "_") + ".json")
         executor = Executor(run, config=make_config(mode), trace_path=trace_path, log=lambda _: None)
         plans, metrics, after_first = [], [], None
@@ -288,7 +312,14 @@ def test_trace_shows_every_sample_trained_once_at_bounded_staleness(runs, mode):
 
 
 def _assert_every_sample_trained_once_at_bounded_staleness(result, mode):
+    """The trace's invariants: every sample generated once and trained once, each training task's
+    samples of one version, share u of iteration k's micro-batches trained with version
+    k * U + u (U updates per iteration) and a lag of u, plus U for a micro-batch prefetched in
+    the iteration before (TCSS only); the timings' staleness figures and the metrics' versions
+    agree."""
     executor, events, timings = result["executor"], result["trace"], result["timings"]
+    updates = executor.config.rl.num_updates_per_batch
+    per_update = executor.microbatches // updates
     batch = 16
     rollouts = [e for e in events if e["args"]["kind"] == "rollout"]
     trains = [e for e in events if e["args"]["kind"] == "train"]
@@ -300,19 +331,98 @@ def _assert_every_sample_trained_once_at_bounded_staleness(result, mode):
     trained = collections.Counter(sid for e in trains for sid in e["args"]["sample_ids"])
     assert sorted(trained) == list(range(ITERATIONS * batch))  # nothing lost
     assert set(trained.values()) == {1}  # nothing doubled
-    bound = executor.config.runtime.staleness if "tcss" in mode else 0
     for e in trains:
-        versions = {generated_by[sid] for sid in e["args"]["sample_ids"]}
-        assert versions == {e["args"]["sample_version"]}  # one version per trajectory batch
-        assert 0 <= e["args"]["version"] - e["args"]["sample_version"] <= bound
+        args = e["args"]
+        versions = {generated_by[sid] for sid in args["sample_ids"]}
+        assert versions == {args["sample_version"]}  # one version per trajectory batch
+        k, u = args["iteration"], args["microbatch"] // per_update
+        assert args["version"] == k * updates + u
+        prefetched = args["sample_version"] < k * updates
+        assert not prefetched or "tcss" in mode and executor.config.runtime.staleness >= 1
+        assert args["version"] - args["sample_version"] == u + (updates if prefetched else 0), args
     groups = {e["args"]["group"] for e in rollouts}
     assert groups == ({"shared"} if mode == "colocated" else {"rollout", "train"} if "tag" in mode else {"rollout"})
+    bound = updates - 1 + (updates if "tcss" in mode else 0)
     for t in timings:
         assert t["samples_per_s"] > 0 and all(0 <= f <= 1 for f in t["bubble_frac"].values())
         assert t["staleness_max"] <= bound
     if "tcss" in mode:
-        assert timings[1]["staleness_max"] == 1  # iteration 1 trained a micro-batch prefetched with version 0
-    assert [int(m["version"]) for m in result["metrics"]] == list(range(1, ITERATIONS + 1))
+        assert timings[1]["staleness_max"] == updates  # iteration 1 trained a micro-batch prefetched with version 0
+    assert [int(m["version"]) for m in result["metrics"]] == [updates * (k + 1) for k in range(ITERATIONS)]
+
+
+# Several updates per iteration: the modes at both ends, between them every way an update's share
+# reaches the trainer (all at once; pipelined, with trainer rollouts and a prefetch carried in).
+MULTI_UPDATE_MODES = (plan_lib.COLOCATED, plan_lib.BEST_MODE)
+
+
+@pytest.fixture(scope="module")
+def multi_update_runs(cache_dir, compile_cache, tmp_path_factory):
+    """`runs` with `rl.num_updates_per_batch=2`: each iteration's 4 micro-batches make two updates."""
+    def config(mode):
+        c = runtime_config(cache_dir, mode)
+        c.rl.num_updates_per_batch = 2
+        return c
+
+    return run_every_mode(config, tmp_path_factory.mktemp("runtime_updates"), modes=MULTI_UPDATE_MODES)
+
+
+@pytest.mark.parametrize("mode", MULTI_UPDATE_MODES)
+def test_several_updates_per_iteration_train_every_sample_once_at_their_share_s_staleness(multi_update_runs, mode):
+    """Two updates per iteration: the trace invariants with each share's lag; one metrics row per
+    iteration whose version advanced by two, its staleness histogram per trained sample (the
+    second share one version old; TCSS's prefetched micro-batch two, in share 0), the lag-0
+    units those of the first share's own samples only, and the rollout role holding the last
+    version."""
+    result = multi_update_runs[mode]
+    _assert_every_sample_trained_once_at_bounded_staleness(result, mode)
+    prefetched = result["executor"].config.runtime.prefetch_microbatches if "tcss" in mode else 0
+    for k, (m, t) in enumerate(zip(jax.device_get(result["metrics"]), result["timings"])):
+        stale = 4 * prefetched if k else 0  # samples of the micro-batches carried into iteration k
+        want = {"0": 8 - stale, "1": 8, "2": stale}
+        assert t["staleness_hist"] == {lag: n for lag, n in want.items() if n}, (k, t["staleness_hist"])
+        assert int(m["lag0_units"]) == (8 - stale) * 3 and np.isfinite(m["loss"]), k
+        assert int(m["skipped"]) == 0
+    executor = result["executor"]
+    assert int(executor.state.version) == 2 * ITERATIONS
+    if mode != plan_lib.COLOCATED:
+        assert executor.weights.rollout_version == 2 * ITERATIONS
+
+
+def test_several_updates_per_iteration_are_the_same_in_pipelined_and_colocated_modes(multi_update_runs):
+    """The first iteration's two updates (the second on samples one version old, anchored on the
+    log-probs their rollout recorded) move the weights the same in the full mode as colocated:
+    the shares, versions and anchors are the schedule's, whichever group rolled a sample out."""
+    reference = multi_update_runs[plan_lib.COLOCATED]["after_first"]
+    moved = _max_diff(reference, multi_update_runs["initial"])
+    assert moved > 1e-5
+    assert _max_diff(multi_update_runs[plan_lib.BEST_MODE]["after_first"], reference) < 1e-5 * max(moved, 1.0)
+
+
+def test_a_resumed_run_with_several_updates_per_iteration_continues_bit_equal(multi_update_runs, tmp_path):
+    """The full mode with two updates per iteration, resumed after iteration 0 by a fresh executor
+    from host copies of its state and prefetched micro-batch (what a checkpoint holds): iteration
+    1 rolls out only what was not carried, and its updates equal the uninterrupted run's bit for bit."""
+    reference = multi_update_runs[plan_lib.BEST_MODE]
+    config, run = reference["executor"].config, multi_update_runs["run"]
+    first = Executor(run, config=config, trace_path=str(tmp_path / "first.json"), log=lambda _: None)
+    first.iteration(0)
+    first.drain()
+    state, carried = jax.device_get(first.state), first.carried_snapshot()
+    first.close()
+    assert list(carried) == ["0"] and int(carried["0"]["version"]) == 0
+    resumed = Executor(run, config=config, trace_path=str(tmp_path / "resumed.json"), log=lambda _: None)
+    resumed.resume(1, jax.device_put(state, resumed.state_sharding), carried, [])
+    _, metrics = resumed.iteration(1)
+    resumed.close()
+    assert float(metrics["loss"]) == float(reference["metrics"][1]["loss"])
+    assert int(metrics["version"]) == 4
+    for a, b in zip(jax.tree.leaves(jax.device_get(resumed.state.trainable)),
+                    jax.tree.leaves(jax.device_get(reference["executor"].state.trainable))):
+        np.testing.assert_array_equal(a, b)
+    events = read_trace(tmp_path / "resumed.json")
+    assert sorted(e["args"]["microbatch"] for e in events if e["args"]["kind"] == "rollout"
+                  and e["args"]["iteration"] == 1) == [1, 2, 3]
 
 
 def nft_config(cache_dir, mode):

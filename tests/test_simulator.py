@@ -141,6 +141,23 @@ def test_ablation_gains_follow_from_the_costs(base_costs):
     assert _rate("colocated", dataclasses.replace(colocated, sync=100.0)) == _rate("colocated", colocated)
 
 
+def test_several_updates_per_batch_in_every_mode(qwen):
+    """`rl.num_updates_per_batch=2`: every mode's prediction schedules two updates in each timed
+    iteration, over the micro-batch counts the executor accepts (even ones), and takes at least
+    the time of one update per iteration on the same costs."""
+    two = dataclasses.replace(qwen, updates=2)
+    pool = cm.Pool.parse("h100:16")
+    for mode in plan_lib.MODES:
+        one_p, two_p = sim.simulate(qwen, pool, mode, microbatches=8), sim.simulate(two, pool, mode, microbatches=8)
+        timed = [t for t in two_p.timeline if t["timed"]]
+        for k in {t["iteration"] for t in timed}:
+            assert sorted(t["index"] for t in timed if t["kind"] == "update" and t["iteration"] == k) == [0, 1], mode
+        assert two_p.samples_per_s <= one_p.samples_per_s * (1 + 1e-9), mode
+        assert sim.simulate(two, pool, mode).microbatches % 2 == 0, mode
+    with pytest.raises(ValueError, match=r"rl\.num_updates_per_batch=2 must divide runtime\.micro_batches=1"):
+        sim.simulate(two, pool, FULL, microbatches=1)
+
+
 def test_cost_model_moves_with_efficiency(qwen):
     """Predictions respond to the efficiency factors the way the cost formulas say."""
     pool = cm.Pool.parse("h800:16")

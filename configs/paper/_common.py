@@ -1,9 +1,9 @@
 """What every configs/paper model config shares: one update per iteration and a runtime section.
 
 The simulated grid compares systems on the same work per iteration, so the second
-(off-policy) update some recipes make is folded into one (`rl.num_updates_per_batch = 1`,
-which the disaggregated modes require), and training chunks hold enough units to give every
-trainer device several (`rl.micro_batch_size`).
+(off-policy) update some recipes make is folded into one (`rl.num_updates_per_batch = 1`),
+and training chunks hold enough units to give every trainer device several
+(`rl.micro_batch_size`).
 """
 from configs.sections import runtime_section, sharding_section
 

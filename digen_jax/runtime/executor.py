@@ -230,14 +230,13 @@ class Executor:
         self.weights.place_decoders(job.decoder_params)
         self._reward_dispatch = threading.Lock()  # see _rollout
 
-    def _sync(self, version: int, deps: tuple = ()) -> None:
-        """Trainer -> rollout weight transfer of `version` (asynchronous; only adapters with LoRA)."""
-        task = plan_lib.Task("sync", "link", version, 0, version, deps=deps)
+    def _sync(self, task: plan_lib.Task) -> None:
+        """Trainer -> rollout weight transfer of `task.version` (asynchronous; only adapters with LoRA)."""
         start = self.tracer.now()
         weights = self.job.trainer.rollout_weights(self.state)  # DiffusionNFT: the old policy
         moved_bytes = crossing_bytes(weights, self.meshes.rollout)
         with self.lanes.crossing(task):
-            moved = self.weights.sync(weights, version)
+            moved = self.weights.sync(weights, task.version)
         self.tracer.record(task, moved, start, bytes=moved_bytes)
 
     def _params_on(self, group: str, version: int):
@@ -456,7 +455,8 @@ class Executor:
         costs = costs or self._agreed_costs()
         if costs is None:
             return fixed_tag or 0, fixed_prefetch or 0
-        tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag, fixed_prefetch=fixed_prefetch)
+        tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag,
+                                              fixed_prefetch=fixed_prefetch, updates=self.config.rl.num_updates_per_batch)
         return min(tag, self.microbatches - len(self.carried)), prefetch
 
     def _agreed_costs(self) -> plan_lib.Costs | None:
@@ -533,7 +533,7 @@ class Executor:
             # The initial (or a resumed run's) weights, which no planned sync carries: before any
             # lane runs, so every process issues this transfer at the same point.
             self.lanes.drain()
-            self._sync(first.version)
+            self._sync(plan_lib.Task("sync", "link", k, 0, first.version))
             self._synced_version = first.version
         self._synced_version = max([t.version for t in plan.tasks if t.kind == "sync"], default=self._synced_version)
 
@@ -556,7 +556,7 @@ class Executor:
                 if task.key == last_update:
                     figures.update(self._figures(k, update_metrics))
             elif task.kind == "sync":
-                self._sync(task.version, task.deps)
+                self._sync(task)
             elif task.kind == TRAJECTORY:
                 self._move_trajectory(mbs[(task.iteration, task.index)])
 

@@ -9,11 +9,13 @@ Groups: `rollout` and `train` are the two device roles of a disaggregated run; c
 runs use the single group `shared`; `reward` is the reward queue (host threads or reward
 devices); `link` is the trainer -> rollout weight transfer.
 
-Versions: weights of version v are the parameters after v optimizer updates. In iteration k
-of a disaggregated run the trainer holds version k, and rollout holds version k once the
-sync that carries it has landed. A task records the version of the weights it *uses*;
-a training task also records the version that *generated* its samples (`sample_version`),
-so staleness = version - sample_version.
+Versions: weights of version v are the parameters after v optimizer updates. An iteration
+makes U = `rl.num_updates_per_batch` updates, each on a consecutive share of its micro-batches,
+so it starts at version k*U: the trainer holds it at the head of iteration k, and rollout holds
+it once the sync that carries it (one per iteration, after the last update) has landed. A task
+records the version of the weights it *uses*; a training task also records the version that
+*generated* its samples (`sample_version`), so staleness = version - sample_version: u for the
+u-th share of an iteration's own samples, U + u for samples prefetched in the iteration before.
 
 Modes (docs/design.md section 4):
   colocated           one group rolls out the whole batch, then trains it.
@@ -23,7 +25,7 @@ Modes (docs/design.md section 4):
                       over every trainer device (an executor/cost difference, same task list).
   gap+tsp+tag         the trainer also rolls out `tag` micro-batches at the head of the iteration.
   gap+tsp+tag+tcss    rollout generates the next iteration's first `prefetch` micro-batches with
-                      the current weights while the trainer finishes (staleness 1).
+                      the current weights while the trainer finishes (one iteration stale).
 """
 from __future__ import annotations
 
@@ -110,8 +112,6 @@ def plan_iteration(
         raise ValueError(f"runtime.micro_batches must be >= 1, got {m_total}")
     if updates < 1 or m_total % updates:
         raise ValueError(f"rl.num_updates_per_batch={updates} must divide runtime.micro_batches={m_total}")
-    if not flags.colocated and updates != 1:
-        raise ValueError(f"rl.num_updates_per_batch={updates}: runtime.mode={mode!r} makes one update per iteration")
     if (tag and not flags.tag) or (prefetch and not flags.tcss) or (carried and not flags.tcss):
         raise ValueError(f"runtime.mode={mode!r} has no trainer rollouts / prefetch (tag={tag}, prefetch={prefetch})")
     if not (0 <= carried <= m_total and 0 <= tag <= m_total - carried and 0 <= prefetch <= m_total):
@@ -119,34 +119,35 @@ def plan_iteration(
     if flags.colocated:
         return _plan_colocated(k, m_total, updates)
 
-    version = k
+    start = k * updates  # the version the trainer holds at the head of iteration k
     weights_on_rollout = (("sync", k, 0),) if k > 0 else ()
-    weights_on_train = (("update", k - 1, 0),) if k > 0 else ()
+    weights_on_train = (("update", k - 1, updates - 1),) if k > 0 else ()
     tasks: list[Task] = []
     # The trainer's rollouts first: their rewards must not queue behind the rollout group's.
     tag_mbs = range(carried, carried + tag)
     for m in tag_mbs:
-        tasks.append(Task("rollout", "train", k, m, version, deps=weights_on_train))
+        tasks.append(Task("rollout", "train", k, m, start, deps=weights_on_train))
     rollout_mbs = range(carried + tag, m_total)
     for m in rollout_mbs:
-        tasks.append(Task("rollout", "rollout", k, m, version, deps=weights_on_rollout))
+        tasks.append(Task("rollout", "rollout", k, m, start, deps=weights_on_rollout))
     for m in range(prefetch):
-        tasks.append(Task("rollout", "rollout", k + 1, m, version, deps=weights_on_rollout))
+        tasks.append(Task("rollout", "rollout", k + 1, m, start, deps=weights_on_rollout))
     for t in list(tasks):
         tasks.append(Task("reward", "reward", t.iteration, t.index, t.version, deps=(t.key,)))
-    train_order = [*range(carried), *tag_mbs, *rollout_mbs]
     all_rewards = tuple(("reward", k, m) for m in range(m_total))
-    previous: tuple[TaskKey, ...] = weights_on_train
-    for m in train_order:
-        generated_by = version - 1 if m < carried else version
-        deps = (("reward", k, m),) if flags.pipelined else all_rewards
-        tasks.append(Task("train", "train", k, m, version, sample_version=generated_by, deps=deps + previous))
-        previous = (("train", k, m),)
-    # The sync of version k reads the trainer's weights when it is dispatched, behind the
-    # rollout group's earlier tasks; the update that replaces them (donating their buffers)
-    # waits for it, however far ahead the trainer runs.
-    tasks.append(Task("update", "train", k, 0, version + 1, deps=previous + weights_on_rollout))
-    sync = Task("sync", "link", k + 1, 0, version + 1, deps=(("update", k, 0),))
+    # The trainer takes the micro-batches in index order: the carried ones (rolled out with the
+    # previous iteration's weights), then its own rollouts', then the rollout group's. The sync
+    # of this iteration's weights reads the trainer's weights when it is dispatched, behind the
+    # rollout group's earlier tasks; the first update, which replaces them (donating their
+    # buffers), waits for it however far ahead the trainer runs.
+    tasks += _training(
+        k, "train", start, m_total, updates, previous=weights_on_train, first_update_deps=weights_on_rollout,
+        sample_version=lambda m: start - updates if m < carried else start,
+        reward_deps=lambda m: (("reward", k, m),) if flags.pipelined else all_rewards,
+    )
+    # One sync per iteration, after its last update: the next iteration's rollouts sample the
+    # weights at its head, like a colocated run's (docs/design.md section 4).
+    sync = Task("sync", "link", k + 1, 0, start + updates, deps=(("update", k, updates - 1),))
     # The sync is dispatched from the rollout group's thread and replaces its weights: it goes
     # after every rollout of the old weights there, the prefetched ones of the next iteration
     # included, wherever the nominal order would put it (the device copy may still overlap them).
@@ -173,20 +174,34 @@ def _dispatch_order(tasks: Sequence[Task]) -> tuple[Task, ...]:
 
 
 def _plan_colocated(k: int, m_total: int, updates: int) -> IterationPlan:
-    version = k * updates
+    start = k * updates
     after_last_update = (("update", k - 1, updates - 1),) if k > 0 else ()
-    tasks = [Task("rollout", "shared", k, m, version, deps=after_last_update) for m in range(m_total)]
-    tasks += [Task("reward", "reward", k, m, version, deps=(("rollout", k, m),)) for m in range(m_total)]
+    tasks = [Task("rollout", "shared", k, m, start, deps=after_last_update) for m in range(m_total)]
+    tasks += [Task("reward", "reward", k, m, start, deps=(("rollout", k, m),)) for m in range(m_total)]
     all_rewards = tuple(("reward", k, m) for m in range(m_total))
-    per_update = m_total // updates
-    previous: tuple[TaskKey, ...] = ()
-    for u in range(updates):
-        for m in range(u * per_update, (u + 1) * per_update):
-            tasks.append(Task("train", "shared", k, m, version + u, sample_version=version, deps=all_rewards + previous))
-            previous = (("train", k, m),)
-        tasks.append(Task("update", "shared", k, u, version + u + 1, deps=previous))
-        previous = (("update", k, u),)
+    tasks += _training(k, "shared", start, m_total, updates, sample_version=lambda m: start,
+                       reward_deps=lambda m: all_rewards)
     return IterationPlan(k, m_total, tuple(tasks), 0, 0, 0)
+
+
+def _training(k: int, group: str, start: int, m_total: int, updates: int, *, sample_version, reward_deps,
+              previous: tuple[TaskKey, ...] = (), first_update_deps: tuple[TaskKey, ...] = ()) -> list[Task]:
+    """Iteration k's training on `group`: its micro-batches in index order, cut into `updates`
+    consecutive shares, each closed by an update. Share u trains with version `start + u` (the
+    weights after the iteration's first u updates), so its samples, generated by
+    `sample_version(m)`, are u versions staler than the first share's (Flow-GRPO's several
+    optimizer steps per sampled batch)."""
+    per_update = m_total // updates
+    tasks = []
+    for m in range(m_total):
+        u = m // per_update
+        tasks.append(Task("train", group, k, m, start + u, sample_version=sample_version(m),
+                          deps=reward_deps(m) + previous))
+        previous = (("train", k, m),)
+        if (m + 1) % per_update == 0:
+            tasks.append(Task("update", group, k, u, start + u + 1, deps=previous + (first_update_deps if u == 0 else ())))
+            previous = (("update", k, u),)
+    return tasks
 
 
 # ------------------------------------------------------------------ cost model and schedule
@@ -292,7 +307,7 @@ def iteration_time(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, 
 
 
 def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int | None = None, fixed_prefetch: int | None = None,
-                 tolerance: float = 0.02) -> tuple[int, int]:
+                 updates: int = 1, tolerance: float = 0.02) -> tuple[int, int]:
     """(tag, prefetch) with the least trainer rollout and staleness among the splits predicted
     within `tolerance` of the fastest: gains smaller than the noise of measured costs are not
     worth moving work or training on stale samples."""
@@ -300,7 +315,7 @@ def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int |
     tags = [fixed_tag] if fixed_tag is not None else (range(microbatches + 1) if flags.tag else [0])
     prefetches = [fixed_prefetch] if fixed_prefetch is not None else (range(microbatches + 1) if flags.tcss else [0])
     predicted = {
-        (tag, prefetch): iteration_time(mode, microbatches, costs, tag=tag, prefetch=prefetch)
+        (tag, prefetch): iteration_time(mode, microbatches, costs, tag=tag, prefetch=prefetch, updates=updates)
         for prefetch in prefetches
         for tag in tags
         if tag <= microbatches - prefetch

@@ -20,14 +20,10 @@ def validate_runtime_config(config, num_devices: int) -> None:
         )
     if rt.staleness < 0:
         raise ValueError(f"runtime.staleness must be >= 0, got {rt.staleness}")
-    if not flags.colocated and rl.num_updates_per_batch != 1:
-        raise ValueError(
-            f"rl.num_updates_per_batch must be 1 in runtime.mode={rt.mode!r} (one update per iteration), got "
-            f"{rl.num_updates_per_batch}: set --config.rl.num_updates_per_batch=1"
-        )
-    if flags.colocated and rt.micro_batches % rl.num_updates_per_batch:
+    if rl.num_updates_per_batch < 1 or rt.micro_batches % rl.num_updates_per_batch:
         raise ValueError(
             f"rl.num_updates_per_batch={rl.num_updates_per_batch} must divide runtime.micro_batches={rt.micro_batches}"
+            " (each update trains an equal share of whole micro-batches)"
         )
     for key in ("tag_microbatches", "prefetch_microbatches"):
         value = rt[key]

@@ -79,9 +79,9 @@ def predict(mode: str, costs: plan_lib.Costs, *, batch: int, microbatches: int, 
     from measured costs) unless given.
     """
     flags = plan_lib.mode_flags(mode)
-    updates = updates if flags.colocated else 1
     if tag is None or prefetch is None:
-        tag, prefetch = plan_lib.choose_split(mode, microbatches, costs, fixed_tag=tag, fixed_prefetch=prefetch)
+        tag, prefetch = plan_lib.choose_split(mode, microbatches, costs, fixed_tag=tag, fixed_prefetch=prefetch,
+                                              updates=updates)
     steady = plan_lib.steady_state(mode, microbatches, costs, tag=tag, prefetch=prefetch, updates=updates)
     timeline, (start, end) = steady.timeline, steady.window
     timed = range(steady.iterations - steady.period + 1, steady.iterations + 1)
@@ -119,15 +119,19 @@ def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | Non
     False and its speed is no prediction.
     """
     flags = plan_lib.mode_flags(mode)
-    # Colocated runs make the config's `rl.num_updates_per_batch` updates per iteration; the
-    # disaggregated modes one (the executor rejects more).
-    updates = w.updates if flags.colocated else 1
+    # Every mode makes the config's `rl.num_updates_per_batch` updates per iteration, each on
+    # its share of whole micro-batches.
+    updates = w.updates
     if microbatches and microbatches % updates:
         raise ValueError(f"rl.num_updates_per_batch={updates} must divide runtime.micro_batches={microbatches}")
-    choices = [microbatches] if microbatches else microbatch_choices(w.prompts, max_microbatches)
+    if w.prompts % updates:
+        raise ValueError(f"rl.num_updates_per_batch={updates} must divide rl.prompts_per_iteration={w.prompts} "
+                         "(each update trains whole micro-batches of whole groups)")
+    choices = [microbatches] if microbatches else [
+        m for m in microbatch_choices(w.prompts, max_microbatches) if m % updates == 0] or [w.prompts]
     if flags.colocated and not microbatches:
         # the shared group does everything in turn: more micro-batches than updates only add calls
-        choices = [min(m for m in choices + [w.prompts] if m % updates == 0)]
+        choices = [min(choices)]
     peak = sum(pool.kind(r).bf16_flops * getattr(pool, f"{r}_devices") for r in ("rollout", "train"))
     best = None
     for m in choices:
