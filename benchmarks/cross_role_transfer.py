@@ -1,6 +1,6 @@
 r"""Time the trainer -> rollout weight move of full fine-tuning inside one process: bfloat16
 leaves sharded (FSDP, first axis) over the train devices, onto the rollout devices whole, by
-`jax.device_put` and by `distributed.transfer`. Writes a JSON of the seconds per move and GB/s.
+`jax.device_put` and by `transfer.transfer`. Writes a JSON of the seconds per move and GB/s.
 
     python benchmarks/cross_role_transfer.py --rollout=1 --gb=8 --out=/tmp/transfer.json
 """
@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from digen_jax.runtime import distributed  # noqa: E402
+from digen_jax.runtime.transfer import transfer  # noqa: E402
 
 _ROLLOUT = flags.DEFINE_integer("rollout", 1, "Rollout devices (the first ones); the rest train.")
 _GB = flags.DEFINE_float("gb", 8.0, "Size of the moved tree, GB (leaves of blocks x 3072 x 3072 bf16).")
@@ -50,7 +50,7 @@ def main(_):
     dst = NamedSharding(rollout, P())
     tree = _tree(train, _GB.value)
     nbytes = sum(x.nbytes for x in tree)
-    moves = {"transfer": lambda t: distributed.transfer(t, dst), "device_put": lambda t: jax.device_put(t, dst)}
+    moves = {"transfer": lambda t: transfer(t, dst), "device_put": lambda t: jax.device_put(t, dst)}
     results = {}
     for name in _METHODS.value:
         move = moves[name]

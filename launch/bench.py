@@ -176,7 +176,7 @@ def run_system() -> dict[str, Any]:
 
     The JSON (and the traces) are written after every mode, so a run cut short keeps what it measured.
     """
-    from digen_jax.runtime.distributed import initialize
+    from digen_jax.runtime.multihost import initialize
 
     # Several processes (`--config.runtime.distributed=True`): each runs this same bench, process 0
     # writes the JSON and the traces.

@@ -54,7 +54,7 @@ from digen_jax.app.loop import train
 from digen_jax.app import console, precision, report
 from digen_jax.app.validation import validate_config
 from digen_jax.app.checkpoints import RunStopped
-from digen_jax.runtime.distributed import initialize
+from digen_jax.runtime.multihost import initialize
 from digen_jax.runtime.peer_watchdog import await_verdict, end_after_failure, watching
 
 # The default is the repository's, wherever the command runs from.

@@ -39,12 +39,12 @@ from digen_jax import diffusion
 from digen_jax.app import checkpoints, loop
 from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, Trajectory, initial_noise
-from digen_jax.runtime import distributed
 from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import mesh as mesh_lib
-from digen_jax.runtime import peer_watchdog
+from digen_jax.runtime import multihost, peer_watchdog, shared_values
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.distributed import DistributedSettings, ProcessLayout, resolve_settings, role_devices
+from digen_jax.runtime import transfer as transfer_lib
+from digen_jax.runtime.multihost import DistributedSettings, ProcessLayout, resolve_settings, role_devices
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
 
@@ -144,7 +144,7 @@ def test_slurm_task_per_node():
      ("node[001,007-015]", "node001"), ("rack[2-3]-gpu[10-11]", "rack2-gpu10")],
 )
 def test_first_slurm_host(nodelist, first):
-    assert distributed.first_slurm_host(nodelist) == first
+    assert multihost.first_slurm_host(nodelist) == first
 
 
 def test_explicit_env_and_single_process():
@@ -181,8 +181,8 @@ def test_inconsistent_settings_fail_clearly(settings, env, message):
 
 
 def test_single_process_initialize_is_a_no_op():
-    assert distributed.initialize({"runtime": {"distributed": False}}, env=slurm_env()) == ProcessLayout("single")
-    assert distributed.initialize(env={}) == ProcessLayout("single")
+    assert multihost.initialize({"runtime": {"distributed": False}}, env=slurm_env()) == ProcessLayout("single")
+    assert multihost.initialize(env={}) == ProcessLayout("single")
     assert not jax.distributed.is_initialized()
 
 
@@ -191,13 +191,13 @@ def test_tpu_vm_starts_jax_distributed_without_arguments(monkeypatch):
     `jax.distributed.initialize()` with no arguments (JAX reads the slice from the TPU metadata);
     elsewhere the same settings are an error naming the launchers."""
     calls = []
-    monkeypatch.setattr(distributed, "on_tpu_vm", lambda: True)
+    monkeypatch.setattr(multihost, "on_tpu_vm", lambda: True)
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: bool(calls))
     monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: calls.append((args, kwargs)))
     assert resolve_settings(DistributedSettings(enabled=True), {}, tpu_vm=True) == ProcessLayout("tpu-vm")
     assert resolve_settings(DistributedSettings(enabled="auto"), {}, tpu_vm=True) == ProcessLayout("single")
     assert resolve_settings(DistributedSettings(enabled=True), slurm_env(), tpu_vm=True).source == "slurm-task-per-gpu"
-    layout = distributed.initialize({"runtime": {"distributed": True}}, env={})
+    layout = multihost.initialize({"runtime": {"distributed": True}}, env={})
     assert calls == [((), {})] and (layout.source, layout.num_processes) == ("tpu-vm", 1)
 
 
@@ -248,9 +248,9 @@ def test_shared_values_reach_readers_that_wait_and_carry_failures(monkeypatch):
     """A value published after its reader started waiting (past several poll timeouts) arrives
     whole; a failure reaches the reader as an error naming it; closing ends a waiting reader."""
     store = BlockingStore()
-    monkeypatch.setattr(distributed.SharedValues, "_client", staticmethod(lambda: store))
-    monkeypatch.setattr(distributed.SharedValues, "_POLL_MS", 20)
-    shared, other = distributed.SharedValues(), distributed.SharedValues()
+    monkeypatch.setattr(shared_values.SharedValues, "_client", staticmethod(lambda: store))
+    monkeypatch.setattr(shared_values.SharedValues, "_POLL_MS", 20)
+    shared, other = shared_values.SharedValues(), shared_values.SharedValues()
     rewards = np.array([0.5, -1.25, 3.0], np.float32)
     waiting = shared.read_later("rewards/0/1", np.float32)
     time.sleep(0.1)
@@ -272,16 +272,16 @@ def test_shared_scalars_keep_each_dtype_for_every_process(monkeypatch):
     """An iteration's figures as the process holding them and another one get them: the same
     values with the same dtypes (what metrics.jsonl writes: ints stay ints), no device program."""
     store = BlockingStore()
-    monkeypatch.setattr(distributed.SharedValues, "_client", staticmethod(lambda: store))
+    monkeypatch.setattr(shared_values.SharedValues, "_client", staticmethod(lambda: store))
     figures = {"loss": jnp.float32(-0.123456789), "version": jnp.int32(7), "skipped": jnp.int32(0),
                "finite": jnp.bool_(True), "kl": jnp.float32(np.nan)}
-    owner, reader = distributed.SharedValues(), distributed.SharedValues()
+    owner, reader = shared_values.SharedValues(), shared_values.SharedValues()
     reader._scope = owner._scope  # the same object on another process
     pool = concurrent.futures.ThreadPoolExecutor(1)
-    monkeypatch.setattr(distributed.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(shared_values.jax, "process_index", lambda: 1)
     read = reader.share_scalars("figures/3", figures, pool)
     assert not any(f.done() for f in read.values())  # waits for the owner (process 0 holds the arrays)
-    monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
+    monkeypatch.setattr(shared_values.jax, "process_index", lambda: 0)
     held = owner.share_scalars("figures/3", figures, pool)
     for got in (held, read):
         assert list(got) == list(figures)
@@ -350,32 +350,32 @@ def test_transfer_in_one_process_moves_device_to_device():
     src = NamedSharding(Mesh(np.array(devices[:4]).reshape(2, 2), ("a", "b")), P("a", "b"))
     dst = NamedSharding(Mesh(np.array(devices[4:]), ("data",)), P(None, "data"))
     x = jax.device_put(jnp.arange(32.0).reshape(4, 8), src)
-    assert distributed._through_host(x, dst)
-    y = distributed.transfer({"w": x}, dst)["w"]
+    assert transfer_lib._through_host(x, dst)
+    y = transfer_lib.transfer({"w": x}, dst)["w"]
     assert y.sharding == dst and np.array_equal(y, x)
     # A prefix tree of shardings, as jax.device_put takes.
     replicated = NamedSharding(dst.mesh, P())
-    moved = distributed.transfer({"a": x, "b": (x, None, x)}, {"a": dst, "b": replicated})
+    moved = transfer_lib.transfer({"a": x, "b": (x, None, x)}, {"a": dst, "b": replicated})
     assert moved["a"].sharding == dst and moved["b"][1] is None
     assert all(leaf.sharding == replicated and np.array_equal(leaf, x) for leaf in moved["b"][::2])
     # Full fine-tuning's sync: FSDP shards on 3 train devices onto 1 rollout device, bf16.
     fsdp = NamedSharding(Mesh(np.array(devices[1:4]), ("data",)), P("data"))
     one = NamedSharding(Mesh(np.array(devices[:1]), ("data",)), P())
     w = jax.device_put(jnp.arange(6 * 5, dtype=jnp.bfloat16).reshape(6, 5), fsdp)
-    assert distributed._through_host(w, one)
-    moved = distributed.transfer([w, jnp.float32(3)], one)
+    assert transfer_lib._through_host(w, one)
+    moved = transfer_lib.transfer([w, jnp.float32(3)], one)
     assert moved[0].sharding == one and moved[0].dtype == jnp.bfloat16 and np.array_equal(moved[0], w)
     # Shard for shard between equal meshes: jax copies device to device itself.
     same = NamedSharding(Mesh(np.array(devices[4:]).reshape(2, 2), ("a", "b")), P("a", "b"))
-    assert not distributed._through_host(x, same)
-    assert np.array_equal(distributed.transfer(x, same), x)
+    assert not transfer_lib._through_host(x, same)
+    assert np.array_equal(transfer_lib.transfer(x, same), x)
 
 
 def test_to_every_process_in_one_process_is_free():
     # Single-process runs read batch-split arrays on the host directly: no gather, no copy.
     x = jax.device_put(jnp.arange(8.0), NamedSharding(Mesh(np.array(jax.devices()[:4]), ("data",)), P("data")))
     tree = {"pixels": x, "version": jnp.int32(2)}
-    assert distributed.to_every_process(tree) is tree
+    assert transfer_lib.to_every_process(tree) is tree
 
 
 def test_put_own_copy_places_like_device_put():
@@ -392,8 +392,8 @@ def test_put_own_copy_places_like_device_put():
     }
     shardings = {"host": NamedSharding(mesh, P("data")), "uncommitted": NamedSharding(mesh, P(None, "data")),
                  "committed": NamedSharding(mesh, P())}
-    assert distributed.own_copy_everywhere(tree)
-    placed, reference = distributed.put_own_copy(tree, shardings), jax.device_put(tree, shardings)
+    assert transfer_lib.own_copy_everywhere(tree)
+    placed, reference = transfer_lib.put_own_copy(tree, shardings), jax.device_put(tree, shardings)
     for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(reference)):
         assert got.sharding == want.sharding and got.dtype == want.dtype
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -412,8 +412,8 @@ def test_crossing_bytes_counts_one_copy_of_what_lives_elsewhere():
         "stays": jax.device_put(jnp.zeros((5,), jnp.int32), NamedSharding(dst, P())),
         "host_derived": jnp.zeros((7,), jnp.float32),  # uncommitted: every process places its own copy
     }
-    assert distributed.crossing_bytes(tree, dst) == 8 * 3 * 4 + 4 * 2 * 4
-    assert distributed.crossing_bytes(tree, src) == 5 * 4
+    assert transfer_lib.crossing_bytes(tree, dst) == 8 * 3 * 4 + 4 * 2 * 4
+    assert transfer_lib.crossing_bytes(tree, src) == 5 * 4
 
 
 def piece_leaves(src_mesh):
@@ -436,15 +436,15 @@ def test_moves_in_pieces_keep_every_bit(monkeypatch, n_src, n_dst):
     devices = jax.devices()
     src_mesh = Mesh(np.array(devices[:n_src]), ("fsdp",))
     dst_ids = tuple(d.id for d in devices[n_src:n_src + n_dst])
-    move = distributed._move_same_layout if n_src == n_dst else distributed._move_replicated
+    move = transfer_lib._move_same_layout if n_src == n_dst else transfer_lib._move_replicated
     leaves = piece_leaves(src_mesh)
     whole = move(src_mesh, dst_ids, leaves)
     fenced = []
-    fence = distributed._fence
-    monkeypatch.setattr(distributed, "_fence", lambda moved: fenced.append(len(moved)) or fence(moved))
-    monkeypatch.setattr(distributed, "TRANSFER_PIECE_BYTES", 1024)
+    fence = transfer_lib._fence
+    monkeypatch.setattr(transfer_lib, "_fence", lambda moved: fenced.append(len(moved)) or fence(moved))
+    monkeypatch.setattr(transfer_lib, "TRANSFER_PIECE_BYTES", 1024)
     pieces, moved = [], [None] * len(leaves)
-    for piece, arrays in distributed._move_in_pieces(move, src_mesh, dst_ids, leaves):
+    for piece, arrays in transfer_lib._move_in_pieces(move, src_mesh, dst_ids, leaves):
         assert len(fenced) == len(pieces) + 1  # this piece's program finished before the next is issued
         pieces.append(piece)
         for j, y in zip(piece, arrays):
@@ -454,8 +454,8 @@ def test_moves_in_pieces_keep_every_bit(monkeypatch, n_src, n_dst):
         assert y.sharding == ref.sharding and y.shape == x.shape and y.dtype == x.dtype
         got, sent = np.asarray(y, np.float32), np.asarray(x, np.float32)
         assert np.array_equal(got, sent) and np.array_equal(np.signbit(got), np.signbit(sent))
-    monkeypatch.setattr(distributed, "TRANSFER_PIECE_BYTES", 1 << 20)  # within the bound: one program
-    assert [piece for piece, _ in distributed._move_in_pieces(move, src_mesh, dst_ids, leaves)] == [[0, 1, 2, 3, 4]]
+    monkeypatch.setattr(transfer_lib, "TRANSFER_PIECE_BYTES", 1 << 20)  # within the bound: one program
+    assert [piece for piece, _ in transfer_lib._move_in_pieces(move, src_mesh, dst_ids, leaves)] == [[0, 1, 2, 3, 4]]
 
 
 @pytest.mark.parametrize("n_src,n_dst", [(4, 4), (3, 5), (4, 2)])
@@ -470,7 +470,7 @@ def test_collective_paths_keep_every_bit(n_src, n_dst):
         jax.device_put(jnp.arange(72, dtype=jnp.int32).reshape(2, 3, 12), NamedSharding(src_mesh, P(None, None, "fsdp"))),
         jax.device_put(jnp.float32(-0.0), NamedSharding(src_mesh, P())),
     ]
-    move = distributed._move_same_layout if n_src == n_dst else distributed._move_replicated
+    move = transfer_lib._move_same_layout if n_src == n_dst else transfer_lib._move_replicated
     moved = move(src_mesh, dst_ids, leaves)
     for x, y in zip(leaves, moved):
         assert {d.id for d in y.sharding.device_set} == set(dst_ids)
@@ -551,7 +551,7 @@ def stage(message: str) -> None:
 
 def run_worker(out_dir: str) -> None:
     """One process of the 2-process test: rollout on process 0's devices, training on 1's."""
-    layout = distributed.initialize()
+    layout = multihost.initialize()
     stage("initialize")
     jax.config.update("jax_default_matmul_precision", "highest")
     assert layout == ProcessLayout("slurm-task-per-node", 2, jax.process_index(), f"127.0.0.1:{os.environ['JAX_COORDINATOR_PORT']}")
@@ -571,10 +571,10 @@ def run_worker(out_dir: str) -> None:
     params = jax.jit(make_params, out_shardings=train_shardings)()
     stage("params on the train role")
     version = jax.device_put(np.int32(3), NamedSharding(train_mesh, P()))
-    synced = distributed.transfer((params, version), NamedSharding(rollout_mesh, P()))
+    synced = transfer_lib.transfer((params, version), NamedSharding(rollout_mesh, P()))
     stage("first weight sync dispatched")
     start = time.perf_counter()
-    synced = jax.block_until_ready(distributed.transfer((params, version), NamedSharding(rollout_mesh, P())))
+    synced = jax.block_until_ready(transfer_lib.transfer((params, version), NamedSharding(rollout_mesh, P())))
     sync_s = time.perf_counter() - start
     rollout_params, rollout_version = synced
     stage("weight sync done")
@@ -589,7 +589,7 @@ def run_worker(out_dir: str) -> None:
     stage("rollout dispatched")
 
     # Trajectories back to the trainer, then one gradient step there.
-    trajectories = distributed.transfer((latents, log_probs, cond, sample_keys), train_batch)
+    trajectories = transfer_lib.transfer((latents, log_probs, cond, sample_keys), train_batch)
     stage("trajectories dispatched")
     grads = jax.jit(
         lambda p, l, lp, c: policy_gradient(sampler, p, l, lp, c), out_shardings=train_shardings
@@ -600,10 +600,10 @@ def run_worker(out_dir: str) -> None:
     # Unequal role sizes: to 2 devices of the other process (the replicate-and-send path).
     narrow_rollout = NamedSharding(Mesh(np.array(roles["rollout"][:2]), ("data",)), P())
     narrow_train = NamedSharding(Mesh(np.array(roles["train"][1:3]), ("fsdp",)), P("fsdp"))
-    narrow_params = distributed.transfer(params, narrow_rollout)
-    narrow_latents = distributed.transfer(latents, narrow_train)
+    narrow_params = transfer_lib.transfer(params, narrow_rollout)
+    narrow_latents = transfer_lib.transfer(latents, narrow_train)
     # Between two device sets of process 1: process 0 only keeps handles.
-    within_train = distributed.transfer((trajectories[0], trajectories[3]), narrow_train)
+    within_train = transfer_lib.transfer((trajectories[0], trajectories[3]), narrow_train)
     stage("unequal transfers dispatched")
 
     def host(tree):
@@ -793,7 +793,7 @@ def run_loop_worker(workdir: str, cache_dir: str, mode: str) -> None:
     """
     config = loop_config(cache_dir, mode)
     if "SLURM_PROCID" in os.environ:
-        assert distributed.initialize().num_processes == 2
+        assert multihost.initialize().num_processes == 2
         watch_tracers(os.path.dirname(workdir))
         jax.config.update("jax_default_matmul_precision", "highest")  # as in every test process (conftest)
         # The resumed run loads the programs the first one compiled: the test passes the module's
@@ -1003,12 +1003,12 @@ def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> None
     micro-batch prefetched on process 0's devices) and restores it. Asserts that no process
     gathered the state for the save (no `to_every_process` of a state leaf) and that each
     restore keeps every bit and the train shardings."""
-    assert distributed.initialize().num_processes == 2
+    assert multihost.initialize().num_processes == 2
     config = loop_config(cache_dir, "disagg_sync")
     run = loop.Run(config, workdir, log=stage)
     gathered = []
 
-    def recording(tree, gather=distributed.to_every_process):
+    def recording(tree, gather=transfer_lib.to_every_process):
         gathered.extend(jax.tree.leaves(tree))
         return gather(tree)
 
@@ -1016,7 +1016,7 @@ def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> None
         module.to_every_process = recording
     executor = save_with_prefetch(run, config, 1, workdir)
     for module in (checkpoints, executor_lib):
-        module.to_every_process = distributed.to_every_process
+        module.to_every_process = transfer_lib.to_every_process
     state = {id(leaf) for leaf in jax.tree.leaves(executor.state)}
     assert gathered and not any(id(leaf) in state for leaf in gathered)  # the prefetched batch's, not the state's
     executor.close()
@@ -1105,7 +1105,7 @@ SLOW_TRAIN = {("rollout", "rollout"): [0.2], ("rollout", "train"): [0.2], ("trai
 def run_split_worker(workdir: str, cache_dir: str) -> None:
     """One process of the elastic-split test: each process has measured other task times; both
     must still plan the iteration alike (process 0's split), or their transfers would not pair up."""
-    assert distributed.initialize().num_processes == 2
+    assert multihost.initialize().num_processes == 2
     mode = "gap+tsp+tag+tcss"
     config = loop_config(cache_dir, mode)
     config.runtime.update(tag_microbatches=-1, prefetch_microbatches=-1)  # chosen from measured costs
@@ -1168,18 +1168,18 @@ def run_frozen_worker(workdir: str, cache_dir: str) -> None:
     process's own copy with no cross-process move, that the train role's base moved in pieces
     or in one program lands bit for bit as the rollout's own copy, and that one iteration's
     transfer figures are the bytes shapes and dtypes give."""
-    assert distributed.initialize().num_processes == 2
+    assert multihost.initialize().num_processes == 2
     jax.config.update("jax_default_matmul_precision", "highest")
     config = loop_config(cache_dir, "disagg_sync")
     config.rl.update(lora_rank=2, lora_merge_for_sampling=False)
     config.train.update(eval_every=0)
     moves = []  # the bytes of every cross-process move program, on this process
     for name in ("_move_same_layout", "_move_replicated"):
-        def counting(src_mesh, dst_ids, leaves, move=getattr(distributed, name)):
+        def counting(src_mesh, dst_ids, leaves, move=getattr(transfer_lib, name)):
             moves.append(sum(x.nbytes for x in leaves))
             return move(src_mesh, dst_ids, leaves)
 
-        setattr(distributed, name, counting)
+        setattr(transfer_lib, name, counting)
     run = loop.Run(config, workdir, log=stage)
     base = [np.asarray(leaf) for leaf in jax.tree.leaves(run.workload.base_params)]  # this process's own copy
     executor = Executor(run, log=stage)
@@ -1202,14 +1202,14 @@ def run_frozen_worker(workdir: str, cache_dir: str) -> None:
     # The train role's base moved to the rollout role: in pieces of at most its largest leaf,
     # and in one program; both are, bit for bit, the rollout role's own copy.
     sizes = [leaf.nbytes for leaf in jax.tree.leaves(run.trainer.frozen)]
-    default_bound = distributed.TRANSFER_PIECE_BYTES
+    default_bound = transfer_lib.TRANSFER_PIECE_BYTES
     pieced, whole, pieces = {}, {}, {}
     for bound, out in ((max(sizes), pieced), (sum(sizes), whole)):
-        distributed.TRANSFER_PIECE_BYTES = bound
+        transfer_lib.TRANSFER_PIECE_BYTES = bound
         moves.clear()
-        out["tree"] = distributed.transfer(run.trainer.frozen, weights.sharding["rollout"])
+        out["tree"] = transfer_lib.transfer(run.trainer.frozen, weights.sharding["rollout"])
         pieces[bound] = list(moves)
-    distributed.TRANSFER_PIECE_BYTES = default_bound
+    transfer_lib.TRANSFER_PIECE_BYTES = default_bound
     assert len(pieces[sum(sizes)]) == 1 and len(pieces[max(sizes)]) > 1, pieces
     assert all(size <= max(sizes) for size in pieces[max(sizes)]) and sum(pieces[max(sizes)]) == sum(sizes)
     own = [np.asarray(shard.data) for leaf in jax.tree.leaves(weights.frozen_on_rollout) for shard in leaf.addressable_shards]
@@ -1290,7 +1290,7 @@ def wait_for(condition, proc: subprocess.Popen, timeout_s: float, output: str) -
 def run_sleep_worker(peer_timeout_s: str) -> None:
     """One process that joins a 2-process run with a peer timeout, then idles until it is killed."""
     config = {"runtime": {"distributed": True, "peer_timeout_s": float(peer_timeout_s)}}
-    assert distributed.initialize(config).num_processes == 2
+    assert multihost.initialize(config).num_processes == 2
     stage(f"process {jax.process_index()} joined")
     time.sleep(LOOP_TIMEOUT_S)
 
@@ -1334,7 +1334,7 @@ def run_raise_worker(peer_timeout_s: str, raiser: str) -> None:
     """One process of an idle 2-process run (`run_sleep_worker`); process `raiser` raises once
     both have joined, and nothing of this program catches it."""
     config = {"runtime": {"distributed": True, "peer_timeout_s": float(peer_timeout_s)}}
-    assert distributed.initialize(config).num_processes == 2
+    assert multihost.initialize(config).num_processes == 2
     stage(f"process {jax.process_index()} joined")
     if jax.process_index() == int(raiser):
         raise RuntimeError(f"injected failure in process {raiser}")

@@ -21,10 +21,10 @@ from digen_jax.app.errors import ConfigError
 from digen_jax.app.validation import validate_config
 from digen_jax.rl import nft as nft_lib
 from digen_jax.rl.trainer import Trainer
-from digen_jax.runtime import distributed
 from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime import transfer as transfer_lib
 from digen_jax.runtime import weight_sync
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.runtime_config import validate_runtime_config
@@ -591,7 +591,7 @@ def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path
         raise AssertionError("a cross-process step in a one-process run")
 
     for name in ("_move_same_layout", "_move_replicated"):
-        monkeypatch.setattr(distributed, name, refuse)
+        monkeypatch.setattr(transfer_lib, name, refuse)
     monkeypatch.setattr(weight_sync, "own_copy_everywhere", refuse)
     moved = []
     transfer = weight_sync.transfer

@@ -54,7 +54,7 @@ from jax.sharding import Mesh, NamedSharding
 from digen_jax.app import resume_keys, workload as workload_lib
 from digen_jax.rl import lora
 from digen_jax.runtime import mesh as mesh_lib
-from digen_jax.runtime.distributed import put_own_copy, to_every_process
+from digen_jax.runtime.transfer import put_own_copy, to_every_process
 
 ON_CORRUPT = ("fallback", "stop")
 LOCK_FILE = "run.lock"

@@ -10,7 +10,7 @@ dispatching thread waits are the rewards a training task needs, the dispatch of 
 depends on in other groups, the metrics of the previous iteration (read one step late), the
 meetings at programs that cross processes (`dispatch.Lanes.crossing`), and two bounds on
 running ahead: a transfer between processes completes before the next is issued
-(`distributed._fence`), and on CPU one gradient chunk is in flight at a time (`_train`).
+(`transfer._fence`), and on CPU one gradient chunk is in flight at a time (`_train`).
 
 Micro-batches are whole groups: iteration k's P prompts are cut into M contiguous slices,
 each carrying its prompts' G samples. Advantages are normalised per micro-batch (the grain
@@ -22,7 +22,7 @@ group, and calls the same device programs (those without devices of its own retu
 Programs that cross processes (trajectory moves, weight syncs) are issued by every lane of a
 process that has devices in them at the same place in one order (`_crossings`). Host-derived
 inputs (prompts, sample keys, advantages) are computed alike on every process and placed by each
-on its own devices (`distributed.transfer` of uncommitted arrays); a micro-batch's rewards are
+on its own devices (`transfer.transfer` of uncommitted arrays); a micro-batch's rewards are
 scored by the process that holds its decoded samples and shared (`_rewards`), as are the
 iteration's figures (`_figures`), so the main thread issues no cross-process program between
 two plans; evaluation samples, images and checkpoints are read from each process's own copy
@@ -55,7 +55,8 @@ from digen_jax.rl.timesteps import plan_steps
 from digen_jax.rl.trainer import LAG0_FIGURES, GradSum, Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.distributed import SharedValues, crossing_bytes, to_every_process, whole_on_one_process
+from digen_jax.runtime.shared_values import SharedValues
+from digen_jax.runtime.transfer import crossing_bytes, to_every_process, whole_on_one_process
 from digen_jax.runtime import dispatch as dispatch_lib
 from digen_jax.runtime.dispatch import Lanes
 from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, EventExchange, Tracer, iteration_summary

@@ -24,7 +24,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.distributed import role_devices, transfer
+from digen_jax.runtime.multihost import role_devices
+from digen_jax.runtime.transfer import transfer
 
 
 # The mesh axis names the models read (`models/layers.py` DATA_AXIS and SEQ_AXIS; the runtime

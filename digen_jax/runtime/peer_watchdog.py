@@ -4,7 +4,7 @@ Without it a process whose peer died waits in a collective (NCCL) or, once a col
 (gloo), in `jax.distributed`'s shutdown barrier, until JAX's coordination service notices the
 missing heartbeats (100 s by default) and aborts it with a C++ stack dump.
 
-Every process of a multi-process run starts one `PeerWatchdog` (`distributed.initialize`), two
+Every process of a multi-process run starts one `PeerWatchdog` (`multihost.initialize`), two
 daemon threads beside the training loop, which therefore never waits for them:
 
 * the beat thread writes `HEARTBEAT_KEY/<process id>` = "<count> <host name>" into the key-value

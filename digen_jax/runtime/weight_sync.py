@@ -18,9 +18,9 @@ training precision (`WeightSync.on_train`).
 
 Several processes: every process builds the same frozen base and decoder weights (same
 checkpoint, seed and pretraining cache), so each places its own copy on its own devices of
-every role (`distributed.put_own_copy`); nothing crosses between processes for them, and a
+every role (`transfer.put_own_copy`); nothing crosses between processes for them, and a
 role receiving the 20B base needs it once per card, not the buffers of a move. What lives on
-one role only (the trainable weights at each sync) moves with `distributed.transfer`.
+one role only (the trainable weights at each sync) moves with `transfer.transfer`.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from digen_jax.rl import fp8_weights, lora
 from digen_jax.rl.trainer import Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
-from digen_jax.runtime.distributed import own_copy_everywhere, put_own_copy, transfer
+from digen_jax.runtime.transfer import own_copy_everywhere, put_own_copy, transfer
 
 
 class RoleWeights:
@@ -91,7 +91,7 @@ class RoleWeights:
         """This process's own copy of the frozen base, before `place_frozen_on_train` places it,
         when the run spans several processes and every one holds the whole base itself; else
         None (one process, no frozen base, or a base already placed). Every process calls it
-        at the same point (`distributed.own_copy_everywhere`)."""
+        at the same point (`transfer.own_copy_everywhere`)."""
         frozen = self.trainer.frozen
         if jax.process_count() == 1 or frozen is None or not own_copy_everywhere(frozen):
             return None
