@@ -1,4 +1,4 @@
-"""Time the checkpoint checksums (digen_jax/app/checkpoints.py) on a full-size run's train state.
+"""Time the checkpoint checksums (digen_jax/app/checksums.py) on a full-size run's train state.
 
 Builds the trained state a zoo config checkpoints (its LoRA adapters and their two Adam moments
 in the config's parameter dtype, plus an EMA copy when `rl.ema`; every weight for full
@@ -21,7 +21,7 @@ from absl import app, flags
 from flax import traverse_util
 from ml_collections import config_flags
 
-from digen_jax.app import checkpoints, validation
+from digen_jax.app import checksums, validation
 from digen_jax.rl import lora
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwenimage.py", "Zoo config whose train state to time.")
@@ -55,11 +55,11 @@ def main(argv):
     tree = {path: jax.random.normal(k, shape, dtype) for k, (path, shape) in zip(keys, shapes.items())}
     nbytes = sum(x.nbytes for x in tree.values())
     jax.block_until_ready(tree)
-    checkpoints.checksums(tree)  # compiles
+    checksums.checksums(tree)  # compiles
     times = []
     for _ in range(_REPEATS.value):
         start = time.perf_counter()
-        checkpoints.checksums(tree)  # reads one scalar per leaf: the pass has finished
+        checksums.checksums(tree)  # reads one scalar per leaf: the pass has finished
         times.append(time.perf_counter() - start)
     device = jax.devices()[0]
     result = {

@@ -25,7 +25,8 @@ from ml_collections import config_flags
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 from digen_jax import cli, xla_flags
-from digen_jax.app import checkpoints
+from digen_jax.app import run_checkpoints
+from digen_jax.app.errors import RunStopped
 from digen_jax.app.loop import Run
 from digen_jax.grid import image_grid
 
@@ -64,8 +65,8 @@ def main(argv):
                  "directory samples the base model)")
     run = Run(config, _WORKDIR.value)
     try:  # an unreadable checkpoint is named in one line and the one before it sampled
-        state = checkpoints.read_state(run.checkpoints, run.state, config)
-    except checkpoints.RunStopped as e:
+        state = run_checkpoints.read_state(run.checkpoints, run.state, config)
+    except RunStopped as e:
         sys.exit(f"error: {e}")
     if state is None:
         print(f"no checkpoint in {_WORKDIR.value}/checkpoints: sampling the base model")

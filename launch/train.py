@@ -49,11 +49,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 from digen_jax import cli, xla_flags
 from digen_jax.rewards.remote import RemoteRewardError
-from digen_jax.app.errors import ConfigError
+from digen_jax.app.errors import ConfigError, RunStopped
 from digen_jax.app.loop import train
 from digen_jax.app import console, precision, report
 from digen_jax.app.validation import validate_config
-from digen_jax.app.checkpoints import RunStopped
 from digen_jax.runtime.multihost import initialize
 from digen_jax.runtime.peer_watchdog import await_verdict, end_after_failure, watching
 

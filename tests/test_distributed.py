@@ -36,7 +36,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from digen_jax import diffusion
-from digen_jax.app import checkpoints, loop
+from digen_jax.app import loop, run_checkpoints
+from digen_jax.app.fingerprint import fingerprint
 from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, Trajectory, initial_noise
 from digen_jax.runtime import executor as executor_lib
@@ -955,7 +956,7 @@ def save_with_prefetch(run, config, shift: int, out_dir) -> Executor:
     prefetched.rewards = concurrent.futures.Future()
     prefetched.rewards.set_result(np.linspace(-1.0, 1.0, samples, dtype=np.float32) * shift)
     executor.carried = [prefetched]
-    checkpoints.save(executor, run.checkpoints, 1, config)
+    run_checkpoints.save(executor, run.checkpoints, 1, config)
     run.checkpoints.wait_until_finished()
     if all(leaf.is_fully_addressable for leaf in jax.tree.leaves(executor.state)):
         saved = {f"state/{i}": leaf for i, leaf in enumerate(jax.tree.leaves(jax.device_get(executor.state)))}
@@ -968,8 +969,8 @@ def save_as_before(executor, workdir, config) -> None:
     """Checkpoint 1 of `executor` as one process wrote it before process layouts interchanged:
     the state and the prefetched micro-batches' host copies through orbax's StandardSave."""
     meta = {"carried": [m.index for m in executor.carried], "mode": executor.mode,
-            "fingerprint": checkpoints.fingerprint(config), "measured": []}
-    manager = checkpoints.open_manager(workdir, config)
+            "fingerprint": fingerprint(config), "measured": []}
+    manager = run_checkpoints.open_manager(workdir, config)
     manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(executor.state), meta=ocp.args.JsonSave(meta),
                                             carried=ocp.args.StandardSave(executor.carried_snapshot())))
     manager.close()
@@ -980,7 +981,7 @@ def assert_restored(run, manager, saved_dir, version: int) -> None:
     process's shards bit-equal to the saved state (a process without train devices holds none),
     and the prefetched micro-batch whole on every process."""
     resumed = Executor(run, log=stage)
-    assert checkpoints.restore(resumed, manager) == 1
+    assert run_checkpoints.restore(resumed, manager) == 1
     mine = set(jax.local_devices())
     with np.load(os.path.join(saved_dir, "saved.npz")) as want:
         leaves = jax.tree.leaves(resumed.state)
@@ -1012,10 +1013,10 @@ def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> None
         gathered.extend(jax.tree.leaves(tree))
         return gather(tree)
 
-    for module in (checkpoints, executor_lib):
+    for module in (run_checkpoints, executor_lib):
         module.to_every_process = recording
     executor = save_with_prefetch(run, config, 1, workdir)
-    for module in (checkpoints, executor_lib):
+    for module in (run_checkpoints, executor_lib):
         module.to_every_process = transfer_lib.to_every_process
     state = {id(leaf) for leaf in jax.tree.leaves(executor.state)}
     assert gathered and not any(id(leaf) in state for leaf in gathered)  # the prefetched batch's, not the state's
@@ -1029,9 +1030,9 @@ def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> None
     # As a launch of several processes runs it: the fingerprint holds nothing of the process layout.
     launched = loop_config(cache_dir, "disagg_sync")
     launched.runtime.distributed = True
-    assert checkpoints.resume_candidates(checkpoints.open_manager(single_dir, launched), launched, stage) == [1]
+    assert run_checkpoints.resume_candidates(run_checkpoints.open_manager(single_dir, launched), launched, stage) == [1]
     for workdir in (single_dir, os.path.join(single_dir, "before")):
-        assert_restored(rerun, checkpoints.open_manager(workdir, config), single_dir, version=2)
+        assert_restored(rerun, run_checkpoints.open_manager(workdir, config), single_dir, version=2)
         stage(f"one-process checkpoint in {workdir} restored")
 
 
@@ -1047,7 +1048,8 @@ def set_aside_in_both(run, config, workdir: str, single_dir: str) -> None:
         shutil.copytree(os.path.join(single_dir, "checkpoints", "1", "state"), os.path.join(copy, "checkpoints", "2", "state"))
     multihost_utils.sync_global_devices("corrupt copy made")
     executor = Executor(run, log=stage)
-    start, _ = checkpoints.restore_first_readable(executor, checkpoints.open_manager(copy, config), [2, 1], config, stage)
+    manager = run_checkpoints.open_manager(copy, config)
+    start, _ = run_checkpoints.restore_first_readable(executor, manager, [2, 1], config, stage)
     executor.close()
     stage(f"set aside, resumed from {start}")
 
@@ -1067,7 +1069,7 @@ def test_two_process_checkpoint_round_trip(tmp_path, pretrained_cache, two_proce
     save_as_before(executor, str(single / "before"), config)
     executor.close()
     run.checkpoints.close()
-    assert_restored(run, checkpoints.open_manager(str(single / "before"), config), single, version=2)
+    assert_restored(run, run_checkpoints.open_manager(str(single / "before"), config), single, version=2)
     port = free_port()
     outputs = run_workers(
         *[(("checkpoint", str(multi), str(pretrained_cache), str(single)),
@@ -1540,7 +1542,7 @@ def test_sigkill_of_a_process_stops_the_run_and_a_rerun_resumes(stopped_runs, pr
         assert row["eval_reward_mean"] == pytest.approx(ref["eval_reward_mean"], rel=1e-6, abs=1e-7)
     config = loop_config(str(pretrained_cache), mode)
     run = loop.Run(config, str(multi), log=stage)
-    trained = checkpoints.read_state(run.checkpoints, run.state, config)
+    trained = run_checkpoints.read_state(run.checkpoints, run.state, config)
     run.checkpoints.close()
     with np.load(single / "trained.npz") as want:
         assert int(trained.version) == int(want["version"]) == 2

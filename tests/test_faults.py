@@ -17,8 +17,11 @@ import jax
 import numpy as np
 import pytest
 
-from digen_jax.app import checkpoints, loop, random_init, workload
-from digen_jax.app.checkpoints import RunStopped, WorkdirLock
+from digen_jax.app import loop, random_init, run_checkpoints, warm_start, workload
+from digen_jax.app.checksums import checksums, verify
+from digen_jax.app.errors import RunStopped
+from digen_jax.app.fingerprint import differences, fingerprint
+from digen_jax.app.workdir import WorkdirLock, disk_error
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
 from tests import test_train_loop as train_loop
@@ -88,7 +91,7 @@ def test_init_from_loads_the_trainable_weights_with_a_fresh_optimizer(pretrain_c
     c.rl.lora_alpha = 8.0
     run = loop.Run(c, str(tmp_path / "direct"), log=lambda _: None)
     logs = []
-    loaded = checkpoints.load_init_from(*checkpoints.check_init_from(c), run.state.trainable, c, logs.append)
+    loaded = warm_start.load_init_from(*warm_start.check_init_from(c), run.state.trainable, c, logs.append)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded), final)
     assert "loaded the trainable weights (LoRA adapters)" in logs[0] and "rl.lora_alpha: 4.0 in the checkpoint, 8.0 now" in logs[0]
 
@@ -283,20 +286,20 @@ def test_checksums_see_one_changed_word_and_agree_across_shardings():
     x = jax.random.normal(jax.random.key(0), (16, 24))
     tree = {"f32": x, "bf16": x.astype(jax.numpy.bfloat16), "i8": (x * 10).astype(np.int8), "key": jax.random.key(3),
             "flag": x > 0}
-    sums = checkpoints.checksums(tree)
+    sums = checksums(tree)
     mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("a", "b"))
     placed = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec("a", "b"))) if a.ndim == 2
                           else a, tree)
-    assert checkpoints.checksums(placed) == sums == checkpoints.checksums(jax.device_get(tree))
+    assert checksums(placed) == sums == checksums(jax.device_get(tree))
     for name in ("f32", "bf16", "i8", "flag"):
         host = np.array(tree[name])
         host.reshape(-1).view(np.uint8)[137] ^= 0x01  # one bit of one word
-        assert checkpoints.checksums({**tree, name: host})[f"['{name}']"] != sums[f"['{name}']"], name
+        assert checksums({**tree, name: host})[f"['{name}']"] != sums[f"['{name}']"], name
     swapped = np.array(x)
     swapped[[0, 1]] = swapped[[1, 0]]  # the same words in other places
-    assert checkpoints.checksums({**tree, "f32": swapped})["['f32']"] != sums["['f32']"]
+    assert checksums({**tree, "f32": swapped})["['f32']"] != sums["['f32']"]
     with pytest.raises(ValueError, match=r"the data of state\['f32'\] does not match the checksum"):
-        checkpoints.verify("state", {**tree, "f32": swapped}, sums)
+        verify("state", {**tree, "f32": swapped}, sums)
 
 
 # ---------------------------------------------------------------- launch/sample.py
@@ -323,16 +326,16 @@ def like(pretrain_cache_dir, template, tmp_path_factory):
                                      "another step's data"])
 def test_sampling_names_an_unreadable_checkpoint_and_reads_the_one_before(pretrain_cache_dir, copy, like, variant):
     hint = _damage(copy / "checkpoints" / "2", variant)
-    manager = checkpoints.open_manager(str(copy), None, read_only=True)
+    manager = run_checkpoints.open_manager(str(copy), None, read_only=True)
     logs = []
-    state = checkpoints.read_state(manager, like, lora_config(pretrain_cache_dir), logs.append)
+    state = run_checkpoints.read_state(manager, like, lora_config(pretrain_cache_dir), logs.append)
     assert int(state.version) == 2  # checkpoint 1's
     assert len(logs) == 1 and logs[0].startswith(f"checkpoint 2 ({copy / 'checkpoints' / '2'}) cannot be read: ")
     assert hint in logs[0] and logs[0].endswith("; trying the one before"), logs
     assert sorted(os.listdir(copy / "checkpoints")) == ["1", "2"]  # nothing moved: a run may be writing there
     _damage(copy / "checkpoints" / "1", "truncated meta")
     with pytest.raises(RunStopped, match=r"^no checkpoint in .* can be read \(each is named above\)$"):
-        checkpoints.read_state(manager, like, lora_config(pretrain_cache_dir), lambda _: None)
+        run_checkpoints.read_state(manager, like, lora_config(pretrain_cache_dir), lambda _: None)
 
 
 def test_sample_script_falls_back_in_one_line_and_refuses_another_config_in_one_line(pretrain_cache_dir, copy):
@@ -387,7 +390,7 @@ def test_a_full_disk_or_a_permission_error_is_one_message(pretrain_cache_dir, tm
 # ---------------------------------------------------------------- workdir lock
 _HOLD_LOCK = """
 import sys
-from digen_jax.app.checkpoints import WorkdirLock
+from digen_jax.app.workdir import WorkdirLock
 WorkdirLock(sys.argv[1])
 print("LOCKED", flush=True)
 sys.stdin.read()
@@ -434,11 +437,11 @@ def test_measured_costs_travel_with_the_checkpoint(pretrain_cache_dir, tmp_path)
     first.measured = {("rollout", "rollout"): [4.0, 4.2], ("train", "train"): [1.0], ("rollout", "train"): [4.0]}
     split = first.split_for(1)
     assert split[0] > 0  # rollout is slow: the trainer takes a micro-batch
-    checkpoints.save(first, run.checkpoints, 1, c)
+    run_checkpoints.save(first, run.checkpoints, 1, c)
     run.checkpoints.wait_until_finished()
     first.close()
     resumed = Executor(run, log=lambda _: None)
-    assert checkpoints.restore(resumed, run.checkpoints) == 1
+    assert run_checkpoints.restore(resumed, run.checkpoints) == 1
     assert resumed.measured == first.measured and resumed.split_for(1) == split
     resumed.close()
 
@@ -496,7 +499,7 @@ def test_a_trace_write_that_fails_reaches_the_loop_instead_of_hanging_it(tmp_pat
     waiter.start()
     waiter.join(30)
     assert not waiter.is_alive() and raised and raised[0].errno == errno.ENOSPC
-    assert checkpoints.disk_error(raised[0]) == (errno.ENOSPC, str(tmp_path / "trace.json"))
+    assert disk_error(raised[0]) == (errno.ENOSPC, str(tmp_path / "trace.json"))
 
 
 # ---------------------------------------------------------------- what a resume may change
@@ -568,13 +571,13 @@ def test_a_changed_key_is_refused_or_named_as_its_class_says(name):
     config.rl.lora_rank = 4  # the LoRA keys shape the state only with adapters
     if name == "configs.flux":
         config.model.update(variant="tiny", random_init=True)  # base weights named without files
-    base = checkpoints.fingerprint(config)
+    base = fingerprint(config)
     saved = resume_keys.settings(config)
     unchecked = []
     for key, value in resume_keys.leaves(config).items():
         changed = _with(config, key, value)
         try:
-            refused = checkpoints.differences(base, checkpoints.fingerprint(changed), carried=True) != []
+            refused = differences(base, fingerprint(changed), carried=True) != []
         except Exception:  # noqa: BLE001 (a value this config cannot take: nothing to compare)
             unchecked.append(key)
             continue

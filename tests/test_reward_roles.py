@@ -22,7 +22,7 @@ from test_runtime import runtime_config
 
 from digen_jax.models import FAMILIES
 from digen_jax.rewards import RemoteRewardError, clip_scores
-from digen_jax.app import checkpoints, loop, random_init, workload
+from digen_jax.app import loop, random_init, run_checkpoints, workload
 from configs.sections import sharding_section
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
@@ -146,13 +146,13 @@ def test_remote_scorer_dying_mid_run_fails_the_iteration_and_trains_nothing(tmp_
 
     server = reward_server.make_server(score_then_die)
     saved = {}
-    save = checkpoints.save
+    save = run_checkpoints.save
 
     def recording_save(executor, manager, iterations_done, config):
         saved[iterations_done] = jax.device_get(executor.state.trainable)
         save(executor, manager, iterations_done, config)
 
-    monkeypatch.setattr(checkpoints, "save", recording_save)
+    monkeypatch.setattr(run_checkpoints, "save", recording_save)
     with Serving(server) as serving:
         c = small_config("colocated", micro_batches=micro_batches, train_devices=1)
         c.rl.prompts_per_iteration = 2

@@ -12,7 +12,8 @@ import pytest
 
 from configs import tiny
 from digen_jax.rewards import registry
-from digen_jax.app import checkpoints, loop, workload
+from digen_jax.app import loop, run_checkpoints, workload
+from digen_jax.app.errors import RunStopped
 from digen_jax.rl import optim
 from digen_jax.runtime.executor import Executor
 
@@ -180,12 +181,12 @@ def test_diverging_updates_are_skipped_and_never_checkpointed(cache_dir, tmp_pat
 def test_a_state_with_nan_is_never_saved(cache_dir, tmp_path):
     run = loop.Run(small_config(cache_dir), str(tmp_path), log=lambda _: None)
     executor = Executor(run, log=lambda _: None)
-    checkpoints.save(executor, run.checkpoints, 1, run.config)
+    run_checkpoints.save(executor, run.checkpoints, 1, run.config)
     leaves, treedef = jax.tree.flatten(executor.state.trainable)
     leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(np.nan)
     executor.state = executor.state.replace(trainable=jax.tree.unflatten(treedef, leaves))
     with pytest.raises(FloatingPointError, match="checkpoint 2 not saved: the trainable weights hold NaN or inf"):
-        checkpoints.save(executor, run.checkpoints, 2, run.config)
+        run_checkpoints.save(executor, run.checkpoints, 2, run.config)
     run.checkpoints.wait_until_finished()
     executor.close()
     assert run.checkpoints.all_steps() == [1]
@@ -265,13 +266,13 @@ def test_sample_script_restores_the_latest_state_and_checks_its_config(cache_dir
     workdir = str(tmp_path / "run")
     final = loop.train(config, workdir, log=lambda _: None)
     run = loop.Run(config, workdir, log=lambda _: None)
-    restored = checkpoints.read_state(run.checkpoints, run.state, config)
+    restored = run_checkpoints.read_state(run.checkpoints, run.state, config)
     assert int(restored.version) == int(final.version) == 2
     jax.tree.map(np.testing.assert_array_equal, restored.trainable, jax.device_get(final.trainable))
     other = small_config(cache_dir, iterations=2, checkpoint_every=2)
     other.rl.lora_rank = 4
-    with pytest.raises(checkpoints.RunStopped, match=r"rl\.lora_rank"):
-        checkpoints.read_state(run.checkpoints, run.state, other)
+    with pytest.raises(RunStopped, match=r"rl\.lora_rank"):
+        run_checkpoints.read_state(run.checkpoints, run.state, other)
     run.checkpoints.close()
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

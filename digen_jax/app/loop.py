@@ -29,7 +29,9 @@ from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning
 from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
 from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
-from digen_jax.app import checkpoints, costs, precision
+from digen_jax.app import costs, precision, run_checkpoints, warm_start
+from digen_jax.app import workdir as workdir_lib
+from digen_jax.app.errors import RunStopped
 from digen_jax.app.validation import validate_config
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.executor import Executor, read_figures
@@ -95,8 +97,8 @@ class Run:
             with jax.default_device(host):
                 self.state = self.trainer.init_state(jax.device_put(trainable, host))
         # Every process saves and restores at the same points; with several, the train role's
-        # processes write their own shards (checkpoints.save) into a directory every process reads.
-        self.checkpoints = checkpoints.open_manager(workdir, config)
+        # processes write their own shards (run_checkpoints.save) into a directory every process reads.
+        self.checkpoints = run_checkpoints.open_manager(workdir, config)
         self._root_key = jax.random.key(config.seed)
         self.eval_ids, self.eval_cond = self.workload.eval_batch(config.train.eval_prompts)
         self.eval_keys = jax.random.split(jax.random.key(config.seed + 8), config.train.eval_prompts)
@@ -241,19 +243,19 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
     Every iteration goes through the runtime executor in `config.runtime.mode` (colocated by
     default); its figures (samples/s, bubbles, staleness, sync time) are read one iteration late.
     Expected faults (a workdir in use, a checkpoint of another config or unreadable, a full disk,
-    a failed save) raise `checkpoints.RunStopped` with a message.
+    a failed save) raise `RunStopped` with a message.
     """
     validate_config(config)
     # Several processes share the workdir; process 0 writes the metrics, trace and TensorBoard files.
     writes_files = jax.process_index() == 0
-    lock = checkpoints.WorkdirLock(workdir) if writes_files else None
+    lock = workdir_lib.WorkdirLock(workdir) if writes_files else None
     if lock is not None and lock.unsupported:
         log(lock.unsupported)
     try:
         return _train(config, workdir, log, writes_files)
     except Exception as e:
-        if not isinstance(e, checkpoints.RunStopped) and checkpoints.disk_error(e):
-            raise checkpoints.RunStopped(checkpoints.disk_message(e, workdir, "writing the run's outputs")) from e
+        if not isinstance(e, RunStopped) and workdir_lib.disk_error(e):
+            raise RunStopped(workdir_lib.disk_message(e, workdir, "writing the run's outputs")) from e
         raise
     finally:
         if lock is not None:
@@ -269,37 +271,37 @@ def _finish_save(run: Run, step: int | None, log: Callable[[str], None] | None =
         run.checkpoints.wait_until_finished()
     except Exception as e:  # noqa: BLE001 (every failure of an asynchronous save ends up here)
         what = f"saving checkpoint {step}"
-        message = (checkpoints.disk_message(e, run.workdir, what) if checkpoints.disk_error(e) else
-                   f"{what} failed: {checkpoints.short_reason(e)}; the run stopped (rerun to resume from the last "
+        message = (workdir_lib.disk_message(e, run.workdir, what) if workdir_lib.disk_error(e) else
+                   f"{what} failed: {workdir_lib.short_reason(e)}; the run stopped (rerun to resume from the last "
                    "good checkpoint)")
         if log is None:
-            raise checkpoints.RunStopped(message) from e
+            raise RunStopped(message) from e
         log(message)
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None], writes_files: bool) -> TrainState:
     if config.train.start_over:
-        checkpoints.start_over(workdir, log)
-    inspection = checkpoints.open_manager(workdir, config)
-    candidates = checkpoints.resume_candidates(inspection, config, log)  # before any compute
+        workdir_lib.start_over(workdir, log)
+    inspection = run_checkpoints.open_manager(workdir, config)
+    candidates = run_checkpoints.resume_candidates(inspection, config, log)  # before any compute
     inspection.close()
     if not candidates:  # a run's outputs are never removed: starting at 0 over them is refused
-        checkpoints.refuse_history(workdir)
+        workdir_lib.refuse_history(workdir)
     init_from = None
     if config.train.init_from and candidates:
         log(f"train.init_from={config.train.init_from!r} ignored: resuming this workdir's own checkpoints")
     elif config.train.init_from:
-        init_from = checkpoints.check_init_from(config)
+        init_from = warm_start.check_init_from(config)
     run = Run(config, workdir, log)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     if init_from is not None:
-        run.state = run.trainer.init_state(checkpoints.load_init_from(*init_from, run.state.trainable, config, log))
+        run.state = run.trainer.init_state(warm_start.load_init_from(*init_from, run.state.trainable, config, log))
     executor = Executor(run, log=log)
-    start, changed = checkpoints.restore_first_readable(executor, run.checkpoints, candidates, config, log)
+    start, changed = run_checkpoints.restore_first_readable(executor, run.checkpoints, candidates, config, log)
     total = config.train.iterations
     if start > total:
         executor.close()
-        raise checkpoints.RunStopped(
+        raise RunStopped(
             f"train.iterations={total} is below the iteration this run resumes from (checkpoint {start} in "
             f"{workdir}): give train.iterations={start} or more to go on with it, or another --workdir for a new run.")
     if writes_files and start and os.path.exists(metrics_path):
@@ -371,14 +373,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
                 emit(*pending)  # a checkpoint never runs ahead of metrics.jsonl
                 pending = None
                 settle()
-                checkpoints.save(executor, run.checkpoints, k + 1, config)
+                run_checkpoints.save(executor, run.checkpoints, k + 1, config)
                 saving = k + 1
         if pending is not None:
             executor.drain()  # the last iteration's prefetched rollouts belong to its timing
             emit(*pending)
         if total > start and (not config.train.checkpoint_every or total % config.train.checkpoint_every):
             settle()
-            checkpoints.save(executor, run.checkpoints, total, config)
+            run_checkpoints.save(executor, run.checkpoints, total, config)
             saving = total
         settle()
     finally:

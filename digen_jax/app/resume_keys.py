@@ -1,12 +1,12 @@
 """What a resume may change: every config key is refused, noted or free.
 
-Refused: the keys that shape the checkpointed state or name the base model; `checkpoints.fingerprint`
+Refused: the keys that shape the checkpointed state or name the base model; `fingerprint.fingerprint`
 records them and a resume with another value stops before any compute.
 Noted: the keys that change what the remaining iterations compute (hyperparameters, rewards,
 prompts and sampling, the schedule, the numerics). A resume with another value goes on with it,
 says so in one line naming each key with its old and new value, and records the changes in the
 metrics row of the first iteration it trains (`config_changes`). The keys that shape the
-micro-batches a checkpoint carries are refused while it carries some (`checkpoints._CARRIED_KEYS`).
+micro-batches a checkpoint carries are refused while it carries some (`fingerprint._CARRIED_KEYS`).
 Free: the keys that change nothing a run computes (evaluation, logging, checkpoint cadence, where
 files are cached, fault handling, process plumbing).
 

@@ -15,7 +15,7 @@ import numpy as np
 from flax import traverse_util
 
 from digen_jax import diffusion
-from digen_jax.app import checkpoints
+from digen_jax.app import run_checkpoints
 from digen_jax.app import pretrain as pretrain_lib
 from digen_jax.app.config_ranges import check_ranges
 from digen_jax.app.errors import ConfigError
@@ -85,9 +85,9 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
         raise ConfigError(f"rl.onpolicy_anchor must be one of {ONPOLICY_ANCHORS}, got {rl.onpolicy_anchor!r}")
     if rl.lora_rank < 0:
         raise ConfigError(f"rl.lora_rank must be >= 0 (0 = full fine-tuning), got {rl.lora_rank}")
-    if config.train.on_corrupt_checkpoint not in checkpoints.ON_CORRUPT:
+    if config.train.on_corrupt_checkpoint not in run_checkpoints.ON_CORRUPT:
         raise ConfigError(f"train.on_corrupt_checkpoint={config.train.on_corrupt_checkpoint!r} must be one of "
-                          f"{checkpoints.ON_CORRUPT}")
+                          f"{run_checkpoints.ON_CORRUPT}")
     try:
         validate_runtime_config(config, len(jax.devices()))
         mesh_lib.build_role_meshes(config.runtime)  # role sizes against the hosts' devices (no compute)

@@ -1,25 +1,19 @@
-"""What makes resuming safe: the run fingerprint, the choice of checkpoint, the workdir lock, faults as messages.
+"""The run's checkpoints: saving the train state, choosing the checkpoint to resume from, restoring it.
 
-Fingerprint: the config keys that shape the train state (model family, variant and depth, the
-base model's identity, parameter dtype and block layout, LoRA rank/alpha/targets or full
-fine-tuning, EMA, the optimizer's structure) and those that shape the prefetched micro-batches a
-checkpoint may carry. Every checkpoint stores it in its `meta` item; a resume whose config
-differs stops before any compute, naming each key and both values. `train.init_from` is the
-deliberate way to start a new run from another run's weights.
+Fingerprint: every checkpoint stores the run's fingerprint (fingerprint.py) in its `meta` item;
+a resume whose config differs in what shapes the train state stops before any compute, naming
+each key and both values. `train.init_from` (warm_start.py) is the deliberate way to start a new
+run from another run's weights.
 
 The other config keys a resume may change are noted or free (digen_jax/app/resume_keys.py): the
 meta item records the noted keys' values, and a resume names each one it changes.
 
 Faults: a checkpoint that cannot be read (an empty step directory, a missing or empty file, data
 that does not decode, a meta item that is no object) or whose array data do not match the
-checksums written with them (`checksums`) is reported in one paragraph and, as
+checksums written with them (checksums.py) is reported in one paragraph and, as
 `train.on_corrupt_checkpoint` says, moved to `WORKDIR/corrupt_checkpoints/` for the previous one
 ('fallback') or stops the run ('stop'). A full disk or a permission error stops the run with one
-message naming the path; orbax's own error logs of such failures are not shown.
-
-History: nothing a run wrote is removed. A workdir holding a run's history but no checkpoint to
-resume stops the run (`refuse_history`); `train.start_over` moves it all to
-`WORKDIR/previous_runs/N/` first (`start_over`).
+message naming the path (workdir.py); orbax's own error logs of such failures are not shown.
 
 Who writes: the processes that own the train role's devices write the train state, each its own
 shards (one replica of each shard, written once), with the meta and the prefetched micro-batches
@@ -30,19 +24,14 @@ its own devices: a checkpoint saved by one process restores in several and the o
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
 import shutil
-import socket
 import sys
-import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
@@ -51,220 +40,17 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from digen_jax.app import resume_keys, workload as workload_lib
-from digen_jax.rl import lora
+from digen_jax.app import resume_keys
+from digen_jax.app.checksums import checksums, verify
+from digen_jax.app.errors import RunStopped
+from digen_jax.app.fingerprint import WEIGHT_KEYS, differences, fingerprint
+from digen_jax.app.workdir import CORRUPT_DIR, START_OVER_HINT, disk_error, disk_message, short_reason
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.transfer import put_own_copy, to_every_process
 
 ON_CORRUPT = ("fallback", "stop")
-LOCK_FILE = "run.lock"
-CORRUPT_DIR = "corrupt_checkpoints"
-PREVIOUS_DIR = "previous_runs"  # earlier runs of a workdir, moved there by train.start_over
-START_OVER_HINT = ("to start the run over, keeping this history in {workdir}/" + PREVIOUS_DIR
-                   + "/, rerun with --config.train.start_over=true (once), or use another --workdir.")
-# Keys that shape the micro-batches a checkpoint carries (compared only when it carries some).
-_CARRIED_KEYS = ("task.resolution", "sampling.height", "sampling.width", "sampling.num_frames", "sampling.num_steps",
-                 "rl.prompts_per_iteration", "rl.group_size", "runtime.micro_batches", "runtime.mode")
-# Keys that must match for another run's trainable weights to fit this run's.
-_WEIGHT_KEYS = ("model.family", "model.variant", "model.num_layers", "model.num_single_layers", "model.scan_layers",
-                "trainable", "rl.lora_rank", "rl.lora_targets")
-# Fingerprint keys a checkpoint may predate: compared only when it records them.
-_RECORDED_LATER = ("seed", "rl.optimizer_state_dtype")
-_DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
-                errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
-                errno.EROFS: "the file system is read-only"}
-_DISK_TEXTS = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
-               "Permission denied": errno.EACCES, "Read-only file system": errno.EROFS}
 
 
-class RunStopped(Exception):
-    """An expected fault or user error: the message says what happened and what to do
-    (launch/train.py prints it without a traceback)."""
-
-
-# ---------------------------------------------------------------------------------- fingerprint
-def fingerprint(config: ml_collections.ConfigDict) -> dict:
-    """The keys that shape a run's checkpointed state (module docstring), as JSON values."""
-    m, rl = config.model, config.rl
-    fp = {"seed": config.seed, "model.family": m.family}
-    for key in ("variant", "num_layers", "num_single_layers"):
-        if key in m:
-            fp[f"model.{key}"] = m[key]
-    fp["base model"] = workload_lib.base_model_id(config)
-    fp["model.param_dtype"] = m.param_dtype
-    fp["model.scan_layers"] = bool(m.scan_layers)
-    fp["trainable"] = "LoRA adapters" if rl.lora_rank else "all weights (full fine-tuning)"
-    fp["rl.lora_rank"] = rl.lora_rank
-    if rl.lora_rank:
-        fp["rl.lora_alpha"] = lora.config_alpha(rl)
-        fp["rl.lora_targets"] = list(rl.lora_targets)
-    fp["rl.ema"] = bool(rl.ema)
-    if rl.get("algorithm", "grpo") != "grpo":  # DiffusionNFT's state holds the old policy too
-        fp["rl.algorithm"] = rl.algorithm
-    fp["optimizer"] = "adamw" if rl.max_grad_norm is None else "clip_by_global_norm, adamw"
-    fp["rl.optimizer_state_dtype"] = rl.get("optimizer_state_dtype", "param")  # the moments' dtype
-    carried = {}
-    for key in _CARRIED_KEYS:
-        section, name = key.split(".")
-        if section in config and name in config[section]:
-            carried[key] = config[section][name]
-    fp["carried"] = carried
-    return json.loads(json.dumps(fp))  # tuples as lists: compares equal to what a checkpoint read back holds
-
-
-def _show(value) -> str:
-    if isinstance(value, dict) and "id" in value:
-        return f"{value['where']} [{value['id']}]"
-    return "(none)" if value is None else json.dumps(value)
-
-
-def differences(saved: dict, current: dict, *, carried: bool, keys: tuple[str, ...] | None = None) -> list[str]:
-    """'key: saved value in the checkpoint, current value now' for each key that differs (the
-    carried micro-batches' keys only when `carried`; only `keys` when given)."""
-    lines = []
-    for key in dict.fromkeys([*saved, *current]):
-        if key == "carried" or (keys is not None and key not in keys) or (key in _RECORDED_LATER and key not in saved):
-            continue
-        a, b = saved.get(key), current.get(key)
-        same = (a or {}).get("id") == (b or {}).get("id") if key == "base model" else a == b
-        if not same:
-            lines.append(f"{key}: {_show(a)} in the checkpoint, {_show(b)} now")
-    if carried:
-        a, b = saved.get("carried", {}), current.get("carried", {})
-        for key in dict.fromkeys([*a, *b]):
-            if a.get(key) != b.get(key):
-                lines.append(f"{key}: {_show(a.get(key))} in the checkpoint, {_show(b.get(key))} now "
-                             "(it holds micro-batches already generated for the next iteration)")
-    return lines
-
-
-# ---------------------------------------------------------------------------------- workdir lock
-class WorkdirLock:
-    """An exclusive `flock` on WORKDIR/run.lock for the run's lifetime. The kernel drops it when
-    its process dies, so the lock of a killed run never blocks the next; the file records the
-    holder (pid, host, start time) for the message a second run gets. On a file system without
-    `flock` the run goes on unlocked and `unsupported` says why."""
-
-    def __init__(self, workdir: str):
-        os.makedirs(workdir, exist_ok=True)
-        self.path = os.path.join(os.path.abspath(workdir), LOCK_FILE)
-        self._fd, self.unsupported = None, None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = json.loads(os.read(fd, 4096) or b"{}")
-            except ValueError:
-                holder = {}
-            os.close(fd)
-            raise RunStopped(
-                f"workdir {os.path.dirname(self.path)} is in use by another run (pid {holder.get('pid', '?')} on "
-                f"{holder.get('host', '?')}, started {holder.get('started', '?')}): two runs in one workdir would "
-                "interleave its metrics and checkpoints. Wait for that run to end, stop it, or use another --workdir."
-            ) from None
-        except OSError as e:
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
-            os.close(fd)
-            self.unsupported = f"{self.path} cannot be locked here ({e.strerror}): nothing keeps a second run out"
-            return
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-
-# ---------------------------------------------------------------------------------- history
-def history(workdir: str) -> list[str]:
-    """What an earlier run left in `workdir` that a run starting at iteration 0 would mix with its
-    own: metrics rows, trace events, checkpoints set aside (as words, empty when none)."""
-    found = []
-    metrics = os.path.join(workdir, "metrics.jsonl")
-    if os.path.exists(metrics) and os.path.getsize(metrics):
-        with open(metrics, "rb") as f:
-            found.append(f"metrics.jsonl ({sum(1 for line in f if line.strip())} rows)")
-    trace = os.path.join(workdir, "trace.json")
-    if os.path.exists(trace):
-        with open(trace) as f:  # the header and thread names of a run that recorded no event are not history
-            if any(line.strip() not in ("", "[") and '"ph": "M"' not in line for line in f):
-                found.append("trace.json")
-    corrupt = os.path.join(workdir, CORRUPT_DIR)
-    if os.path.isdir(corrupt) and os.listdir(corrupt):
-        found.append(f"{CORRUPT_DIR}/ ({len(os.listdir(corrupt))} set aside)")
-    return found
-
-
-def refuse_history(workdir: str) -> None:
-    """RunStopped when `workdir` holds an earlier run's history (`history`) and no checkpoint to
-    resume it from: starting at iteration 0 there would mix two runs' outputs or replace them."""
-    found = history(workdir)
-    if found:
-        raise RunStopped(f"{workdir} holds an earlier run's {', '.join(found)} but no checkpoint to resume it from; "
-                         + START_OVER_HINT.format(workdir=workdir))
-
-
-def start_over(workdir: str, log: Callable[[str], None]) -> None:
-    """`train.start_over`: move everything in `workdir` (but its lock) to a new
-    WORKDIR/previous_runs/N/, so that the run starts at iteration 0 and loses nothing."""
-    entries = sorted(name for name in os.listdir(workdir) if name not in (LOCK_FILE, PREVIOUS_DIR))
-    if entries and jax.process_index() == 0:
-        n = 1
-        while os.path.exists(os.path.join(workdir, PREVIOUS_DIR, str(n))):
-            n += 1
-        dest = os.path.join(workdir, PREVIOUS_DIR, str(n))
-        os.makedirs(dest)
-        for name in entries:
-            shutil.move(os.path.join(workdir, name), os.path.join(dest, name))
-        log(f"train.start_over: moved {', '.join(entries)} to {dest}; starting at iteration 0")
-    if jax.process_count() > 1:  # the others look at the workdir once process 0 has cleared it
-        multihost_utils.sync_global_devices("start over")
-
-
-# ---------------------------------------------------------------------------------- faults
-def _chain(exc: BaseException):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def short_reason(exc: BaseException) -> str:
-    """The innermost cause of `exc` in one line, without tensorstore's spec dumps."""
-    root = list(_chain(exc))[-1]
-    text = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
-    for cut in (" [tensorstore_spec", " [source locations", ". See full TensorStore details"):
-        text = text.split(cut)[0]
-    return text[:400]
-
-
-def disk_error(exc: BaseException) -> tuple[int, str] | None:
-    """(errno, path or '') when `exc` comes from a full disk or a permission error, else None."""
-    for e in _chain(exc):
-        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
-            return e.errno, e.filename or ""
-        for text, code in _DISK_TEXTS.items():
-            if text in str(e):
-                return code, ""
-    return None
-
-
-def disk_message(exc: BaseException, workdir: str, what: str) -> str:
-    code, path = disk_error(exc)
-    where = f" ({path})" if path else ""
-    fix = "free space there" if code in (errno.ENOSPC, errno.EDQUOT) else "make it writable by this user"
-    return (f"{what} failed: {_DISK_ERRNOS[code]}{where}; {fix} in or under {workdir}, then rerun the same "
-            f"command to resume from the last checkpoint.")
-
-
-# ---------------------------------------------------------------------------------- choosing a checkpoint
 def open_manager(workdir: str, config: ml_collections.ConfigDict, read_only: bool = False) -> ocp.CheckpointManager:
     """The run's orbax checkpoints, WORKDIR/checkpoints (asynchronous saves); `read_only` for
     another run's, which may be writing (nothing there is created or cleaned up).
@@ -389,7 +175,7 @@ def resume_candidates(manager: ocp.CheckpointManager, config: ml_collections.Con
         else:
             diff = differences(saved, current, carried=bool(meta["carried"]))
             if diff:
-                fits = not differences(saved, current, carried=False, keys=_WEIGHT_KEYS)
+                fits = not differences(saved, current, carried=False, keys=WEIGHT_KEYS)
                 warm = (f" (with --config.train.init_from={os.path.dirname(str(manager.directory))} to start from "
                         "these weights)") if fits else ""
                 raise RunStopped(
@@ -452,52 +238,6 @@ def _quiet_abandoned_reads() -> None:
     sys.unraisablehook = hook
 
 
-# ---------------------------------------------------------------------------------- checksums
-def _leaf_checksum(x: jax.Array) -> jax.Array:
-    """sum(weight(index) * word) mod 2**32 over the 32-bit words of `x`'s data (a narrower
-    element is one word, a wider one several), each word's weight its flat index times the golden
-    ratio's 32-bit constant, made odd. The shards' sums add up to the same value in any sharding,
-    so it is computed where the array lives, in any process layout, and no data goes to the host.
-    An odd weight makes any change of one word change the sum; other changes go unseen with a
-    chance of about 2**-32."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    size = x.dtype.itemsize
-    words = (jax.lax.bitcast_convert_type(x, jnp.uint32) if size >= 4 else
-             jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[size]).astype(jnp.uint32))
-    index = jnp.zeros(words.shape, jnp.uint32)
-    for axis, n in enumerate(words.shape):
-        index = index * jnp.uint32(n) + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
-    return jnp.sum((index * jnp.uint32(0x9E3779B1) | jnp.uint32(1)) * words, dtype=jnp.uint32)
-
-
-@jax.jit
-def _checksums(tree) -> list[jax.Array]:
-    return [_leaf_checksum(leaf) for leaf in jax.tree.leaves(tree)]
-
-
-def checksums(tree) -> dict[str, int]:
-    """{leaf path: checksum} of the arrays of `tree` (`_leaf_checksum`); every process that holds
-    part of them calls it (one scalar read per leaf, at a save or a restore)."""
-    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    values = _checksums(tree)
-    return {path: int(np.asarray(v.addressable_shards[0].data)) for path, v in zip(paths, values)}
-
-
-def verify(item: str, tree, saved: dict | None) -> None:
-    """Raise ValueError naming the first leaf of `tree` whose checksum differs from `saved`, the
-    checksums written with item `item` (nothing to check without them, or on a process that
-    holds none of the data)."""
-    if not saved or not any(not isinstance(leaf, jax.Array) or leaf.addressable_shards for leaf in jax.tree.leaves(tree)):
-        return
-    for path, value in checksums(tree).items():
-        if path in saved and saved[path] != value:
-            raise ValueError(f"the data of {item}{path} does not match the checksum written with it (corrupted on disk)")
-
-
-# ---------------------------------------------------------------------------------- save and restore
 def save(executor, manager: ocp.CheckpointManager, iterations_done: int, config: ml_collections.ConfigDict) -> None:
     """Checkpoint `executor`'s train state and the micro-batches it prefetched for the next
     iteration (asynchronously), with the run's fingerprint and the task costs measured so far.
@@ -573,7 +313,7 @@ def _on_role(host: np.ndarray, mesh: Mesh) -> jax.Array:
     return _writable(put_own_copy(np.asarray(host), sharding), sharding)
 
 
-def _read(manager: ocp.CheckpointManager, step: int, item: str, target, partial: bool = False):
+def read_item(manager: ocp.CheckpointManager, step: int, item: str, target, partial: bool = False):
     """`target` (ShapeDtypeStructs with shardings; with `partial`, a part of the saved tree) from
     item `item` of checkpoint `step`, in any process layout: each process reads the slices of
     its own devices, whichever processes wrote them. A process that owns none of the devices
@@ -594,7 +334,7 @@ def _read_on_host(manager: ocp.CheckpointManager, step: int, item: str):
     return manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(restore_args=args)}))[item]
 
 
-def _abstract(tree, shardings=None):
+def abstract(tree, shardings=None):
     """`tree`'s shapes and dtypes on `shardings` (default: its own)."""
     shardings = jax.tree.map(lambda a: a.sharding, tree) if shardings is None else shardings
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
@@ -604,7 +344,7 @@ def _load(executor, manager: ocp.CheckpointManager, step: int) -> tuple:
     """Checkpoint `step` as this process reads it for `executor`: (state, carried, meta)."""
     meta = read_meta(manager, step)
     sums = meta.get("checksums") or {}
-    state = _read(manager, step, "state", _abstract(executor.state, executor.state_sharding))
+    state = read_item(manager, step, "state", abstract(executor.state, executor.state_sharding))
     verify("state", state, sums.get("state"))
     carried = _read_on_host(manager, step, "carried") if meta["carried"] else {}
     verify("carried", carried, sums.get("carried"))
@@ -627,7 +367,7 @@ def _resume(executor, step: int, state, carried: dict, meta: dict) -> tuple[int,
 def restore(executor, manager: ocp.CheckpointManager, step: int | None = None) -> int:
     """Restore checkpoint `step` (default: the latest) into `executor`, with its prefetched
     micro-batches and measured task costs; the iteration to start from. Every process calls it;
-    each reads the state's slices of its own devices (`_read`), whatever process layout
+    each reads the state's slices of its own devices (`read_item`), whatever process layout
     saved it, and the prefetched micro-batches whole."""
     latest = manager.latest_step() if step is None else step
     if latest is None:
@@ -659,7 +399,7 @@ def read_state(manager: ocp.CheckpointManager, like, config: ml_collections.Conf
                                  f"from this one in what shapes the trained state ({'; '.join(diff)}): give that "
                                  "run's --config and overrides")
             try:
-                state = _read(manager, step, "state", _abstract(like))
+                state = read_item(manager, step, "state", abstract(like))
                 verify("state", state, (meta.get("checksums") or {}).get("state"))
                 return state
             except Exception as e:  # noqa: BLE001 (likewise)
@@ -705,49 +445,3 @@ def _agree(outcome: int) -> list[int]:
     if jax.process_count() == 1:
         return [outcome]
     return [int(v) for v in multihost_utils.process_allgather(np.int32(outcome))]
-
-
-# ---------------------------------------------------------------------------------- warm start
-def check_init_from(config: ml_collections.ConfigDict) -> tuple[ocp.CheckpointManager, int, dict]:
-    """`train.init_from`'s checkpoint, checked before any compute: (its manager, step, meta).
-    RunStopped when there is none or its weights cannot fit this run's (naming the keys)."""
-    source = os.path.abspath(os.path.expanduser(config.train.init_from))
-    if not os.path.isdir(os.path.join(source, "checkpoints")):
-        raise RunStopped(f"train.init_from={config.train.init_from!r}: {source}/checkpoints does not exist "
-                         "(it names the workdir of the run to start from)")
-    manager = open_manager(source, config, read_only=True)
-    step = manager.latest_step()
-    if step is None:
-        raise RunStopped(f"train.init_from={config.train.init_from!r}: {source}/checkpoints holds no checkpoint "
-                         "(it names the workdir of the run to start from)")
-    try:
-        meta = read_meta(manager, step)
-    except Exception as e:  # noqa: BLE001 (reported as what it is: an unreadable source)
-        raise RunStopped(f"train.init_from={config.train.init_from!r}: checkpoint {step} cannot be read "
-                         f"({short_reason(e)})") from e
-    saved = meta.get("fingerprint")
-    if saved is not None:
-        diff = differences(saved, fingerprint(config), carried=False, keys=_WEIGHT_KEYS)
-        if diff:
-            raise RunStopped(f"train.init_from={config.train.init_from!r}: the trainable weights of its checkpoint "
-                             f"{step} do not fit this run's:\n  " + "\n  ".join(diff))
-    return manager, step, meta
-
-
-def load_init_from(manager: ocp.CheckpointManager, step: int, meta: dict, trainable,
-                   config: ml_collections.ConfigDict, log: Callable[[str], None]):
-    """The trainable weights of `train.init_from`'s checkpoint `step`, in `trainable`'s shapes and
-    placement (RunStopped when a leaf does not fit); logs what was loaded."""
-    target = _abstract(trainable)
-    try:
-        restored = _read(manager, step, "state", {"trainable": target}, partial=True)
-    except Exception as e:  # noqa: BLE001 (a source written before fingerprints: its shapes are the check)
-        raise RunStopped(f"train.init_from={config.train.init_from!r}: the trainable weights of checkpoint {step} "
-                         f"do not load into this run's: {short_reason(e)}") from e
-    saved = meta.get("fingerprint") or {}
-    notes = differences(saved, fingerprint(config), carried=False,
-                        keys=tuple(k for k in saved if k not in _WEIGHT_KEYS)) if saved else []
-    log(f"train.init_from: loaded the trainable weights ({saved.get('trainable', 'trainable tree')}) of "
-        f"{manager.directory}/{step}; fresh optimizer state and EMA, starting at iteration 0"
-        + ("; that run differed in:\n  " + "\n  ".join(notes) if notes else ""))
-    return restored["trainable"]
