@@ -583,16 +583,20 @@ def test_metrics_rows_carry_the_transfer_figures(runs, cache_dir, tmp_path):
 def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path, monkeypatch):
     """LoRA, disaggregated, one process: the frozen base lies on the train mesh and once on the
     rollout role, bit for bit the run's base, the run's own copy dropped; the rollout's copy is
-    made from the train mesh's as it always was, with no move program and no own-copy check."""
+    made from the train mesh's with no own-copy check. Its FSDP shards do not map shard for
+    shard onto the rollout role's replicated layout, so it moves over a mesh spanning both roles
+    (jax.device_put would read it through host memory)."""
     config = runtime_config(cache_dir, "gap")
     config.rl.update(lora_rank=2, lora_merge_for_sampling=False)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a cross-process step in a one-process run")
 
-    for name in ("_move_same_layout", "_move_replicated"):
-        monkeypatch.setattr(transfer_lib, name, refuse)
     monkeypatch.setattr(weight_sync, "own_copy_everywhere", refuse)
+    device_moves = []
+    same_layout = transfer_lib._move_same_layout
+    monkeypatch.setattr(transfer_lib, "_move_same_layout",
+                        lambda *args: device_moves.append(len(args[2])) or same_layout(*args))
     moved = []
     transfer = weight_sync.transfer
     monkeypatch.setattr(weight_sync, "transfer", lambda tree, shardings: moved.append(tree) or transfer(tree, shardings))
@@ -603,6 +607,8 @@ def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path
     assert run.workload.base_params is None  # released once the train mesh holds the base
     on_train, on_rollout = run.trainer.frozen, weights.frozen_on_rollout
     assert [tree is on_train for tree in moved] == [True]  # the rollout's copy, from the train mesh's
+    across = [transfer_lib._through_host(a, s) for a, s in zip(jax.tree.leaves(on_train), jax.tree.leaves(weights.sharding["rollout"]))]
+    assert any(across) and sum(device_moves) == sum(across)  # what device_put would copy through host memory
     for role, tree in (("train", on_train), ("rollout", on_rollout)):
         assert jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding == s, tree, weights.sharding[role])) == [True] * len(jax.tree.leaves(base))
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(tree)), jax.tree.leaves(base)))
