@@ -140,9 +140,14 @@ def _through_host(x: jax.Array, dst) -> bool:
 def _move_in_pieces(move, src_mesh: Mesh, dst_ids: tuple, leaves: list):
     """`move` (`_move_same_layout` or `_move_replicated`) of `leaves` piece by piece
     (`_pieces`): yields each piece's positions in `leaves` and its moved arrays, once the
-    piece's program has finished (`_fence`) and before the next is issued."""
-    for piece in _pieces(leaves):
-        yield piece, move(src_mesh, dst_ids, [leaves[j] for j in piece])
+    piece's program has finished (`_fence`) and before the next is issued. Inside one process
+    the last piece is not waited for: no other process's collective can hold a thread there,
+    and the wait only bounds the buffers of pieces in flight, so a move of one piece (a
+    micro-batch's trajectories) leaves the dispatching thread free."""
+    pieces = _pieces(leaves)
+    for i, piece in enumerate(pieces):
+        wait = jax.process_count() > 1 or i + 1 < len(pieces)
+        yield piece, move(src_mesh, dst_ids, [leaves[j] for j in piece], wait)
 
 
 def _pieces(leaves: Sequence) -> list[list[int]]:
@@ -342,8 +347,8 @@ def _ppermute_fn(mesh: Mesh, specs: tuple, rounds: tuple):
     return jax.jit(jax.shard_map(move, mesh=mesh, in_specs=specs, out_specs=specs))
 
 
-def _fence(moved: tuple) -> tuple:
-    """Wait until a cross-process move has finished on this process's devices.
+def _fence(moved: tuple, wait: bool = True) -> tuple:
+    """Wait (if `wait`) until a cross-process move has finished on this process's devices.
 
     Why (the jax 0.10 CPU client over gloo, by its scheduling rules): a process's pool of executor
     threads is as large as its device count, because the participants of a collective each
@@ -360,7 +365,7 @@ def _fence(moved: tuple) -> tuple:
     device with 32 programs in flight can, which `Executor._train` prevents). Device work
     dispatched before the move still overlaps with it.
     """
-    return jax.block_until_ready(moved)
+    return jax.block_until_ready(moved) if wait else moved
 
 
 def _lead(entry) -> tuple:
@@ -369,7 +374,7 @@ def _lead(entry) -> tuple:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _move_same_layout(src_mesh: Mesh, dst_ids: tuple, leaves: list) -> list:
+def _move_same_layout(src_mesh: Mesh, dst_ids: tuple, leaves: list, wait: bool = True) -> list:
     """Equal role sizes: destination device k takes the shard of source mesh position k."""
     dst_grid = _devices_by_id(dst_ids).reshape(src_mesh.devices.shape)
     combined = Mesh(np.stack([src_mesh.devices, dst_grid]), (_TRANSFER_AXIS, *src_mesh.axis_names))
@@ -380,14 +385,14 @@ def _move_same_layout(src_mesh: Mesh, dst_ids: tuple, leaves: list) -> list:
     specs = [PartitionSpec((_TRANSFER_AXIS, *_lead(s[0] if len(s) else None)), *s[1:]) for s in dst_specs]
     shapes = [(2 * r.shape[0], *r.shape[1:]) for r in rows]
     blocks = _combined(rows, combined, specs, shapes, dst_mesh, dst_specs)
-    moved = _fence(_ppermute_fn(combined, tuple(specs), (((0, 1),),))(*blocks))
+    moved = _fence(_ppermute_fn(combined, tuple(specs), (((0, 1),),))(*blocks), wait)
     return [
         _from_rows(_dst_part(y, NamedSharding(dst_mesh, spec), r.shape), x.shape)
         for y, spec, r, x in zip(moved, dst_specs, rows, leaves)
     ]
 
 
-def _move_replicated(src_mesh: Mesh, dst_ids: tuple, leaves: list) -> list:
+def _move_replicated(src_mesh: Mesh, dst_ids: tuple, leaves: list, wait: bool = True) -> list:
     """Unequal role sizes: replicate inside the source role, then every destination device
     receives the whole array from source device (k mod n_src) in round k // n_src."""
     src_devices = list(src_mesh.devices.flat)
@@ -404,7 +409,7 @@ def _move_replicated(src_mesh: Mesh, dst_ids: tuple, leaves: list) -> list:
     spec = PartitionSpec(_TRANSFER_AXIS)
     shapes = [((n_src + n_dst) * r.shape[0], *r.shape[1:]) for r in rows]
     blocks = _combined(rows, union, [spec] * len(rows), shapes, dst_mesh, [PartitionSpec()] * len(rows))
-    moved = _fence(_ppermute_fn(union, (spec,) * len(blocks), rounds)(*blocks))
+    moved = _fence(_ppermute_fn(union, (spec,) * len(blocks), rounds)(*blocks), wait)
     return [
         _from_rows(_dst_part(y, NamedSharding(dst_mesh, PartitionSpec()), r.shape), x.shape)
         for y, r, x in zip(moved, rows, leaves)
