@@ -108,24 +108,21 @@ def test_full_size_config_validates_and_fits_its_model(family, size):
     assert frames.shape == (1, 3, s.num_frames if zoo.video else 1, s.height, s.width)
 
 
-# The tiny iteration's schedule mode per family: two families (both with masked text) disaggregated,
-# 4 rollout + 4 train devices, with the TPU settings (`sections.tpu_overrides`, one process).
-TINY_MODES = {"flux": "colocated", "qwenimage": "gap", "wan": "colocated", "hunyuan_video": "gap"}
-
-
+@pytest.mark.parametrize("mode", ["colocated", "gap"])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_tiny_flow_grpo_iteration_through_train(family, tmp_path):
+def test_tiny_flow_grpo_iteration_through_train(family, mode, tmp_path):
     """configs/<family>.py:tiny (random tiny weights and embeddings): one iteration of rollout,
-    VAE decode, reward, advantages and a LoRA update, through the real entry point, in the
-    family's `TINY_MODES` mode and with splash attention (Pallas' TPU kernel, interpreted on the
-    CPU; its parity with XLA's is tests/test_splash_attention.py's); the disaggregated ones with
-    every role's weights sharded (FSDP), so the kernel runs per device. The update is on-policy: the
+    VAE decode, reward, advantages and a LoRA update, through the real entry point, colocated and
+    disaggregated, with splash attention (Pallas' TPU kernel, interpreted on the CPU; its parity
+    with XLA's is tests/test_splash_attention.py's); disaggregated on 4 rollout + 4 train devices
+    with the TPU settings (`sections.tpu_overrides`, one process): every role's weights sharded
+    (FSDP), so the kernel runs per device. The update is on-policy: the
     ratio of every unit is exactly 1 (nothing clipped), and the trainer's log-probabilities of the
     rollout's own steps (true CFG for Qwen-Image and Wan, padded prompts, video latents) match the
     ones the rollout recorded to fp32 rounding."""
     c = get_config(family, "tiny")
-    c.runtime.mode = TINY_MODES[family]
-    if c.runtime.mode == "colocated":
+    c.runtime.mode = mode
+    if mode == "colocated":
         c.model.attention_impl = "splash"
     else:
         c = tpu_overrides(c)  # splash attention, every role's weights sharded
