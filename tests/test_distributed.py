@@ -80,6 +80,18 @@ def test_roles_even_share_and_small_roles_inside_hosts_4x4():
     assert layout(roles)["train"][0] == (1, 0) and len(roles["train"]) == 12
 
 
+def test_roles_keep_to_tpu_slices():
+    """Devices of 2 TPU slices of 2 hosts x 4 chips, listed shuffled: roles come in slice order
+    and lie inside one slice or are whole slices, even where they would be whole hosts."""
+    devices = [SimpleNamespace(id=h * 1000 + i, process_index=h, slice_index=h // 2)
+               for h in (3, 1, 2, 0) for i in range(4)]
+    roles = role_devices(devices, {"rollout": 4, "train": 4, "reward": 8})
+    assert [d.slice_index for d in roles["rollout"] + roles["train"]] == [0] * 8
+    assert {d.slice_index for d in roles["reward"]} == {1} and layout(roles)["rollout"] == [(0, i) for i in range(4)]
+    with pytest.raises(ValueError, match=r"runtime.train_devices=12 splits a slice: with \[8\] devices per slice"):
+        role_devices(devices, {"rollout": 4, "train": 12})
+
+
 def test_roles_colocated_share_every_device():
     devices = fake_devices(2, 4)
     roles = role_devices(devices, {"rollout": 3, "train": 0}, colocated=True)

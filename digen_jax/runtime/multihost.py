@@ -295,6 +295,30 @@ def initialize(config_or_settings=None, env: Mapping[str, str] | None = None) ->
 # ---------------------------------------------------------------------------- role devices
 
 
+def _slice_of(device) -> int:
+    """The TPU slice a device belongs to (0 where devices have none: GPUs, CPUs, one slice)."""
+    return getattr(device, "slice_index", 0) or 0
+
+
+class _Units:
+    """Consecutive runs of equal labels (hosts or slices) along the ordered device list."""
+
+    def __init__(self, labels: Sequence[int]):
+        self.labels = list(labels)
+        self.start = {u: self.labels.index(u) for u in dict.fromkeys(self.labels)}
+        self.size = {u: self.labels.count(u) for u in self.start}
+
+    def sizes(self) -> list[int]:
+        return sorted(set(self.size.values()))
+
+    def aligned(self, begin: int, end: int) -> bool:
+        """Whether devices [begin, end) lie inside one unit or are whole units."""
+        first, last = self.labels[begin], self.labels[end - 1]
+        if len(self.start) == 1 or first == last:
+            return True
+        return begin == self.start[first] and end == self.start[last] + self.size[last]
+
+
 def role_devices(
     devices: Sequence[Any],
     sizes: Mapping[str, int],
@@ -306,13 +330,15 @@ def role_devices(
 
     sizes: role -> device count; 0 means an even split of the devices the others leave,
       except for roles in `optional`, where 0 means the role is absent. The roles must use
-      every device. Devices are ordered by (process_index, id); on several hosts every role
-      is either inside one host or made of whole hosts, so no role splits a host unless it
-      is smaller than one.
+      every device. Devices are ordered by (slice_index, process_index, id); on several hosts
+      every role is either inside one host or made of whole hosts, so no role splits a host
+      unless it is smaller than one; likewise on several TPU slices (devices with a
+      `slice_index`) every role is inside one slice or made of whole slices, so a role's
+      collectives never mix a slice's ICI with the links between slices.
     colocated: every role gets every device (one shared mesh); sizes are not used.
     key_format: how a role's config key is named in errors.
     """
-    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    devices = sorted(devices, key=lambda d: (_slice_of(d), d.process_index, d.id))
     if not devices:
         raise ValueError("no devices to split into roles")
     if colocated:
@@ -337,22 +363,15 @@ def role_devices(
         raise ValueError(f"{listing} add up to {fixed} devices, but there are {len(devices)}")
     counts = {role: counts[role] for role in sizes if role in counts}
 
-    host_of = [d.process_index for d in devices]
-    host_start = {h: host_of.index(h) for h in dict.fromkeys(host_of)}
-    host_size = {h: host_of.count(h) for h in host_start}
-    multi_host = len(host_start) > 1
+    levels = [(unit, _Units([of(d) for d in devices])) for unit, of in (("slice", _slice_of), ("host", lambda d: d.process_index))]
     roles, cursor = {}, 0
     for role, n in counts.items():
-        span = devices[cursor:cursor + n]
-        first, last = span[0].process_index, span[-1].process_index
-        if multi_host and first != last:
-            whole = cursor == host_start[first] and cursor + n == host_start[last] + host_size[last]
-            if not whole:
-                per_host = sorted(set(host_size.values()))
+        for unit, units in levels:
+            if not units.aligned(cursor, cursor + n):
                 raise ValueError(
-                    f"{key(role)}={n} splits a host: with {per_host} devices per host a role "
-                    "must fit inside one host or consist of whole hosts (reorder or resize the roles)"
+                    f"{key(role)}={n} splits a {unit}: with {units.sizes()} devices per {unit} a role "
+                    f"must fit inside one {unit} or consist of whole {unit}s (reorder or resize the roles)"
                 )
-        roles[role] = span
+        roles[role] = devices[cursor:cursor + n]
         cursor += n
     return roles
