@@ -212,7 +212,7 @@ def test_gathered_colocated_sampling_quantises_then_gathers():
     assert fp8.QUANTIZED in kinds
     shared = set(weights.meshes.train.devices.flat)
     assert all(a.sharding.is_fully_replicated and a.sharding.device_set == shared for a in jax.tree.leaves(copy))
-    gathered_first = weights._quantize(jax.device_put(params, weights.sharding["gathered"]))
+    gathered_first = weights._quantize(jax.device_put(params, weights.sharding["rollout"]))
     assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
                for a, b in zip(jax.tree.leaves(copy), jax.tree.leaves(gathered_first)))
     weights.release_gathered()

@@ -22,9 +22,9 @@ For an iteration's work (`cost_model.IterationWork`) on a pool (`cost_model.Pool
   device: training keeps each unit's block inputs (remat 'full') and one block's outputs while
   it is recomputed, the FSDP gathers of one layer's weights (and the next one's, prefetched),
   and a chunk's gradients beside their running sum; sampling keeps one block's outputs per
-  sample and CFG branch (no gradients are alive then) and the gathered copy if any; the update's check holds float32
-  temporaries of a third of the trainable bytes (XLA's figure for Qwen-Image-20B) and offloaded
-  moments brought onto the devices;
+  sample and CFG branch (no gradients are alive then) and the gathered copy if any; the
+  update's check holds float32 temporaries of a third of the trainable bytes (XLA's figure for
+  Qwen-Image-20B) and offloaded moments brought onto the devices;
 * sync buffers: the rollout role receives each new version while its rollouts still read the
   old one (one-step-stale rollouts overlap the sync), so it holds a second copy of its weights
   (adapters only with LoRA).

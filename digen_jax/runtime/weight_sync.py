@@ -60,10 +60,9 @@ class RoleWeights:
         self.rules = {"train": tuple(rules.train_rules), "rollout": tuple(rules.rollout_rules)}
         self.sharding = {role: mesh_lib.param_shardings(abstract_params, getattr(meshes, role), self.rules[role])
                          for role in ("train", "rollout")}
+        # Colocated, the rollout mesh is the shared one: the gathered copy lies by `sharding['rollout']`.
         self.gathered = (gathered_sampling and meshes.colocated and self.lora_scale is None
                          and mesh_lib.shards_weights(self.rules["train"]))
-        if self.gathered:  # the rollout rules' layout on the shared mesh
-            self.sharding["gathered"] = mesh_lib.param_shardings(abstract_params, meshes.train, self.rules["rollout"])
         self._gathered, self._gathered_version = None, -1  # the colocated copy of one version (`shared_sampling`)
         self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
         self._quantize = None
@@ -71,7 +70,7 @@ class RoleWeights:
             paths = fp8_weights.quantized_kernel_paths(abstract_params)
             self._quantize = jax.jit(lambda params: fp8_weights.quantize_params(params, paths))
             self._fp8_paths = paths
-        self._fp8_sharding: dict[str, Any] = {}  # `_fp8_sharding_of` per target, made once
+        self._fp8_sharding = None  # `_fp8_rollout_sharding`, made once
         self._frozen_fp8_on_train = None  # colocated FP8 LoRA sampling: the frozen base quantised once
         self.frozen_on_rollout = None
         self.decoders: dict[str, Any] = {}
@@ -156,30 +155,30 @@ class RoleWeights:
         """`trainable` (on the train role) moved to the rollout role: the tree that moved (only
         adapters with LoRA) and the sampling weights made from it there."""
         if self.lora_scale is None:
-            moved = self._sampling_copy(trainable, "rollout")
+            moved = self._sampling_copy(trainable)
             return moved, moved
         moved = transfer(trainable, mesh_lib.replicated(self.meshes.rollout))
         return moved, self.for_sampling(moved, self.frozen_on_rollout)
 
-    def _sampling_copy(self, trainable, target: str):
-        """Full fine-tuning's sampling weights of `trainable` in one placement onto
-        `self.sharding[target]` ('rollout': the rollout role; 'gathered': the shared mesh). FP8
-        rollouts quantise where the trainer holds the weights (sharded), so only the e4m3 tree
-        moves and no bf16 copy is held beside the FP8 one; per-channel maxima are exact, so the
-        result equals quantising the placed copy."""
+    def _sampling_copy(self, trainable):
+        """Full fine-tuning's sampling weights of `trainable` in one placement onto the rollout
+        rules' layout (on the rollout role; colocated, on the shared mesh). FP8 rollouts quantise
+        where the trainer holds the weights (sharded), so only the e4m3 tree moves and no bf16
+        copy is held beside the FP8 one; per-channel maxima are exact, so the result equals
+        quantising the placed copy."""
         if self._quantize is None:
-            return transfer(trainable, self.sharding[target])
-        return transfer(self._quantize(trainable), self._fp8_sharding_of(trainable, target))
+            return transfer(trainable, self.sharding["rollout"])
+        return transfer(self._quantize(trainable), self._fp8_rollout_sharding(trainable))
 
-    def _fp8_sharding_of(self, trainable, target: str):
-        """Shardings of the quantised tree of `trainable` on `target` (`fp8_weights.quantized_shardings`)."""
-        if target not in self._fp8_sharding:
-            self._fp8_sharding[target] = fp8_weights.quantized_shardings(self.sharding[target], trainable, self._fp8_paths)
-        return self._fp8_sharding[target]
+    def _fp8_rollout_sharding(self, trainable):
+        """Rollout-rules shardings of the quantised tree of `trainable` (`fp8_weights.quantized_shardings`)."""
+        if self._fp8_sharding is None:
+            self._fp8_sharding = fp8_weights.quantized_shardings(self.sharding["rollout"], trainable, self._fp8_paths)
+        return self._fp8_sharding
 
     def colocated_sampling(self, trainable):
         """Colocated sampling weights of `trainable`: a gathered copy (`gathered`), else `on_train`'s."""
-        return self._sampling_copy(trainable, "gathered") if self.gathered else self.on_train(trainable)
+        return self._sampling_copy(trainable) if self.gathered else self.on_train(trainable)
 
     def shared_sampling(self, trainable, version: int):
         """`colocated_sampling` for the colocated rollouts of `version`: a gathered copy is made
@@ -188,7 +187,7 @@ class RoleWeights:
             return self.on_train(trainable)
         if self._gathered_version != version:
             self._gathered = None  # the old version's copy goes before the new one is placed
-            self._gathered = self._sampling_copy(trainable, "gathered")
+            self._gathered = self._sampling_copy(trainable)
             self._gathered_version = version
         return self._gathered
 
