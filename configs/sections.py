@@ -29,6 +29,11 @@ def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_colle
             # Keep the optimizer state (Adam moments) in pinned host memory, copied through the train
             # devices at each update: full fine-tuning of 12-20B models on 80 GB cards (README).
             offload_optimizer=False,
+            # Colocated full fine-tuning with FSDP train rules: 'sharded' samples from the sharded
+            # weights (each step all-gathers them layer by layer); 'gathered' gathers one replicated
+            # copy per iteration (sampled under the rollout rules, dropped before training); 'auto'
+            # gathers when the memory plan fits the copy. LoRA and unsharded train rules ignore it.
+            colocated_sampling="auto",
             # Refuse a run whose memory plan (launch/simulate.py prints it) does not fit its devices.
             check_memory=True,
             reward_workers=2,  # host threads scoring micro-batches

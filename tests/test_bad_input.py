@@ -47,6 +47,8 @@ def _set(config, key: str, value) -> None:
         ("rl.lora_rank", 100000, r"rl\.lora_rank=100000 exceeds 64, the full rank of the largest kernel"),
         ("runtime.rollout_devices", 100, r"runtime\.rollout_devices=100 has no effect in runtime\.mode='colocated'"),
         ("runtime.train_devices", 100, r"runtime\.train_devices=100 exceeds the 8 devices"),
+        ("runtime.colocated_sampling", "bogus",
+         r"runtime\.colocated_sampling='bogus' is not one of 'auto', 'sharded', 'gathered'$"),
         ("rl.num_updates_per_batch", 4, r"rl\.num_updates_per_batch=4 must divide runtime\.micro_batches=2 \(each "
                                         r"update trains an equal share of whole micro-batches\)"),
         ("pretrain.cache_dir", "/proc/nope", r"pretrain\.cache_dir='/proc/nope' cannot be written \(.*\): the "

@@ -191,3 +191,29 @@ def test_train_role_samples_in_fp8_only_where_it_is_the_rollout_role(mode):
                for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(there)))
     on_train = kernels(weights.on_train(params))
     assert (fp8.QUANTIZED in on_train) == (mode == "colocated")
+
+
+def test_gathered_colocated_sampling_quantises_then_gathers():
+    """Colocated full fine-tuning with FP8 rollouts and `runtime.colocated_sampling='gathered'`: the
+    copy the rollouts read is the e4m3 tree, replicated over the shared mesh (quantised where the
+    weights are sharded, so no bf16 copy is gathered), equal to quantising a gathered copy, and
+    made once per version until released."""
+    runtime = ml_collections.ConfigDict(dict(mode="colocated", rollout_devices=0, train_devices=4, reward_devices=0))
+    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(lora_scale=None, rollout_precision="fp8"), frozen=None)
+    weights = weight_sync.RoleWeights(mesh_lib.build_role_meshes(runtime), tiny.get_config().sharding,
+                                      flux.FAMILY.abstract_params(CFG), trainer, merge_for_sampling=False,
+                                      gathered_sampling=True)
+    assert weights.gathered
+    params = jax.device_put(make_params(), weights.sharding["train"])  # as the trainer holds them (FSDP)
+    assert not all(a.sharding.is_fully_replicated for a in jax.tree.leaves(params))
+    copy = weights.shared_sampling(params, 0)
+    assert weights.shared_sampling(params, 0) is copy
+    kinds = {str(path[-1].key) for path, _ in jax.tree_util.tree_flatten_with_path(copy)[0]}
+    assert fp8.QUANTIZED in kinds
+    shared = set(weights.meshes.train.devices.flat)
+    assert all(a.sharding.is_fully_replicated and a.sharding.device_set == shared for a in jax.tree.leaves(copy))
+    gathered_first = weights._quantize(jax.device_put(params, weights.sharding["rollout"]))
+    assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+               for a, b in zip(jax.tree.leaves(copy), jax.tree.leaves(gathered_first)))
+    weights.release_gathered()
+    assert weights.shared_sampling(params, 0) is not copy

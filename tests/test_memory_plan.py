@@ -1,6 +1,7 @@
 """The memory plan (runtime/memory_plan.py): bytes per device of every role, checked by hand for
 Qwen-Image-20B full fine-tuning, pinned for every model-zoo config, and what the simulator and
 the launchers do with a plan that does not fit."""
+import dataclasses
 import importlib
 import subprocess
 import sys
@@ -69,6 +70,30 @@ def test_disaggregated_rollout_role_holds_whole_weights_and_the_next_version():
     assert fp8.weights == pytest.approx(w.params) and fp8.sync_buffers == pytest.approx(w.params)
 
 
+def test_auto_colocated_sampling_gathers_where_the_copy_fits():
+    """Colocated Qwen-Image-20B full fine-tuning: 'auto' gathers one whole bf16 copy for sampling
+    on 4 H200s (it fits beside the sharded train state) and samples from the sharded weights on 4
+    H100s (it does not). The copy counts in sampling's working set, not as resident weights; LoRA
+    never gathers; an explicit value is kept."""
+    w = costs.iteration_work(qwen_full_ft())
+    assert w.colocated_sampling == "auto"
+    h200, h100 = Pool.parse("h200:4"), Pool.parse("h100:4")
+    assert mp.colocated_sampling(w, h200, 8) == "gathered" and mp.colocated_sampling(w, h100, 8) == "sharded"
+    gathered, sharded = mp.memory_plan(w, h200, "colocated", 8), mp.memory_plan(w, h100, "colocated", 8)
+    assert gathered.colocated_sampling == "gathered" and sharded.colocated_sampling == "sharded"
+    g, s = gathered.role("shared"), sharded.role("shared")
+    assert g.weights == s.weights and g.rollout_copy == s.rollout_copy == 0
+    # sampling's working set: the whole bf16 copy and one block's outputs per sample, no gradients alive
+    assert 2 * w.params - g.gradients < g.activations < 2 * w.params
+    assert "colocated sampling: gathered" in gathered.table()
+    forced = mp.memory_plan(dataclasses.replace(w, colocated_sampling="gathered"), h100, "colocated", 8)
+    assert not forced.fits and forced.colocated_sampling == "gathered"
+    assert "--config.runtime.colocated_sampling=sharded" in mp.advice(
+        dataclasses.replace(w, colocated_sampling="gathered"), h100, "colocated", 8)
+    lora = costs.iteration_work(importlib.import_module("configs.qwenimage").get_config())
+    assert mp.colocated_sampling(lora, h200, 8) == "sharded"
+
+
 # GiB per device of each role's weights, gradients, optimizer, copies, rollout copy, activations,
 # sync buffers and host bytes, for every zoo config on 8 H100s (an even split when disaggregated).
 PINNED = {
@@ -84,9 +109,9 @@ PINNED = {
     ("wan21", FULL): {"rollout": (26.9, 0.0, 0.0, 0.0, 0.0, 20.9, 0.3, 0.0), "train": (26.9, 0.3, 0.6, 0.3, 0.0, 20.7, 0.0, 0.0)},
     ("hunyuanvideo", "colocated"): {"shared": (24.4, 0.5, 1.0, 0.0, 0.0, 7.8, 0.0, 0.0)},
     ("hunyuanvideo", FULL): {"rollout": (24.4, 0.0, 0.0, 0.0, 0.0, 9.0, 0.5, 0.0), "train": (24.4, 0.5, 1.0, 0.0, 0.0, 8.5, 0.0, 0.0)},
-    ("flux_full", "colocated"): {"shared": (2.8, 2.8, 11.1, 2.8, 0.0, 6.5, 0.0, 0.0)},
+    ("flux_full", "colocated"): {"shared": (2.8, 2.8, 11.1, 2.8, 0.0, 25.1, 0.0, 0.0)},  # samples from a gathered copy
     ("flux_full", FULL): {"rollout": (22.2, 0.0, 0.0, 0.0, 0.0, 11.4, 22.2, 0.0), "train": (5.5, 5.5, 22.2, 5.5, 0.0, 11.5, 0.0, 0.0)},
-    ("qwenimage_full", "colocated"): {"shared": (4.8, 4.8, 19.0, 0.0, 0.0, 8.4, 0.0, 0.0)},
+    ("qwenimage_full", "colocated"): {"shared": (4.8, 4.8, 19.0, 0.0, 0.0, 34.2, 0.0, 0.0)},  # gathered copy
     ("qwenimage_full", FULL): {"rollout": (38.0, 0.0, 0.0, 0.0, 0.0, 1.9, 38.0, 0.0), "train": (9.5, 9.5, 38.0, 0.0, 0.0, 14.3, 0.0, 0.0)},  # does not fit
 }
 

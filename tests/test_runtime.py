@@ -274,6 +274,48 @@ def test_offloaded_optimizer_state_gives_the_same_numbers(runs, cache_dir, tmp_p
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
+def test_gathered_colocated_sampling_gives_the_same_numbers(runs, cache_dir, tmp_path, monkeypatch):
+    """Colocated full fine-tuning with FSDP train rules on 4 devices. `runtime.colocated_sampling=
+    'gathered'`: each iteration's rollouts sample from one copy of the weights placed by the
+    rollout rules (replicated), their programs traced under those rules (no mesh context, as the
+    rollout role's), and the copy is dropped before training. 'sharded' (what 'auto' is on CPU
+    devices) samples from the train state's sharded weights under the train rules. The weights
+    and optimizer state after two iterations are bit-equal."""
+    run = runs["run"]
+    assert run.colocated_sampling == "sharded"
+    rollout, seen = run.trainer.rollout, []
+
+    def spy(params, *args):
+        leaves = jax.tree.leaves(params)
+        seen.append((id(leaves[0]), all(a.sharding.is_fully_replicated for a in leaves),
+                     jax.sharding.get_abstract_mesh().empty))
+        return rollout(params, *args)
+
+    monkeypatch.setattr(run.trainer, "rollout", spy)
+    states, calls = {}, {}
+    for sampling in ("sharded", "gathered"):
+        config = runtime_config(cache_dir, "colocated", colocated_sampling=sampling, train_devices=4)
+        executor = Executor(run, config=config, trace_path=str(tmp_path / f"{sampling}.json"), log=lambda _: None)
+        assert executor.weights.gathered == (sampling == "gathered")
+        seen.clear()
+        for k in range(ITERATIONS):
+            executor.iteration(k)
+            executor.drain()
+            assert executor.weights._gathered is None  # released before training
+        executor.close()
+        states[sampling], calls[sampling] = executor.state, list(seen)
+    per_iteration = config.runtime.micro_batches
+    assert len(calls["gathered"]) == len(calls["sharded"]) == ITERATIONS * per_iteration
+    assert all(replicated and no_mesh for _, replicated, no_mesh in calls["gathered"])
+    assert not any(replicated or no_mesh for _, replicated, no_mesh in calls["sharded"])
+    copies = [{c for c, _, _ in calls["gathered"][i:i + per_iteration]} for i in range(0, ITERATIONS * per_iteration, per_iteration)]
+    assert [len(c) for c in copies] == [1] * ITERATIONS  # one copy per iteration
+    got, want = (jax.device_get((states[s].trainable, states[s].opt_state)) for s in ("gathered", "sharded"))
+    assert _max_diff(got[0], runs["initial"]) > 0
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))), \
+        _max_diff(got, want)
+
+
 def test_grpo_guard_trains_in_colocated_and_disaggregated_modes(runs, cache_dir, tmp_path):
     """`rl.policy_loss='grpo_guard'` through both ways of cutting gradient micro-batches: colocated
     (units of several steps in one micro-batch) and gap (one trained step per micro-batch). Its

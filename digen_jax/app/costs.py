@@ -24,6 +24,7 @@ from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.cost_model import IterationWork, Pool, local_kind
 from digen_jax.runtime.memory_plan import MemoryPlan
 from digen_jax.runtime.memory_plan import advice as memory_advice
+from digen_jax.runtime.memory_plan import colocated_sampling as plan_colocated_sampling
 from digen_jax.runtime.memory_plan import memory_plan as plan_memory
 
 
@@ -131,6 +132,7 @@ def _memory_terms(config, terms: flops.ModelTerms) -> dict:
         param_bytes=_dtype_bytes(model.param_dtype),
         optimizer_state_bytes=4 if state_dtype == "float32" else 0,
         offload_optimizer=bool(rt.get("offload_optimizer", False)),
+        colocated_sampling=rt.get("colocated_sampling", "auto"),
         train_sharded=mesh_lib.shards_weights(tuple(sharding.train_rules)),
         rollout_sharded=mesh_lib.shards_weights(tuple(sharding.rollout_rules)),
         ema=bool(rl.ema),
@@ -156,22 +158,42 @@ def check_fits(config, devices: Sequence[Any], mode: str | None = None) -> None:
     does not fit `devices` (a run's devices), before any compute. Not checked: CPU devices, kinds
     the device table lacks, the shapes task, and `runtime.check_memory=False`."""
     rt = config.runtime
-    if is_shapes(config) or not rt.get("check_memory", True) or devices[0].platform == "cpu":
+    if not rt.get("check_memory", True):
         return
+    mode = mode or rt.mode
+    pools = _local_pool(config, devices, mode)
+    if pools is None:
+        return
+    line = memory_advice(iteration_work(config), pools[0], mode, rt.micro_batches, colocated_devices=pools[1])
+    if line:
+        raise ConfigError(line)
+
+
+def colocated_sampling(config, devices: Sequence[Any]) -> str:
+    """What `runtime.colocated_sampling='auto'` is for a colocated run of `config` on `devices`:
+    the memory plan's pick (`memory_plan.colocated_sampling`), or 'sharded' where the plan has no
+    figure (CPU devices, kinds the device table lacks, the shapes task)."""
+    pools = _local_pool(config, devices, plan_lib.COLOCATED)
+    if pools is None:
+        return "sharded"
+    work = dataclasses.replace(iteration_work(config), colocated_sampling="auto")
+    return plan_colocated_sampling(work, pools[0], config.runtime.micro_batches, colocated_devices=pools[1])
+
+
+def _local_pool(config, devices: Sequence[Any], mode: str) -> tuple[Pool, int | None] | None:
+    """The `Pool` of a run of `config` in `mode` on `devices` and its colocated device count
+    (None when disaggregated); None where the memory plan has no figure for them."""
+    if is_shapes(config) or devices[0].platform == "cpu":
+        return None
     try:
         kind = local_kind(devices[0].device_kind)
     except ValueError:
-        return
-    mode = mode or rt.mode
-    n = len(devices)
+        return None
+    rt, n = config.runtime, len(devices)
     if plan_lib.mode_flags(mode).colocated:
-        pool, colocated = Pool(kind, 1, kind, 1), rt.train_devices or n
-    else:
-        rollout = rt.rollout_devices or (n - rt.reward_devices) // 2
-        pool, colocated = Pool(kind, rollout, kind, rt.train_devices or (n - rt.reward_devices - rollout)), None
-    line = memory_advice(iteration_work(config), pool, mode, rt.micro_batches, colocated_devices=colocated)
-    if line:
-        raise ConfigError(line)
+        return Pool(kind, 1, kind, 1), rt.train_devices or n
+    rollout = rt.rollout_devices or (n - rt.reward_devices) // 2
+    return Pool(kind, rollout, kind, rt.train_devices or (n - rt.reward_devices - rollout)), None
 
 
 def _is_nft(rl) -> bool:

@@ -46,6 +46,8 @@ FREE = (
     "runtime.reward_workers", "runtime.trace", "runtime.distributed", "runtime.peer_timeout_s",
     # the Adam moments in host memory give the same numbers; the memory check refuses, never changes
     "runtime.offload_optimizer", "runtime.check_memory",
+    # sampling from a gathered copy gives bit-equal rollouts and weights (tests/test_runtime.py)
+    "runtime.colocated_sampling",
     # train.iterations: a resume checks it against the checkpoint's iteration
     "train",
 )

@@ -279,6 +279,7 @@ class IterationWork:
     # What the memory plan (runtime/memory_plan.py) reads besides the sizes above.
     optimizer_state_bytes: int = 0  # bytes per Adam moment element; 0: param_bytes ('param')
     offload_optimizer: bool = False  # runtime.offload_optimizer: the moments in host memory
+    colocated_sampling: str = "auto"  # runtime.colocated_sampling: 'auto' | 'sharded' | 'gathered'
     train_sharded: bool = True  # the train rules shard the weights (FSDP)
     rollout_sharded: bool = False  # the rollout rules shard the weights
     ema: bool = False  # an EMA copy of the trainable weights

@@ -73,6 +73,9 @@ class Job(Protocol):
     state: TrainState  # the initial train state (the executor copies it; this one survives)
     sampler: Sampler
     latent_shape: tuple[int, ...]
+    # What `runtime.colocated_sampling='auto'` is on the run's devices ('sharded' or 'gathered'):
+    # the memory plan's pick (`memory_plan.colocated_sampling`)
+    colocated_sampling: str
 
     @property
     def abstract_params(self) -> Any:
@@ -210,7 +213,8 @@ class Executor:
         job = self.job
         self.weights = RoleWeights(self.meshes, self.config.sharding, job.abstract_params, job.trainer,
                                    merge_for_sampling=self.config.rl.lora_merge_for_sampling,
-                                   offload_optimizer=bool(self.config.runtime.get("offload_optimizer", False)))
+                                   offload_optimizer=bool(self.config.runtime.get("offload_optimizer", False)),
+                                   gathered_sampling=self._colocated_sampling() == "gathered")
         self.state_sharding = self.weights.state_sharding(job.state)
         job.trainer.pin_state_sharding(self.state_sharding)
         self.state = self.weights.fresh_state(job.state, self.state_sharding)
@@ -231,6 +235,11 @@ class Executor:
         self.weights.place_decoders(job.decoder_params)
         self._reward_dispatch = threading.Lock()  # see _rollout
 
+    def _colocated_sampling(self) -> str:
+        """`runtime.colocated_sampling`, 'auto' being what the memory plan picks for the run's devices."""
+        choice = self.config.runtime.get("colocated_sampling", "auto")
+        return self.job.colocated_sampling if choice == "auto" else choice
+
     def _sync(self, task: plan_lib.Task) -> None:
         """Trainer -> rollout weight transfer of `task.version` (asynchronous; only adapters with LoRA)."""
         start = self.tracer.now()
@@ -246,7 +255,10 @@ class Executor:
                 raise RuntimeError(f"a rollout needs weights of version {version} but version "
                                    f"{self.weights.rollout_version} was synced: the plan lacks a sync")
             return self.weights.rollout_params
-        return self.weights.on_train(self.job.trainer.rollout_weights(self.state))
+        trainable = self.job.trainer.rollout_weights(self.state)
+        if group == "shared":
+            return self.weights.shared_sampling(trainable, version)
+        return self.weights.on_train(trainable)
 
     # ------------------------------------------------------------------ inputs
     def microbatches_of(self, k: int) -> list[MicroBatch]:
@@ -390,6 +402,7 @@ class Executor:
             self.tracer.record(move, mb.on_trainer, moving, bytes=moved_bytes, sample_ids=mb.sample_ids.tolist())
 
     def _train(self, task: plan_lib.Task, mb: MicroBatch, acc: dict) -> None:
+        self.weights.release_gathered()  # training's working set has no room for it
         rl = self.config.rl
         mesh = self.meshes.train
         if mb.on_trainer is None:  # not moved ahead by a crossing task
@@ -655,7 +668,7 @@ class Executor:
         """
         group = "shared" if self.meshes.colocated else "rollout"
         if self.meshes.colocated:
-            params = self.weights.on_train(trainable)
+            params = self.weights.colocated_sampling(trainable)
         else:
             params = self.weights.to_rollout(trainable)[1]
         mesh = self.meshes.for_group(group)
@@ -744,6 +757,7 @@ class Executor:
             mb.rewards.set_result(np.asarray(saved["rewards"], np.float32))
             self.carried.append(mb)
         self.weights.rollout_version = self._synced_version = -1
+        self.weights.release_gathered()
         self.measured = {(kind, group): list(values) for kind, group, values in measured}
         self.tracer.resume(step, kept={(step, m.index) for m in self.carried})
 

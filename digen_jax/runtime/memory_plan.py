@@ -13,13 +13,18 @@ For an iteration's work (`cost_model.IterationWork`) on a pool (`cost_model.Pool
 * copies: the frozen reference of full fine-tuning with `rl.kl_beta > 0`, the EMA, DiffusionNFT's
   old policy, each sharded like the trainable weights;
 * rollout copy: the colocated FP8 quantised copy of the weights sampling reads;
+* colocated sampling (`runtime.colocated_sampling`, full fine-tuning with FSDP train rules):
+  'sharded' samples from the sharded weights, gathering each layer at every step; 'gathered'
+  holds one whole copy of the sampling weights (bf16, or e4m3 with FP8 rollouts) while the
+  iteration's rollouts run and drops it before training, so it counts in sampling's working set;
+  'auto' picks 'gathered' where the shared role still fits with it, else 'sharded';
 * activations (an estimate): the working set of the largest phase beyond the state above, per
   device: training keeps each unit's block inputs (remat 'full') and one block's outputs while
   it is recomputed, the FSDP gathers of one layer's weights (and the next one's, prefetched),
   and a chunk's gradients beside their running sum; sampling keeps one block's outputs per
-  sample and CFG branch (no gradients are alive then); the update's check holds float32
-  temporaries of a third of the trainable bytes (XLA's figure for Qwen-Image-20B) and offloaded
-  moments brought onto the devices;
+  sample and CFG branch (no gradients are alive then) and the gathered copy if any; the
+  update's check holds float32 temporaries of a third of the trainable bytes (XLA's figure for
+  Qwen-Image-20B) and offloaded moments brought onto the devices;
 * sync buffers: the rollout role receives each new version while its rollouts still read the
   old one (one-step-stale rollouts overlap the sync), so it holds a second copy of its weights
   (adapters only with LoRA).
@@ -34,6 +39,9 @@ import dataclasses
 
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.cost_model import GIB, Efficiency, IterationWork, Pool
+
+# `runtime.colocated_sampling` values (module docstring).
+COLOCATED_SAMPLING = ("auto", "sharded", "gathered")
 
 # The rollout's recompute factor of one block: its matmul outputs, and the inputs and outputs of
 # the elementwise work between them, live at once.
@@ -80,6 +88,7 @@ class RoleMemory:
 class MemoryPlan:
     mode: str
     roles: tuple[RoleMemory, ...]
+    colocated_sampling: str | None = None  # colocated: 'sharded' or 'gathered' (`colocated_sampling`)
 
     @property
     def fits(self) -> bool:
@@ -97,6 +106,8 @@ class MemoryPlan:
             cells = " | ".join(f"{getattr(r, f) / GIB:.1f}" for f in RoleMemory.FIELDS)
             lines.append(f"| {r.role} | {r.devices} | {cells} | {r.device_bytes / GIB:.1f} | {r.capacity / GIB:.1f} | "
                          f"{r.host / GIB:.1f} | {'yes' if r.fits else 'NO'} |")
+        if self.colocated_sampling is not None:
+            lines.append(f"colocated sampling: {self.colocated_sampling} (runtime.colocated_sampling)")
         return "\n".join(lines)
 
     def over(self) -> RoleMemory | None:
@@ -119,6 +130,7 @@ def advice(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff: Effi
          dict(train_sharded=True)),
         ("--config.model.rollout_precision=fp8", dict(rollout_precision="fp8")),
         ("--config.rl.optimizer_state_dtype=param", dict(optimizer_state_bytes=0)),
+        ("--config.runtime.colocated_sampling=sharded", dict(colocated_sampling="sharded")),
     ]
     for text, change in candidates:
         if all(getattr(w, k) == v for k, v in change.items()):
@@ -142,11 +154,28 @@ def memory_plan(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff:
     samples = w.samples // microbatches
     if flags.colocated:
         kind, n = pool.slowest, colocated_devices or pool.total
-        role = _train_role(w, "shared", n, kind.hbm_bytes * eff.usable_hbm, pool, samples, colocated=True)
-        return MemoryPlan(mode, (role,))
+        choice = colocated_sampling(w, pool, microbatches, eff, colocated_devices=colocated_devices)
+        role = _train_role(w, "shared", n, kind.hbm_bytes * eff.usable_hbm, pool, samples, colocated=True,
+                           gathered=choice == "gathered")
+        return MemoryPlan(mode, (role,), colocated_sampling=choice)
     r_kind, t_kind = pool.kind("rollout"), pool.kind("train")
     train = _train_role(w, "train", pool.train_devices, t_kind.hbm_bytes * eff.usable_hbm, pool, samples, colocated=False)
     return MemoryPlan(mode, (_rollout_role(w, pool.rollout_devices, r_kind.hbm_bytes * eff.usable_hbm, samples), train))
+
+
+def colocated_sampling(w: IterationWork, pool: Pool, microbatches: int, eff: Efficiency = Efficiency(), *,
+                       colocated_devices: int | None = None) -> str:
+    """How a colocated run of `w` samples (`runtime.colocated_sampling`, module docstring): as
+    configured, or for 'auto' 'gathered' where the shared role fits with the gathered copy, else
+    'sharded'. 'sharded' wherever nothing would be gathered: LoRA, or train rules that do not
+    shard the weights."""
+    if w.lora or not w.train_sharded:
+        return "sharded"
+    if w.colocated_sampling != "auto":
+        return w.colocated_sampling
+    gathered = dataclasses.replace(w, colocated_sampling="gathered")
+    fits = memory_plan(gathered, pool, plan_lib.COLOCATED, microbatches, eff, colocated_devices=colocated_devices).fits
+    return "gathered" if fits else "sharded"
 
 
 def _shard(w: IterationWork, devices: int, pool: Pool, sharded: bool) -> int:
@@ -155,7 +184,7 @@ def _shard(w: IterationWork, devices: int, pool: Pool, sharded: bool) -> int:
 
 
 def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool, samples: int, *,
-                colocated: bool) -> RoleMemory:
+                colocated: bool, gathered: bool = False) -> RoleMemory:
     shard = _shard(w, n, pool, w.train_sharded)
     pb = w.param_bytes
     trainable = w.trainable * pb / shard
@@ -164,17 +193,20 @@ def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool
     moments = 2 * w.trainable * w.optimizer_bytes / shard
     copies = trainable * (int(w.ema) + int(w.old_policy)) + (w.params * pb / shard if w.kl_reference and not w.lora else 0.0)
     fp8 = colocated and w.rollout_precision == "fp8"
-    rollout_copy = w.params / shard if fp8 else 0.0  # e4m3: one byte per weight, sharded like the weights
-    gathered = 2 * 2 * w.params * pb / max(w.layers, 1) if shard > 1 else 0.0  # one layer and the next, forward and backward
+    # e4m3: one byte per weight, sharded like the weights; gathered, the whole copy is sampling's
+    rollout_copy = w.params / shard if fp8 and not gathered else 0.0
+    gathered_layers = 2 * 2 * w.params * pb / max(w.layers, 1) if shard > 1 else 0.0  # one layer and the next, forward and backward
     units = -(-w.micro_batch_size * w.seq_parallel // n) / w.seq_parallel  # a unit's tokens split over a sequence group
     chunks = _chunks_per_update(w)
     # Working sets beyond the resident state, per phase. Training: a chunk's gradients beside the
     # running sum (several chunks per update), its units' activations and the gathered layers.
-    train_act = (trainable if chunks > 1 else 0.0) + gathered + \
+    train_act = (trainable if chunks > 1 else 0.0) + gathered_layers + \
         units * (w.saved_activation_bytes + TRAIN_LAYER_FACTOR * w.layer_activation_bytes)
     # Sampling (colocated, or trainer-assisted rollouts): no gradients are alive.
+    # Gathered colocated sampling: the whole copy instead of one layer's gathers at a time.
+    sampling_weights = w.params * (1 if fp8 else pb) if gathered else gathered_layers / 2
     rollout_act = _per_device(samples, n, w.seq_parallel) * w.cfg_forwards * ROLLOUT_LAYER_FACTOR * w.layer_activation_bytes \
-        + gathered / 2 - gradients
+        + sampling_weights - gradients
     # The update (two programs, `Trainer.apply_update`): the check's float32 temporaries, a third of
     # the trainable weights' bytes as XLA compiled it for Qwen-Image-20B full fine-tuning with bf16
     # weights and moments (3.4 of 10.2 GB per device on 4 GPUs, 4.5 of 13.6 on 3; the in-place

@@ -7,6 +7,7 @@ import numpy as np
 
 from digen_jax.rl.timesteps import plan_steps
 from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime.memory_plan import COLOCATED_SAMPLING
 
 
 def validate_runtime_config(config, num_devices: int) -> None:
@@ -18,6 +19,10 @@ def validate_runtime_config(config, num_devices: int) -> None:
             f"runtime.micro_batches={rt.micro_batches} must divide rl.prompts_per_iteration={rl.prompts_per_iteration}"
             " (micro-batches hold whole groups)"
         )
+    sampling = rt.get("colocated_sampling", "auto")
+    if sampling not in COLOCATED_SAMPLING:
+        raise ValueError(f"runtime.colocated_sampling={sampling!r} is not one of "
+                         f"{', '.join(repr(v) for v in COLOCATED_SAMPLING)}")
     if rt.staleness < 0:
         raise ValueError(f"runtime.staleness must be >= 0, got {rt.staleness}")
     if rl.num_updates_per_batch < 1 or rt.micro_batches % rl.num_updates_per_batch:

@@ -64,6 +64,8 @@ class Prediction:
         d["fits"] = self.fits
         if self.memory is not None:
             d["memory"] = [r.as_dict() for r in self.memory.roles]
+            if self.memory.colocated_sampling is not None:
+                d["colocated_sampling"] = self.memory.colocated_sampling
         d["samples_per_s_per_device"] = self.samples_per_s_per_device
         d["samples_per_dollar"] = self.samples_per_dollar
         return d

@@ -4,7 +4,12 @@ The train role holds the train state (sharded by `sharding.train_rules`) and, wi
 reference, the frozen base. The rollout role samples with its own copy: with LoRA only the
 adapters cross at each sync (onto a frozen base placed there once); full fine-tuning moves the
 whole trainable tree (sharded by `sharding.rollout_rules`). Colocated runs sample with the train
-state where it lives. Decoders (VAE weights) are replicated on every group that decodes.
+state where it lives, or, for full fine-tuning with FSDP train rules and
+`runtime.colocated_sampling='gathered'`, from one copy placed by the rollout rules on the
+shared mesh (replicated: one all-gather per iteration instead of every step gathering each
+layer), made at the iteration's first rollout and dropped before its training, its programs
+traced under the rollout rules like the rollout role's. Decoders (VAE weights) are replicated
+on every group that decodes.
 
 FP8 rollouts (`model.rollout_precision='fp8'`; numerics in `models/fp8.py`, the tree in
 `rl/fp8_weights.py`): the rollout role samples with the blocks' kernels quantised to e4m3. With
@@ -12,7 +17,8 @@ LoRA the frozen base is quantised once where it is placed (on the rollout role; 
 beside the train role's copy, which training keeps using) and the adapters stay in their dtype,
 applied factored on top (the config validation rejects merging them); full fine-tuning
 quantises the trainable weights each time sampling weights are made from them: at every sync on
-the train role, before they cross, so only the e4m3 tree moves.
+the train role, before they cross, so only the e4m3 tree moves (and alike before a colocated
+gathered copy is placed).
 The train role's own rollouts of a disaggregated run (trainer-assisted generation) stay in the
 training precision (`WeightSync.on_train`).
 
@@ -40,10 +46,13 @@ class RoleWeights:
     """The weights of every role of one run, and the sync that carries a version to rollout."""
 
     def __init__(self, meshes: mesh_lib.RoleMeshes, rules, abstract_params: Any, trainer: Trainer,
-                 merge_for_sampling: bool, offload_optimizer: bool = False):
+                 merge_for_sampling: bool, offload_optimizer: bool = False, gathered_sampling: bool = False):
         """`abstract_params`: the model's boxed abstract parameters (their logical axes name the
         shardings); `rules`: the config's `sharding` section; `offload_optimizer`
-        (`runtime.offload_optimizer`): the optimizer state lives in pinned host memory."""
+        (`runtime.offload_optimizer`): the optimizer state lives in pinned host memory;
+        `gathered_sampling` (`runtime.colocated_sampling` resolved to 'gathered'): colocated full
+        fine-tuning with FSDP train rules samples from one gathered copy per version (module
+        docstring); elsewhere it changes nothing."""
         self.meshes, self.trainer = meshes, trainer
         self.offload_optimizer = offload_optimizer
         self.merge_for_sampling = merge_for_sampling
@@ -51,6 +60,10 @@ class RoleWeights:
         self.rules = {"train": tuple(rules.train_rules), "rollout": tuple(rules.rollout_rules)}
         self.sharding = {role: mesh_lib.param_shardings(abstract_params, getattr(meshes, role), self.rules[role])
                          for role in ("train", "rollout")}
+        # Colocated, the rollout mesh is the shared one: the gathered copy lies by `sharding['rollout']`.
+        self.gathered = (gathered_sampling and meshes.colocated and self.lora_scale is None
+                         and mesh_lib.shards_weights(self.rules["train"]))
+        self._gathered, self._gathered_version = None, -1  # the colocated copy of one version (`shared_sampling`)
         self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
         self._quantize = None
         if trainer.cfg.rollout_precision == "fp8":
@@ -66,8 +79,10 @@ class RoleWeights:
 
     def model_mesh(self, group: str):
         """`mesh_lib.model_mesh` for the transformer programs of plan group `group`: its mesh, and
-        the rules its weights lie by (the train rules on the train or shared mesh)."""
-        return mesh_lib.model_mesh(self.meshes.for_group(group), self.rules["rollout" if group == "rollout" else "train"])
+        the rules its weights lie by (the train rules on the train or shared mesh, the rollout
+        rules for gathered colocated sampling)."""
+        by_rollout_rules = group == "rollout" or (group == "shared" and self.gathered)
+        return mesh_lib.model_mesh(self.meshes.for_group(group), self.rules["rollout" if by_rollout_rules else "train"])
 
     def state_sharding(self, state: TrainState) -> TrainState:
         """Shardings of a train state laid out like `state` on the train mesh; with
@@ -139,24 +154,47 @@ class RoleWeights:
     def to_rollout(self, trainable):
         """`trainable` (on the train role) moved to the rollout role: the tree that moved (only
         adapters with LoRA) and the sampling weights made from it there."""
-        if self.lora_scale is None and self._quantize is not None:
-            # Full fine-tuning with FP8 rollouts: quantised where the trainer holds the weights
-            # (sharded), so only the e4m3 tree crosses and the rollout role never holds a bf16
-            # copy beside its FP8 one. Per-channel maxima are exact, so the result equals
-            # quantising on the rollout role.
-            moved = transfer(self._quantize(trainable), self._fp8_rollout_sharding(trainable))
-            return moved, moved
         if self.lora_scale is None:
-            moved = transfer(trainable, self.sharding["rollout"])
-        else:
-            moved = transfer(trainable, mesh_lib.replicated(self.meshes.rollout))
+            moved = self._sampling_copy(trainable)
+            return moved, moved
+        moved = transfer(trainable, mesh_lib.replicated(self.meshes.rollout))
         return moved, self.for_sampling(moved, self.frozen_on_rollout)
 
+    def _sampling_copy(self, trainable):
+        """Full fine-tuning's sampling weights of `trainable` in one placement onto the rollout
+        rules' layout (on the rollout role; colocated, on the shared mesh). FP8 rollouts quantise
+        where the trainer holds the weights (sharded), so only the e4m3 tree moves and no bf16
+        copy is held beside the FP8 one; per-channel maxima are exact, so the result equals
+        quantising the placed copy."""
+        if self._quantize is None:
+            return transfer(trainable, self.sharding["rollout"])
+        return transfer(self._quantize(trainable), self._fp8_rollout_sharding(trainable))
+
     def _fp8_rollout_sharding(self, trainable):
-        """Rollout-role shardings of the quantised tree of `trainable` (`fp8_weights.quantized_shardings`)."""
+        """Rollout-rules shardings of the quantised tree of `trainable` (`fp8_weights.quantized_shardings`)."""
         if self._fp8_sharding is None:
             self._fp8_sharding = fp8_weights.quantized_shardings(self.sharding["rollout"], trainable, self._fp8_paths)
         return self._fp8_sharding
+
+    def colocated_sampling(self, trainable):
+        """Colocated sampling weights of `trainable`: a gathered copy (`gathered`), else `on_train`'s."""
+        return self._sampling_copy(trainable) if self.gathered else self.on_train(trainable)
+
+    def shared_sampling(self, trainable, version: int):
+        """`colocated_sampling` for the colocated rollouts of `version`: a gathered copy is made
+        once, at the version's first rollout, and held until `release_gathered`."""
+        if not self.gathered:
+            return self.on_train(trainable)
+        if self._gathered_version != version:
+            self._gathered = None  # the old version's copy goes before the new one is placed
+            self._gathered = self._sampling_copy(trainable)
+            self._gathered_version = version
+        return self._gathered
+
+    def release_gathered(self) -> None:
+        """Drop the gathered copy (before training: it must not sit beside training's working set).
+        Rollouts already dispatched keep its buffers until they finish."""
+        self._gathered, self._gathered_version = None, -1
 
     def sync(self, trainable, version: int):
         """Carry `version` (the trainable tree rollouts sample with, `Trainer.rollout_weights`) to the
