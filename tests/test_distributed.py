@@ -355,11 +355,15 @@ def test_peer_timeout_must_be_positive():
 # ---------------------------------------------------------------------------- transfers in one process
 
 
-def test_transfer_in_one_process_moves_device_to_device():
+def test_transfer_in_one_process_moves_device_to_device(monkeypatch):
     """Layouts jax.device_put would carry through host memory (shard k of the source is not
-    shard k of the destination) move over a mesh spanning both device sets; shard-for-shard
-    copies stay a device_put. Values and shardings come out the same either way."""
+    shard k of the destination) are replicated inside the source devices and copied whole
+    device to device; shard-for-shard copies stay a device_put. Values and shardings come out
+    the same either way."""
     devices = jax.devices()
+    by_copies = transfer_lib._move_by_copies
+    copied = []
+    monkeypatch.setattr(transfer_lib, "_move_by_copies", lambda *args: copied.append(len(args[2])) or by_copies(*args))
     src = NamedSharding(Mesh(np.array(devices[:4]).reshape(2, 2), ("a", "b")), P("a", "b"))
     dst = NamedSharding(Mesh(np.array(devices[4:]), ("data",)), P(None, "data"))
     x = jax.device_put(jnp.arange(32.0).reshape(4, 8), src)
@@ -378,10 +382,35 @@ def test_transfer_in_one_process_moves_device_to_device():
     assert transfer_lib._through_host(w, one)
     moved = transfer_lib.transfer([w, jnp.float32(3)], one)
     assert moved[0].sharding == one and moved[0].dtype == jnp.bfloat16 and np.array_equal(moved[0], w)
+    assert copied == [1, 3, 1]  # every move above that jax.device_put would read through host memory
     # Shard for shard between equal meshes: jax copies device to device itself.
     same = NamedSharding(Mesh(np.array(devices[4:]).reshape(2, 2), ("a", "b")), P("a", "b"))
     assert not transfer_lib._through_host(x, same)
-    assert np.array_equal(transfer_lib.transfer(x, same), x)
+    assert np.array_equal(transfer_lib.transfer(x, same), x) and len(copied) == 3
+
+
+def test_a_layout_change_over_the_same_devices_runs_on_them(monkeypatch):
+    """FSDP shards to a replicated copy over the same devices in the same order (colocated full
+    fine-tuning's gathered sampling copy, the replica a move makes inside its source role): a
+    compiled identity whose collectives run on the devices, never jax.device_put, which reads
+    an array back through host memory when the destination takes a layout none of its shards
+    hold. Other placements (another device order, other devices) are jax.device_put's."""
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices[:4]), ("data",))
+    flat = Mesh(np.array(devices[:4]).reshape(2, 2), ("a", "b"))  # same devices, same order
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4) - 3.5, NamedSharding(mesh, P("data")))
+    k = jax.device_put(jnp.arange(8, dtype=jnp.int32), NamedSharding(mesh, P("data")))
+    targets = [NamedSharding(mesh, P()), NamedSharding(flat, P("b"))]
+    put = jax.device_put
+    puts = []
+    monkeypatch.setattr(jax, "device_put", lambda *a, **kw: puts.append(a) or put(*a, **kw))
+    placed = transfer_lib.place([x, k], targets)
+    assert puts == []
+    assert [y.sharding for y in placed] == targets
+    assert np.array_equal(placed[0], x) and np.array_equal(placed[1], k)
+    reordered = NamedSharding(Mesh(np.array(devices[:4])[::-1], ("data",)), P())
+    [y] = transfer_lib.place([x], [reordered])
+    assert len(puts) == 1 and y.sharding == reordered and np.array_equal(y, x)
 
 
 def test_to_every_process_in_one_process_is_free():
@@ -441,8 +470,8 @@ def piece_leaves(src_mesh):
     ]
 
 
-@pytest.mark.parametrize("n_src,n_dst", [(4, 4), (4, 2)])
-def test_moves_in_pieces_keep_every_bit(monkeypatch, n_src, n_dst):
+@pytest.mark.parametrize("n_src,n_dst,copies", [(4, 4, False), (4, 2, False), (4, 1, True)])
+def test_moves_in_pieces_keep_every_bit(monkeypatch, n_src, n_dst, copies):
     """A move of a tree above the piece bound runs one program per piece (consecutive leaves of
     at most the bound together, a larger leaf alone), each finished before the next is issued
     (inside one process the last is not waited for): the same bits as one program for the
@@ -450,7 +479,10 @@ def test_moves_in_pieces_keep_every_bit(monkeypatch, n_src, n_dst):
     devices = jax.devices()
     src_mesh = Mesh(np.array(devices[:n_src]), ("fsdp",))
     dst_ids = tuple(d.id for d in devices[n_src:n_src + n_dst])
-    move = transfer_lib._move_same_layout if n_src == n_dst else transfer_lib._move_replicated
+    if copies:
+        move = transfer_lib._move_by_copies
+    else:
+        move = transfer_lib._move_same_layout if n_src == n_dst else transfer_lib._move_replicated
     leaves = piece_leaves(src_mesh)
     whole = move(src_mesh, dst_ids, leaves)
     fenced = []
@@ -474,7 +506,8 @@ def test_moves_in_pieces_keep_every_bit(monkeypatch, n_src, n_dst):
 
 @pytest.mark.parametrize("n_src,n_dst", [(4, 4), (3, 5), (4, 2)])
 def test_collective_paths_keep_every_bit(n_src, n_dst):
-    """The cross-process paths, run inside one process: 2-D meshes, scalars, -0.0, any sizes."""
+    """The cross-process paths (and the one-process copies), run inside one process: 2-D
+    meshes, scalars, -0.0, any sizes."""
     devices = jax.devices()
     grid = (2, 2) if n_src == 4 else (n_src, 1)
     src_mesh = Mesh(np.array(devices[:n_src]).reshape(grid), ("fsdp", "tensor"))
@@ -485,8 +518,8 @@ def test_collective_paths_keep_every_bit(n_src, n_dst):
         jax.device_put(jnp.float32(-0.0), NamedSharding(src_mesh, P())),
     ]
     move = transfer_lib._move_same_layout if n_src == n_dst else transfer_lib._move_replicated
-    moved = move(src_mesh, dst_ids, leaves)
-    for x, y in zip(leaves, moved):
+    moved = move(src_mesh, dst_ids, leaves) + transfer_lib._move_by_copies(src_mesh, dst_ids, leaves)
+    for x, y in zip(leaves + leaves, moved):
         assert {d.id for d in y.sharding.device_set} == set(dst_ids)
         assert y.shape == x.shape and y.dtype == x.dtype
         got, sent = np.asarray(y), np.asarray(x)

@@ -626,8 +626,8 @@ def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path
     """LoRA, disaggregated, one process: the frozen base lies on the train mesh and once on the
     rollout role, bit for bit the run's base, the run's own copy dropped; the rollout's copy is
     made from the train mesh's with no own-copy check. Its FSDP shards do not map shard for
-    shard onto the rollout role's replicated layout, so it moves over a mesh spanning both roles
-    (jax.device_put would read it through host memory)."""
+    shard onto the rollout role's replicated layout, so it is replicated inside the train role
+    and copied whole device to device (jax.device_put would read it through host memory)."""
     config = runtime_config(cache_dir, "gap")
     config.rl.update(lora_rank=2, lora_merge_for_sampling=False)
 
@@ -636,9 +636,9 @@ def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path
 
     monkeypatch.setattr(weight_sync, "own_copy_everywhere", refuse)
     device_moves = []
-    same_layout = transfer_lib._move_same_layout
-    monkeypatch.setattr(transfer_lib, "_move_same_layout",
-                        lambda *args: device_moves.append(len(args[2])) or same_layout(*args))
+    by_copies = transfer_lib._move_by_copies
+    monkeypatch.setattr(transfer_lib, "_move_by_copies",
+                        lambda *args: device_moves.append(len(args[2])) or by_copies(*args))
     moved = []
     transfer = weight_sync.transfer
     monkeypatch.setattr(weight_sync, "transfer", lambda tree, shardings: moved.append(tree) or transfer(tree, shardings))

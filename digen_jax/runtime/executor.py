@@ -214,7 +214,7 @@ class Executor:
         self.weights = RoleWeights(self.meshes, self.config.sharding, job.abstract_params, job.trainer,
                                    merge_for_sampling=self.config.rl.lora_merge_for_sampling,
                                    offload_optimizer=bool(self.config.runtime.get("offload_optimizer", False)),
-                                   gathered_sampling=self._colocated_sampling() == "gathered")
+                                   gathered_sampling=self.colocated_sampling == "gathered")
         self.state_sharding = self.weights.state_sharding(job.state)
         job.trainer.pin_state_sharding(self.state_sharding)
         self.state = self.weights.fresh_state(job.state, self.state_sharding)
@@ -235,7 +235,8 @@ class Executor:
         self.weights.place_decoders(job.decoder_params)
         self._reward_dispatch = threading.Lock()  # see _rollout
 
-    def _colocated_sampling(self) -> str:
+    @property
+    def colocated_sampling(self) -> str:
         """`runtime.colocated_sampling`, 'auto' being what the memory plan picks for the run's devices."""
         choice = self.config.runtime.get("colocated_sampling", "auto")
         return self.job.colocated_sampling if choice == "auto" else choice

@@ -106,10 +106,13 @@ def transfer(tree, dst_shardings):
             dst_ids = tuple(d.id for d in s.mesh.devices.flat)
             groups.setdefault((src.mesh, dst_ids, same_size), []).append(i)
     if local:
-        for i, y in zip(local, jax.device_put([leaves[i] for i in local], [dst[i] for i in local])):
+        for i, y in zip(local, place([leaves[i] for i in local], [dst[i] for i in local])):
             out[i] = y
     for (mesh, dst_ids, same_size), index in groups.items():
-        move = _move_same_layout if same_size else _move_replicated
+        if jax.process_count() == 1:
+            move = _move_by_copies
+        else:
+            move = _move_same_layout if same_size else _move_replicated
         for piece, moved in _move_in_pieces(move, mesh, dst_ids, [_key_bits(leaves[i]) for i in index]):
             for i, y in zip([index[j] for j in piece], moved):
                 # Then a reshard inside the destination devices (none where the layouts agree),
@@ -117,8 +120,38 @@ def transfer(tree, dst_shardings):
                 if _is_key(leaves[i]):
                     out[i] = _wrap_key_fn(jax.random.key_impl(leaves[i]), dst[i])(y)
                 else:
-                    out[i] = y if y.sharding == dst[i] else jax.device_put(y, dst[i])
+                    out[i] = y if y.sharding == dst[i] else place([y], [dst[i]])[0]
     return jax.tree.unflatten(treedef, out)
+
+
+def place(leaves: list, shardings: list) -> list:
+    """`jax.device_put(leaves, shardings)` (one process's arrays), where a leaf changes layout over the
+    same devices in the same order by a jitted identity instead: its collectives run on the devices.
+    `jax.device_put` of a committed array to a layout none of whose shards the array holds (FSDP
+    shards to a replicated copy) reads the whole array back to host memory and puts it again, the
+    dispatching thread blocked meanwhile."""
+    out = list(leaves)
+    same, other = [], []
+    for i, (x, s) in enumerate(zip(leaves, shardings)):
+        (same if _same_device_order(x, s) and x.sharding != s else other).append(i)
+    if same:
+        for i, y in zip(same, _identity_fn(tuple(shardings[i] for i in same))(*[leaves[i] for i in same])):
+            out[i] = y
+    if other:
+        for i, y in zip(other, jax.device_put([leaves[i] for i in other], [shardings[i] for i in other])):
+            out[i] = y
+    return out
+
+
+def _same_device_order(x, s) -> bool:
+    src = getattr(x, "sharding", None)
+    return (isinstance(x, jax.Array) and x.committed and isinstance(src, NamedSharding) and isinstance(s, NamedSharding)
+            and src.memory_kind == s.memory_kind and list(src.mesh.devices.flat) == list(s.mesh.devices.flat))
+
+
+@functools.lru_cache(maxsize=256)  # one entry per layout of every tree placed
+def _identity_fn(shardings: tuple):
+    return jax.jit(lambda *xs: xs, out_shardings=shardings)
 
 
 def _through_host(x: jax.Array, dst) -> bool:
@@ -392,6 +425,14 @@ def _move_same_layout(src_mesh: Mesh, dst_ids: tuple, leaves: list, wait: bool =
     ]
 
 
+def _move_by_copies(src_mesh: Mesh, dst_ids: tuple, leaves: list, wait: bool = True) -> list:
+    """One process: replicate inside the source devices (collectives there), then every
+    destination device copies the whole array from a source device (device to device)."""
+    replicated = place(leaves, [NamedSharding(src_mesh, PartitionSpec())] * len(leaves))
+    dst = NamedSharding(Mesh(_devices_by_id(dst_ids), (_TRANSFER_AXIS,)), PartitionSpec())
+    return list(_fence(tuple(jax.device_put(replicated, [dst] * len(leaves))), wait))
+
+
 def _move_replicated(src_mesh: Mesh, dst_ids: tuple, leaves: list, wait: bool = True) -> list:
     """Unequal role sizes: replicate inside the source role, then every destination device
     receives the whole array from source device (k mod n_src) in round k // n_src."""
@@ -405,7 +446,7 @@ def _move_replicated(src_mesh: Mesh, dst_ids: tuple, leaves: list, wait: bool = 
         for start in range(0, n_dst, n_src)
     )
     replicated = NamedSharding(src_mesh, PartitionSpec())
-    rows = [_as_rows(y, src_mesh) for y in jax.device_put(leaves, [replicated] * len(leaves))]
+    rows = [_as_rows(y, src_mesh) for y in place(leaves, [replicated] * len(leaves))]
     spec = PartitionSpec(_TRANSFER_AXIS)
     shapes = [((n_src + n_dst) * r.shape[0], *r.shape[1:]) for r in rows]
     blocks = _combined(rows, union, [spec] * len(rows), shapes, dst_mesh, [PartitionSpec()] * len(rows))
