@@ -198,7 +198,7 @@ def run_modes(
             "splits": [{"tag": p.tag, "prefetch": p.prefetch, "carried": p.carried} for p in plans[warmup:]],
             "trace": os.path.basename(trace_path),
             "micro_batches": mode_config.runtime.micro_batches,
-            "colocated_sampling": executor.colocated_sampling if mode == "colocated" else None,
+            "colocated_sampling": executor.colocated_sampling if mode == plan_lib.COLOCATED else None,
             "warmup_iterations": warmup,
             "onpolicy_anchor": mode_config.rl.onpolicy_anchor,
             # Peak bytes each local device held since the process started (the allocator's figure;
