@@ -11,12 +11,6 @@ in a background process started once the tests are collected, when a selected te
 the `tiny_pretrained_cache` fixture: the process runs at the lowest CPU priority, so it soaks
 up the core that compilation and single-threaded tests leave idle instead of adding its time
 to the suite's.
-
-The suite runs its test files on two worker processes (pytest-xdist, `-n 2 --dist loadfile`
-in pyproject.toml): a file's module fixtures (its shared runs) stay in one process. The
-workers share the compilation cache (JAX locks it: a size limit turns its file lock on), the
-pretrained-model cache and the demo's base model, which the first worker that asks for it
-trains while the other waits. `-n 0` runs everything in this process.
 """
 import os
 
@@ -28,7 +22,6 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import shutil  # noqa: E402
-import filelock  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -42,11 +35,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_PRETRAINED = "tiny_pretrained_cache"
-# Set in the processes pytest-xdist starts ('gw0', 'gw1', ...).
-XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-# A compilation cache size limit makes JAX lock the cache's files: worker processes and the
-# child processes tests start (they inherit the variable) write the same directory.
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 40))
 # The demo's pretraining along the path `launch/train.py --config=configs/tiny.py` takes (the
 # workload pretrains through the cache), into the cache directory given as argv[1].
 # It exits when its stdin closes: the test process is gone (killed, so no cleanup ran).
@@ -64,11 +52,10 @@ workload.make_workload(config)
 
 
 class _BackgroundPretraining:
-    """The child process filling a cache directory (a fresh one by default) with configs/tiny.py's
-    pretrained model."""
+    """The child process filling a fresh cache directory with configs/tiny.py's pretrained model."""
 
-    def __init__(self, cache_dir: str | None = None):
-        self.cache_dir = cache_dir or tempfile.mkdtemp(prefix="digen_tiny_pretrained_")
+    def __init__(self):
+        self.cache_dir = tempfile.mkdtemp(prefix="digen_tiny_pretrained_")
         self.log_path = os.path.join(self.cache_dir, "pretraining.log")
         # The test process's devices (set above) and matmul precision.
         env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest")
@@ -126,7 +113,7 @@ def pytest_collection_finish(session):
     """Start the demo's pretraining once the selected tests are known and one of them needs it."""
     global _pretraining
     wanted = any(TINY_PRETRAINED in getattr(item, "fixturenames", ()) for item in session.items)
-    if wanted and not session.config.option.collectonly and not XDIST_WORKER:  # workers: `tiny_pretrained_cache`
+    if wanted and not session.config.option.collectonly:
         _pretraining = _BackgroundPretraining()
 
 
@@ -140,12 +127,11 @@ def pytest_sessionfinish(session):
 def compile_cache(tmp_path_factory):
     """The session's persistent compilation cache (its path; child processes that should load
     the programs compiled here pass it as JAX_COMPILATION_CACHE_DIR)."""
-    path = str(_shared_dir(tmp_path_factory, "compiled"))
+    path = str(tmp_path_factory.mktemp("compiled"))
     settings = {
         "jax_compilation_cache_dir": path,
         "jax_persistent_cache_min_compile_time_secs": 0,
         "jax_persistent_cache_min_entry_size_bytes": -1,
-        "jax_compilation_cache_max_size": int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]),
     }
     before = {name: getattr(jax.config, name) for name in settings}
     for name, value in settings.items():
@@ -160,33 +146,15 @@ def compile_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def pretrain_cache_dir(tmp_path_factory):
     """A `pretrain.cache_dir` for the whole session: a base model one test module pretrained is
-    loaded by the next module that asks for the same recipe (the cache key names all of it).
-    Workers share it: a model lands in it by an atomic rename."""
-    return _shared_dir(tmp_path_factory, "pretrained")
+    loaded by the next module that asks for the same recipe (the cache key names all of it)."""
+    return tmp_path_factory.mktemp("pretrained")
 
 
 @pytest.fixture(scope="session")
-def tiny_pretrained_cache(tmp_path_factory):
+def tiny_pretrained_cache():
     """A `pretrain.cache_dir` holding configs/tiny.py's pretrained model (its cache key names the
     whole recipe, so a run of that config loads it instead of pretraining)."""
     global _pretraining
-    if XDIST_WORKER:  # the first worker to ask trains it into the run's shared directory
-        shared = str(_shared_dir(tmp_path_factory, TINY_PRETRAINED))
-        done = os.path.join(shared, "done")
-        with filelock.FileLock(shared + ".lock"):
-            if not os.path.exists(done):
-                _BackgroundPretraining(shared).wait()
-                open(done, "w").close()
-        return shared
     if _pretraining is None:  # asked for outside the collected selection
         _pretraining = _BackgroundPretraining()
     return _pretraining.wait()
-
-
-def _shared_dir(tmp_path_factory, name: str):
-    """A directory of this run that every worker process shares (the session's own without workers)."""
-    if not XDIST_WORKER:
-        return tmp_path_factory.mktemp(name)
-    path = tmp_path_factory.getbasetemp().parent / name  # workers' base directories lie side by side
-    path.mkdir(exist_ok=True)
-    return path
