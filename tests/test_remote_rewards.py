@@ -1,5 +1,5 @@
-"""Remote (HTTP) rewards against real servers on loopback: `launch/reward_server.py` wrapping
-Python scoring functions, plus raw servers that misbehave (slow, dead, garbage answers).
+"""Remote (HTTP) rewards against real servers on loopback: the reward server
+(`digen_jax/reward_server.py`, run by `launch/reward_server.py`) wrapping Python scoring functions, plus raw servers that misbehave (slow, dead, garbage answers).
 
 Contract (docs/design.md section 9): a server that does not answer, or answers garbage, is retried
 with exponential backoff and then fails the call loudly; no reward is ever made up.
@@ -22,15 +22,18 @@ from PIL import Image
 
 from digen_jax.rewards import RemoteRewardError, RemoteScorer, get_reward, remote
 
-_spec = importlib.util.spec_from_file_location(
-    "reward_server", os.path.join(os.path.dirname(__file__), "..", "launch", "reward_server.py"))
-reward_server = importlib.util.module_from_spec(_spec)
 try:
-    _spec.loader.exec_module(reward_server)
+    from digen_jax import reward_server
+
+    # The command line (`main`) lives in the launcher, a script rather than a module.
+    _spec = importlib.util.spec_from_file_location(
+        "reward_server_cli", os.path.join(os.path.dirname(__file__), "..", "launch", "reward_server.py"))
+    reward_server_cli = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(reward_server_cli)
 except ModuleNotFoundError as e:  # the server's uvicorn: in requirements.txt, not in every image
     if e.name != "uvicorn":
         raise
-    reward_server = None
+    reward_server = reward_server_cli = None
 # The client's tests run without the server; these need it.
 needs_server = pytest.mark.skipif(reward_server is None, reason="the reward server needs uvicorn (requirements.txt)")
 
@@ -227,7 +230,7 @@ def test_client_errors_are_not_retried_and_options_are_checked():
 @needs_server
 def test_server_cli_help_and_function_loading(capsys):
     with pytest.raises(SystemExit):
-        reward_server.main(["--help"])
+        reward_server_cli.main(["--help"])
     assert "module:function" in capsys.readouterr().out
     fn = reward_server.load_function("digen_jax.rewards.jpeg:jpeg_size_kb")
     assert callable(fn)

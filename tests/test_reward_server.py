@@ -1,4 +1,4 @@
-"""The reference reward server (`launch/reward_server.py`) against hostile and heavy traffic on
+"""The reference reward server (`digen_jax/reward_server.py`, run by `launch/reward_server.py`) against hostile and heavy traffic on
 loopback: requests too large to decode or to read, malformed HTTP, stalled and trickling
 connections, more connections than workers, a scorer that fails, clients without the token.
 
@@ -21,7 +21,7 @@ import zlib
 import numpy as np
 import pytest
 from PIL import Image, ImageFile
-from test_remote_rewards import Serving, _images, _post, mean_pixel_score, reward_server
+from test_remote_rewards import Serving, _images, _post, mean_pixel_score, reward_server, reward_server_cli
 
 from digen_jax.rewards import RemoteRewardError, RemoteScorer, remote
 
@@ -235,14 +235,14 @@ def test_exposure_warning_and_cli(capsys):
         assert "ANYONE who can reach this port" in proc.stderr.read()
     # --help exits 0 and documents the limits; bad options are one line, not a traceback.
     with pytest.raises(SystemExit) as exit_info:
-        reward_server.main(["--help"])
+        reward_server_cli.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in ("--token", "--workers", "--queue", "--max_body_mb", "--max_pixels", "--request_timeout",
                    reward_server.TOKEN_ENV):
         assert option in text
     with pytest.raises(SystemExit) as exit_info:
-        reward_server.main(["--score_fn=builtins:len", "--workers=0"])
+        reward_server_cli.main(["--score_fn=builtins:len", "--workers=0"])
     assert exit_info.value.code == 2 and "workers must be an integer >= 1" in capsys.readouterr().err
 
 
@@ -465,11 +465,11 @@ def test_https_with_a_token(certificate, tmp_path):
         reward_server.make_server(mean_pixel_score, ssl_certfile=key, ssl_keyfile=key)
 
 
-def test_server_imports_neither_jax_nor_digen_jax():
-    # It runs in the scoring model's environment, which need not have JAX.
+def test_server_imports_no_jax_and_no_other_digen_jax_module():
+    # It runs in the scoring model's environment, which need not have JAX (nor digen_jax's other needs).
     code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('s', sys.argv[1]); "
             "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'digen_jax')))")
     out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "launch", "reward_server.py")],
                          capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert out.strip() == "['digen_jax', 'digen_jax.reward_server']"
