@@ -1,8 +1,9 @@
 """Rotary position embeddings (RoPE) over several position axes: per-axis frequencies, the
 (cos, sin) tables of a set of position ids, and the rotation of interleaved channel pairs.
 
-Numerics: the tables and the rotation run in float32 whatever the compute dtype, then cast
-back (the same places the PyTorch reference upcasts).
+Numerics: the frequencies are computed on the host in each reference's precision
+(`rope_frequencies`); the tables and the rotation run in float32 whatever the compute dtype,
+and the rotated values are cast back (the same places the PyTorch reference upcasts).
 """
 from __future__ import annotations
 
