@@ -47,7 +47,7 @@ def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_colle
 
 
 def sharding_section(fsdp: bool = True) -> ml_collections.ConfigDict:
-    """Logical axis -> mesh axis rules per role (digen_jax.models.layers lists the logical names).
+    """Logical axis -> mesh axis rules per role (digen_jax.models.partitioning lists the logical names).
 
     Rollout replicates the weights and splits the batch (no per-step all-gathers); training
     shards the hidden dimension of every weight over its devices (FSDP) when `fsdp`.

@@ -82,7 +82,7 @@ _LORA_TARGETS = flags.DEFINE_multi_string(
     "of every block (configs/sections.py ATTENTION_MLP_TARGETS)."
 )
 _LORA_MODE = flags.DEFINE_enum("lora_mode", "factored", ["factored", "merged"], "How LoRA is applied in lora_fwd_bwd.")
-_REMAT = flags.DEFINE_string("remat_policy", "none", "Per-block remat policy: a key of models.layers.REMAT_POLICIES.")
+_REMAT = flags.DEFINE_string("remat_policy", "none", "Per-block remat policy: a key of models.stacking.REMAT_POLICIES.")
 _NUM_LAYERS = flags.DEFINE_integer(
     "num_layers", 0, "Model mode: > 0 keeps that many (double-stream) blocks of the variant, for short probes.")
 _SCAN_LAYERS = flags.DEFINE_bool(

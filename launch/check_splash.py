@@ -46,7 +46,7 @@ def main(argv):
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from digen_jax.models import layers
+    from digen_jax.models import attention, partitioning
 
     if _DTYPE.value == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
@@ -54,19 +54,19 @@ def main(argv):
     batch = _BATCH.value or 2 * len(devices)
     if batch % len(devices):
         raise app.UsageError(f"--batch={batch} must divide over the {len(devices)} local devices")
-    mesh = Mesh(np.array(devices), (layers.DATA_AXIS,))
+    mesh = Mesh(np.array(devices), (partitioning.DATA_AXIS,))
     length = _TOKENS.value + _TEXT.value
     dtype = jnp.dtype(_DTYPE.value)
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     shape = (batch, length, _HEADS.value, _HEAD_DIM.value)
-    split = NamedSharding(mesh, PartitionSpec(layers.DATA_AXIS))
+    split = NamedSharding(mesh, PartitionSpec(partitioning.DATA_AXIS))
     q, k, v = (jax.device_put(jax.random.normal(key, shape, dtype), split) for key in keys)
     text = np.where(np.arange(batch) < batch // 2, _TEXT.value, max(1, _TEXT.value // 2))
     lengths = jax.device_put(jnp.asarray(_TOKENS.value + text, jnp.int32), split)
 
     def step(impl):
         def loss(q, k, v):
-            out = layers.dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl)
+            out = attention.dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl)
             return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
 
         with jax.set_mesh(mesh):

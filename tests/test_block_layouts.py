@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs.sections import ATTENTION_MLP_TARGETS
-from digen_jax.models import FAMILIES, layers, load_checkpoint, save_checkpoint
+from digen_jax.models import FAMILIES, load_checkpoint, save_checkpoint, stacking
 from digen_jax.app import random_init
 from digen_jax.rl import lora
 
@@ -54,7 +54,7 @@ def test_unrolled_blocks_compute_the_scanned_function(name):
     assert block_trees, "no unrolled block tree"
     assert all("0" not in v for v in params.values() if isinstance(v, dict))
     # ...and it converts back to the stacked weights bit for bit.
-    chex.assert_trees_all_equal(layers.relayout_blocks(per_block, params), params)
+    chex.assert_trees_all_equal(stacking.relayout_blocks(per_block, params), params)
 
     out_scanned = _apply(fam, scanned, params, inputs)
     out_unrolled = _apply(fam, unrolled, per_block, inputs)
@@ -78,7 +78,7 @@ def test_unrolled_remat_gradients_match_scanned():
 
     g_scanned = grads(scanned, params)
     g_unrolled = grads(unrolled, fam.to_layout(params, unrolled))
-    chex.assert_trees_all_close(layers.relayout_blocks(g_unrolled, g_scanned), g_scanned, rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(stacking.relayout_blocks(g_unrolled, g_scanned), g_scanned, rtol=1e-4, atol=1e-6)
 
 
 def test_checkpoints_store_stacked_blocks_and_load_into_either_layout(tmp_path):
@@ -99,6 +99,6 @@ def test_checkpoints_store_stacked_blocks_and_load_into_either_layout(tmp_path):
 
 def test_relayout_rejects_mismatched_trees():
     with pytest.raises(ValueError, match="differ"):
-        layers.relayout_blocks({"a": np.zeros(2)}, {"b": np.zeros(2)})
+        stacking.relayout_blocks({"a": np.zeros(2)}, {"b": np.zeros(2)})
     with pytest.raises(ValueError, match="got a leaf"):
-        layers.relayout_blocks({"blocks": np.zeros((2, 3))}, {"blocks": {"0": {"w": np.zeros(3)}, "1": {"w": np.zeros(3)}}})
+        stacking.relayout_blocks({"blocks": np.zeros((2, 3))}, {"blocks": {"0": {"w": np.zeros(3)}, "1": {"w": np.zeros(3)}}})

@@ -7,7 +7,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb, get_timestep_embedding
 from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
-from digen_jax.models import layers
+from digen_jax.models import attention, layers, rope
 
 
 def test_rope_tables_and_rotation_match_diffusers():
@@ -15,18 +15,18 @@ def test_rope_tables_and_rotation_match_diffusers():
     ids = np.concatenate([np.zeros((5, 3)), np.stack([np.zeros(12), *np.divmod(np.arange(12), 4)], -1)]).astype(np.float32)
     axes = (4, 6, 6)
     ref_cos, ref_sin = FluxPosEmbed(theta=10000, axes_dim=list(axes))(torch.from_numpy(ids))
-    cos, sin = layers.rope_tables(jnp.asarray(ids), axes, 10000.0)
+    cos, sin = rope.rope_tables(jnp.asarray(ids), axes, 10000.0)
     np.testing.assert_allclose(cos, ref_cos.numpy(), atol=1e-6)
     np.testing.assert_allclose(sin, ref_sin.numpy(), atol=1e-6)
 
     x = rng.standard_normal((2, 17, 3, 16)).astype(np.float32)
     ref = apply_rotary_emb(torch.from_numpy(x), (ref_cos, ref_sin), sequence_dim=1).numpy()
-    np.testing.assert_allclose(layers.apply_rope(jnp.asarray(x), cos, sin), ref, atol=1e-6)
+    np.testing.assert_allclose(rope.apply_rope(jnp.asarray(x), cos, sin), ref, atol=1e-6)
 
 
 def test_odd_rope_axis_rejected():
     with pytest.raises(ValueError, match="even"):
-        layers.rope_tables(jnp.zeros((3, 2)), (4, 5), 10000.0)
+        rope.rope_tables(jnp.zeros((3, 2)), (4, 5), 10000.0)
 
 
 @pytest.mark.parametrize("flip,shift,dim", [(True, 0, 256), (False, 1, 64), (True, 1, 33)])
@@ -65,7 +65,7 @@ def test_attention_padding_masks_through_lengths(seq_multiple):
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((2, n, 3, 8)).astype(np.float32) for n in (13, 11, 11))
     lengths = np.array([11, 6], np.int32)
-    out = layers.dot_product_attention(*map(jnp.asarray, (q, k, v)), kv_lengths=jnp.asarray(lengths), impl="xla", seq_multiple=seq_multiple)
+    out = attention.dot_product_attention(*map(jnp.asarray, (q, k, v)), kv_lengths=jnp.asarray(lengths), impl="xla", seq_multiple=seq_multiple)
     assert out.shape == q.shape
     np.testing.assert_allclose(out, _reference_attention(q, k, v, lengths), atol=1e-5)
 
@@ -75,7 +75,7 @@ def test_padded_attention_gradients_match_unpadded():
     q, k, v = (jnp.asarray(rng.standard_normal((1, 7, 2, 8)), jnp.float32) for _ in range(3))
 
     def loss(q, k, v, multiple):
-        return jnp.sum(jnp.sin(layers.dot_product_attention(q, k, v, impl="xla", seq_multiple=multiple)))
+        return jnp.sum(jnp.sin(attention.dot_product_attention(q, k, v, impl="xla", seq_multiple=multiple)))
 
     g_plain = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, 1)
     g_padded = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, 16)
@@ -84,13 +84,13 @@ def test_padded_attention_gradients_match_unpadded():
 
 
 def test_attention_backend_selection():
-    assert layers.resolve_attention_impl("auto", jnp.bfloat16, 128) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
-    assert layers.resolve_attention_impl("auto", jnp.float32, 128) == "xla"
+    assert attention.resolve_attention_impl("auto", jnp.bfloat16, 128) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    assert attention.resolve_attention_impl("auto", jnp.float32, 128) == "xla"
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs a GPU"):
-            layers.resolve_attention_impl("cudnn", jnp.bfloat16, 128)
+            attention.resolve_attention_impl("cudnn", jnp.bfloat16, 128)
     with pytest.raises(ValueError, match="attention_impl must be one of"):
-        layers.resolve_attention_impl("flash", jnp.bfloat16, 128)
+        attention.resolve_attention_impl("flash", jnp.bfloat16, 128)
 
 
 @pytest.mark.gpu
@@ -107,7 +107,7 @@ def test_cudnn_attention_matches_xla_with_odd_lengths_forward_and_backward():
     lengths = jnp.array([77, 40], jnp.int32)
 
     def loss(q, k, v, impl):
-        out = layers.dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl)
+        out = attention.dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl)
         return jnp.sum(out.astype(jnp.float32) ** 2), out
 
     (l_c, out_c), g_c = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, "cudnn")

@@ -11,7 +11,7 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 
-from digen_jax.models import layers, make_apply_fn, qwenimage
+from digen_jax.models import make_apply_fn, qwenimage, rope
 from digen_jax.models.conversion import ConversionError, convert_weights, torch_state_dict_arrays
 
 FAMILY = qwenimage.FAMILY
@@ -103,7 +103,7 @@ def test_rope_positions_match_diffusers():
     images, text_len = [(1, 5, 8), (1, 64, 3)], 2000
     img_freqs, txt_freqs = embed([images], max_txt_seq_len=text_len, device=torch.device("cpu"))
     img_ids, txt_ids = qwenimage.rope_position_ids([images], 5 * 8 + 64 * 3, text_len)
-    cos, sin = layers.rope_tables(jnp.concatenate([img_ids, txt_ids]), axes, qwenimage.ROPE_THETA, float32_exponent=True)
+    cos, sin = rope.rope_tables(jnp.concatenate([img_ids, txt_ids]), axes, qwenimage.ROPE_THETA, float32_exponent=True)
     ref = torch.cat([img_freqs, txt_freqs]).numpy()  # complex, one entry per channel pair
     np.testing.assert_allclose(np.asarray(cos)[:, ::2], ref.real, atol=2e-6, rtol=0)
     np.testing.assert_allclose(np.asarray(sin)[:, ::2], ref.imag, atol=2e-6, rtol=0)
@@ -151,7 +151,7 @@ def test_bf16_policy_close_to_fp32():
 
 def test_remat_policy_wraps_the_blocks():
     """Tracing only (compiling the gradient costs tens of seconds on CPU); that remat keeps
-    values and gradients is tested on FLUX, through the same `layers.scan_blocks`."""
+    values and gradients is tested on FLUX, through the same `stacking.scan_blocks`."""
     cfg = dataclasses.replace(qwenimage.VARIANTS["tiny"], num_layers=1)
     inputs = qwenimage.example_inputs(cfg, 2, 6, 3)
     inputs = {k: (jnp.full(v.shape, 0.3, v.dtype) if isinstance(v, jax.ShapeDtypeStruct) else v) for k, v in inputs.items()}

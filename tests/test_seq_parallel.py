@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from digen_jax.app import loop
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.validation import validate_config
-from digen_jax.models import FAMILIES, layers
+from digen_jax.models import FAMILIES, partitioning
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.executor import Executor
@@ -145,12 +145,12 @@ def iteration(compile_cache, tmp_path_factory):
     one Run per (family, lora) (every mode and size starts from its weights and shares its
     jitted steps), computed once."""
     runs, results, traced = {}, {}, set()
-    size_of = layers.seq_parallel_size
+    size_of = partitioning.seq_parallel_size
 
     def result(family, mode, size, lora=True):
         with pytest.MonkeyPatch.context() as patch:
             patch.setitem(FAMILIES[family].variants, "tiny", four_head_tiny(family))
-            patch.setattr(layers, "seq_parallel_size", lambda: traced.add(size_of()) or size_of())
+            patch.setattr(partitioning, "seq_parallel_size", lambda: traced.add(size_of()) or size_of())
             if (family, lora) not in runs:
                 config = runtime_config(family, "colocated", 1, lora)
                 runs[family, lora] = loop.Run(config, str(tmp_path_factory.mktemp(family)), log=lambda _: None)
@@ -225,7 +225,7 @@ def test_tokens_not_divisible_and_image_families_are_config_errors():
 def test_role_meshes_split_devices_into_sequence_groups():
     from configs.sections import runtime_section
 
-    assert (mesh_lib.AXIS, mesh_lib.SEQ_AXIS) == (layers.DATA_AXIS, layers.SEQ_AXIS)  # what the models read
+    assert (mesh_lib.AXIS, mesh_lib.SEQ_AXIS) == (partitioning.DATA_AXIS, partitioning.SEQ_AXIS)  # what the models read
     rt = runtime_section("gap", micro_batches=2)
     rt.rollout_devices, rt.train_devices, rt.seq_parallel = 4, 4, 2
     meshes = mesh_lib.build_role_meshes(rt)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from digen_jax.models import FAMILIES, layers, splash_attention
+from digen_jax.models import FAMILIES, attention, splash_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMG, TXT = 30, 7  # image/video tokens and text tokens: odd joint lengths, padded to a 128 block
@@ -32,7 +32,7 @@ def _family_attention(family: str, impl: str):
     rng = np.random.default_rng(0)
 
     def dot(q, k, v, lengths=None):
-        return layers.dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl)
+        return attention.dot_product_attention(q, k, v, kv_lengths=lengths, impl=impl)
 
     if family == "flux":  # joint [text, image], no mask
         return _qkv(rng, family, TXT + IMG), lambda q, k, v: (dot(q, k, v),)
@@ -42,8 +42,8 @@ def _family_attention(family: str, impl: str):
         inputs = _qkv(rng, family, IMG) + _qkv(rng, family, TXT)[1:]
 
         def wan(q, k, v, tk, tv):
-            return (layers.token_parallel_attention(q, k, v, impl=impl),
-                    layers.token_parallel_attention(q, tk, tv, impl=impl, cross=True))
+            return (attention.token_parallel_attention(q, k, v, impl=impl),
+                    attention.token_parallel_attention(q, tk, tv, impl=impl, cross=True))
 
         return inputs, wan
     # HunyuanVideo: [video, text] with the text appended and masked; the token refiner's masked text self-attention
@@ -51,7 +51,7 @@ def _family_attention(family: str, impl: str):
 
     def hunyuan(q, k, v, tq, tk, tv):
         lengths = IMG + TEXT_LENGTHS
-        joint = layers.token_parallel_attention(q, k, v, kv_lengths=lengths, appended=(tq, tk, tv), impl=impl)
+        joint = attention.token_parallel_attention(q, k, v, kv_lengths=lengths, appended=(tq, tk, tv), impl=impl)
         return (*joint, dot(tq, tk, tv, TEXT_LENGTHS))
 
     return inputs, hunyuan
@@ -88,7 +88,7 @@ def test_splash_matches_xla_forward_and_gradients(family):
     assert _relative(outs, ref_outs) <= 1e-5
     assert _relative(grads, ref_grads) <= 1e-5
     if family == "qwenimage":  # the text mask matters: without it the output differs
-        assert _relative(outs, (layers.dot_product_attention(*inputs, impl="xla"),)) > 1e-2
+        assert _relative(outs, (attention.dot_product_attention(*inputs, impl="xla"),)) > 1e-2
 
 
 def test_splash_under_ulysses_matches_xla():
@@ -97,7 +97,7 @@ def test_splash_under_ulysses_matches_xla():
     joint_inputs, _ = _family_attention("hunyuan_video", "xla")
 
     def ulysses(impl):
-        return lambda q, k, v, tq, tk, tv: layers.token_parallel_attention(
+        return lambda q, k, v, tq, tk, tv: attention.token_parallel_attention(
             q, k, v, kv_lengths=IMG + TEXT_LENGTHS, appended=(tq, tk, tv), impl=impl)
 
     seq_mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "seq"))
@@ -128,7 +128,7 @@ def test_block_sizes_and_kernel_choice(monkeypatch):
     assert splash_attention.block_size(1792) == 256  # 512 would pad 256 tokens, 256 none
     assert splash_attention.block_size(4096 + 512) == 512
     assert splash_attention.block_size(640) == 128  # 512 or 256 would pad 384 / 128 tokens (> 80)
-    assert layers.resolve_attention_impl("splash", jnp.float32, 12) == "splash"  # interpreted off a TPU
-    assert layers.resolve_attention_impl("auto", jnp.float32, 12) == "xla"
+    assert attention.resolve_attention_impl("splash", jnp.float32, 12) == "splash"  # interpreted off a TPU
+    assert attention.resolve_attention_impl("auto", jnp.float32, 12) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert layers.resolve_attention_impl("auto", jnp.bfloat16, 128) == "splash"
+    assert attention.resolve_attention_impl("auto", jnp.bfloat16, 128) == "splash"

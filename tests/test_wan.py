@@ -159,7 +159,7 @@ def test_bf16_policy_close_to_fp32():
 
 
 def test_remat_policy_wraps_blocks_and_names_attention():
-    # Remat itself is the shared `layers.scan_blocks` mechanism (values and gradients are
+    # Remat itself is the shared `stacking.scan_blocks` mechanism (values and gradients are
     # tested with FLUX); here: the Wan blocks are wrapped and tag both attentions'
     # outputs `attn_out`, which the 'save_attention' policy keeps. Tracing only, no compile.
     cfg = dataclasses.replace(wan.VARIANTS["tiny"], remat_policy="save_attention")

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import ml_collections
 
 from digen_jax.app.errors import ConfigError
-from digen_jax.models import layers
+from digen_jax.models import attention, stacking
 
 INF = math.inf
 
@@ -114,8 +114,8 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 CHOICES: tuple[Choice, ...] = (
     Choice("model.dtype", FLOAT_DTYPES, "the compute dtype of matmuls and activations"),
     Choice("model.param_dtype", FLOAT_DTYPES, "the dtype the weights are stored and trained in"),
-    Choice("model.attention_impl", typing.get_args(layers.AttentionImpl)),
-    Choice("model.remat_policy", tuple(layers.REMAT_POLICIES), "what the backward pass keeps of each block"),
+    Choice("model.attention_impl", typing.get_args(attention.AttentionImpl)),
+    Choice("model.remat_policy", tuple(stacking.REMAT_POLICIES), "what the backward pass keeps of each block"),
 )
 
 

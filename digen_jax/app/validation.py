@@ -26,7 +26,7 @@ from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, mo
 from digen_jax.app.workload import is_shapes, open_cache, pretrain_recipe, shapes_task
 from digen_jax.models import FAMILIES
 from digen_jax.models.checkpoints import MODEL_JSON
-from digen_jax.models.layers import check_seq_parallel
+from digen_jax.models.attention import check_seq_parallel
 from digen_jax.rewards import registry
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import lora, losses

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from digen_jax.models import layers
+from digen_jax.models import stacking
 from digen_jax.models.conversion import POLICY_FIELDS, ConversionError, ModelFamily
 
 MODEL_JSON = "model.json"
@@ -25,7 +25,7 @@ def save_checkpoint(path: str, family: ModelFamily, cfg: Any, params: dict) -> N
     path = os.path.abspath(path)
     stored = family.stored_config(cfg)
     if stored is not cfg:
-        params = layers.relayout_blocks(params, nn.unbox(family.abstract_params(stored)))
+        params = stacking.relayout_blocks(params, nn.unbox(family.abstract_params(stored)))
     os.makedirs(path, exist_ok=True)
     arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POLICY_FIELDS}
     checkpointer = ocp.StandardCheckpointer()
@@ -65,7 +65,7 @@ def load_checkpoint(path: str, *, shardings=None, **policy) -> tuple[ModelFamily
         lambda s: jax.ShapeDtypeStruct(s.shape, np.dtype(cfg.param_dtype)), nn.unbox(family.abstract_params(stored))
     )
     if shardings is not None and stored is not cfg:  # restore stacked, each block's sharding behind a layers axis
-        shardings = layers.relayout_blocks(shardings, abstract, stack=lambda xs: _with_layers_axis(xs[0]))
+        shardings = stacking.relayout_blocks(shardings, abstract, stack=lambda xs: _with_layers_axis(xs[0]))
     on_host = shardings is None and jax.process_count() > 1
     if shardings is None:
         # Restored as saved, a checkpoint written from host arrays (every converted one) would

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax.models import layers
+from digen_jax.models import attention, layers, partitioning, stacking
 from digen_jax.models.conversion import ConversionError, ModelFamily, WeightRule, linear_rules
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -133,7 +133,7 @@ class CLIPBlock(nn.Module):
             layers.logical_dense(width, ("embed", "heads"), name=f"{n}_proj", **cfg.kw)(h).reshape(b, s, self.heads, -1)
             for n in ("q", "k", "v")
         )
-        impl = layers.resolve_attention_impl(cfg.attention_impl, dtype, width // self.heads)
+        impl = attention.resolve_attention_impl(cfg.attention_impl, dtype, width // self.heads)
         impl = "xla" if impl == "splash" else impl  # the splash path serves unmasked / key-padded attention
         attn = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation=impl)
         attn = layers.logical_dense(width, ("heads", "embed"), name="out_proj", **cfg.kw)(attn.reshape(b, s, width))
@@ -142,11 +142,11 @@ class CLIPBlock(nn.Module):
         h = layers.logical_dense(int(width * cfg.mlp_ratio), ("embed", "mlp"), name="fc1", **cfg.kw)(h)
         h = ACTIVATIONS[cfg.hidden_act](h)
         h = layers.logical_dense(width, ("mlp", "embed"), name="fc2", **cfg.kw)(h)
-        return layers.constrain(x + h, ("activation_batch", "activation_length", "activation_embed")), None
+        return partitioning.constrain(x + h, ("activation_batch", "activation_length", "activation_embed")), None
 
 
 def _encoder(cfg: CLIPConfig, depth: int, heads: int, causal: bool, name: str) -> nn.Module:
-    return layers.scan_blocks(CLIPBlock, depth, "none")(cfg, heads, causal, name=name)
+    return stacking.scan_blocks(CLIPBlock, depth, "none")(cfg, heads, causal, name=name)
 
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple, init=nn.initializers.normal(0.02)):

@@ -21,7 +21,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from digen_jax.models import layers
+from digen_jax.models import stacking
 
 POLICY_FIELDS = ("dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers")
 
@@ -99,15 +99,15 @@ class ModelFamily:
         return dataclasses.replace(cfg, scan_layers=True) if getattr(cfg, "scan_layers", True) is False else cfg
 
     def to_layout(self, params: Mapping, cfg: Any, consume: bool = False) -> dict:
-        """Stored-layout (stacked) `params` in `cfg`'s block layout (`layers.relayout_blocks`).
+        """Stored-layout (stacked) `params` in `cfg`'s block layout (`stacking.relayout_blocks`).
 
         `consume` frees each stacked device array once split (the caller gives `params` up):
         a full-size model converts without being held twice.
         """
         if cfg is self.stored_config(cfg):
             return params
-        unstack = layers.unstack_consuming if consume else layers.unstack_leaf
-        return layers.relayout_blocks(params, nn.unbox(self.abstract_params(cfg)), unstack=unstack)
+        unstack = stacking.unstack_consuming if consume else stacking.unstack_leaf
+        return stacking.relayout_blocks(params, nn.unbox(self.abstract_params(cfg)), unstack=unstack)
 
     def abstract_params(self, cfg: Any) -> dict:
         """Boxed (logically partitioned) ShapeDtypeStructs of the parameters, no FLOPs."""

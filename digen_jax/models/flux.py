@@ -9,7 +9,7 @@ AdaLN-Continuous norm whose chunks are (scale, shift).
 Deliberate differences from the PyTorch module, none of which changes fp32 output:
 * Blocks are stacked and run with `nn.scan` (parameters carry a leading `layers`
   axis), which keeps compile time independent of depth; `scan_layers=False` unrolls
-  them instead (`layers.scan_blocks`).
+  them instead (`stacking.scan_blocks`).
 * Text and image tokens are concatenated once before the single-stream blocks and
   split once after them, instead of in every block.
 * The timestep and guidance scalars stay float32 in the sinusoid; diffusers first
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from digen_jax.models import layers
+from digen_jax.models import attention, layers, partitioning, rope, stacking
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
@@ -49,8 +49,8 @@ class FluxConfig:
     dtype: str = "bfloat16"  # compute dtype of matmuls and the residual stream
     param_dtype: str = "float32"  # master weights
     attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla' | 'splash'
-    remat_policy: str = "none"  # a key of layers.REMAT_POLICIES
-    scan_layers: bool = True  # False: blocks unrolled (layers.scan_blocks): slower compile, no weight slicing
+    remat_policy: str = "none"  # a key of stacking.REMAT_POLICIES
+    scan_layers: bool = True  # False: blocks unrolled (stacking.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
@@ -58,8 +58,8 @@ class FluxConfig:
             raise ValueError(
                 f"sum(axes_dims_rope)={sum(self.axes_dims_rope)} must equal attention_head_dim={self.attention_head_dim}"
             )
-        if self.remat_policy not in layers.REMAT_POLICIES:
-            raise ValueError(f"remat_policy must be one of {sorted(layers.REMAT_POLICIES)}, got {self.remat_policy!r}")
+        if self.remat_policy not in stacking.REMAT_POLICIES:
+            raise ValueError(f"remat_policy must be one of {sorted(stacking.REMAT_POLICIES)}, got {self.remat_policy!r}")
 
     @property
     def inner_dim(self) -> int:
@@ -126,8 +126,8 @@ class FluxAttention(nn.Module):
         if self.joint:
             cq, ck, cv = self._qkv(ctx, "add_", "norm_added_q", "norm_added_k")
             q, k, v = (jnp.concatenate(pair, axis=1) for pair in ((cq, q), (ck, k), (cv, v)))
-        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-        out = layers.dot_product_attention(q, k, v, impl=cfg.attention_impl)
+        q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
+        out = attention.dot_product_attention(q, k, v, impl=cfg.attention_impl)
         out = out.reshape(*out.shape[:2], cfg.inner_dim)
         out = checkpoint_name(out, "attn_out")
         if not self.joint:
@@ -162,12 +162,12 @@ class FluxDoubleBlock(nn.Module):
         img_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff", **cfg.kw)(
             layers.modulate(layers.layer_norm(img), shift_m, scale_m)
         )
-        img = layers.constrain(img + gate_m[:, None] * img_mlp, ACT)
+        img = partitioning.constrain(img + gate_m[:, None] * img_mlp, ACT)
         txt = txt + c_gate_a[:, None] * txt_attn
         txt_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff_context", **cfg.kw)(
             layers.modulate(layers.layer_norm(txt), c_shift_m, c_scale_m)
         )
-        txt = layers.constrain(txt + c_gate_m[:, None] * txt_mlp, ACT)
+        txt = partitioning.constrain(txt + c_gate_m[:, None] * txt_mlp, ACT)
         return (img, txt), None
 
 
@@ -186,7 +186,7 @@ class FluxSingleBlock(nn.Module):
         out = layers.logical_dense(cfg.inner_dim, ("attn_mlp", "embed"), name="proj_out", **cfg.kw)(
             jnp.concatenate([attn, mlp], axis=-1)
         )
-        return layers.constrain(x + gate[:, None] * out, ACT), None
+        return partitioning.constrain(x + gate[:, None] * out, ACT), None
 
 
 class FluxConditioning(nn.Module):
@@ -242,17 +242,17 @@ class FluxTransformer(nn.Module):
         txt = layers.logical_dense(cfg.inner_dim, ("cond", "embed"), name="context_embedder", **cfg.kw)(
             encoder_hidden_states.astype(dtype)
         )
-        img, txt = layers.constrain(img, ACT), layers.constrain(txt, ACT)
+        img, txt = partitioning.constrain(img, ACT), partitioning.constrain(txt, ACT)
         temb = FluxConditioning(cfg, name="time_text_embed")(timestep, pooled_projections, guidance)
-        cos, sin = layers.rope_tables(jnp.concatenate([txt_ids, img_ids], axis=0), cfg.axes_dims_rope, 10000.0)
+        cos, sin = rope.rope_tables(jnp.concatenate([txt_ids, img_ids], axis=0), cfg.axes_dims_rope, 10000.0)
 
         if cfg.num_layers:
-            blocks = layers.scan_blocks(FluxDoubleBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
+            blocks = stacking.scan_blocks(FluxDoubleBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
             (img, txt), _ = blocks(cfg, name="double_blocks")((img, txt), temb, cos, sin)
         txt_len = txt.shape[1]
         x = jnp.concatenate([txt, img], axis=1)
         if cfg.num_single_layers:
-            blocks = layers.scan_blocks(FluxSingleBlock, cfg.num_single_layers, cfg.remat_policy, cfg.scan_layers)
+            blocks = stacking.scan_blocks(FluxSingleBlock, cfg.num_single_layers, cfg.remat_policy, cfg.scan_layers)
             x, _ = blocks(cfg, name="single_blocks")(x, temb, cos, sin)
         img = x[:, txt_len:]
 

@@ -22,7 +22,7 @@ scalar operand scales only; per-row and per-column ones are an elementwise epilo
 the bias add). On CPU, XLA computes the converted operands in the compute dtype: the path runs
 anywhere, at no speed advantage.
 
-Which layers: the kernels whose logical axes (models/layers.py) are in `QUANTIZED_AXES`, the
+Which layers: the kernels whose logical axes (models/partitioning.py) are in `QUANTIZED_AXES`, the
 attention projections and MLPs of the blocks, which carry nearly all of a forward's FLOPs. The
 input embedders, the output projection, the AdaLN modulation and the timestep/text embedders
 stay in the compute dtype, as do norms, attention itself and the sampler's step math.

@@ -11,7 +11,7 @@ whose chunks are (scale, shift), and unpatchify with `proj_out` channels ordered
 The text is right-padded: `encoder_attention_mask` (B, L) marks the first
 `mask.sum()` tokens valid. diffusers masks keys only, so:
 * joint attention masks keys at positions >= S_img + mask.sum(); this is exactly
-  `kv_lengths` in `layers.dot_product_attention` (the cuDNN path takes it as is);
+  `kv_lengths` in `attention.dot_product_attention` (the cuDNN path takes it as is);
 * the refiner's mask is `valid_q & valid_k` with key 0 always allowed. Valid query
   rows therefore attend to the first mask.sum() keys (`kv_lengths = mask.sum()`);
   padded query rows differ (diffusers lets them see key 0 only), but padded text
@@ -22,7 +22,7 @@ The text is right-padded: `encoder_attention_mask` (B, L) marks the first
 Deliberate differences from the PyTorch module, none of which changes fp32 output:
 * Blocks (refiner, double, single) are stacked and run with `nn.scan` (parameters
   carry a leading `layers` axis), which keeps compile time independent of depth;
-  `scan_layers=False` unrolls them instead (`layers.scan_blocks`).
+  `scan_layers=False` unrolls them instead (`stacking.scan_blocks`).
 * The single-stream blocks carry image and text tokens apart (the same weights on both;
   every op but attention is per token) and join them only in attention's q/k/v, so the
   image tokens can be split over devices while the text stays whole.
@@ -32,7 +32,7 @@ Deliberate differences from the PyTorch module, none of which changes fp32 outpu
   float32); they differ by at most one float32 ulp.
 * The timestep and guidance scalars stay float32 in the sinusoid.
 
-Sequence parallelism (`layers.token_parallel_attention`): traced under a mesh with a `seq`
+Sequence parallelism (`attention.token_parallel_attention`): traced under a mesh with a `seq`
 axis, the image tokens are split over it from the patch embedding on; the text (token refiner
 and text stream) stays whole on every device. Joint attention runs as Ulysses: the image
 q/k/v move to head shards by an all-to-all, each device takes its heads of the text q/k/v,
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from digen_jax.models import flux, layers
+from digen_jax.models import attention, flux, layers, partitioning, rope, stacking
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
@@ -79,8 +79,8 @@ class HunyuanVideoConfig:
     dtype: str = "bfloat16"  # compute dtype of matmuls and the residual stream
     param_dtype: str = "float32"  # master weights
     attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla' | 'splash'
-    remat_policy: str = "none"  # a key of layers.REMAT_POLICIES
-    scan_layers: bool = True  # False: blocks unrolled (layers.scan_blocks): slower compile, no weight slicing
+    remat_policy: str = "none"  # a key of stacking.REMAT_POLICIES
+    scan_layers: bool = True  # False: blocks unrolled (stacking.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "rope_axes_dim", tuple(self.rope_axes_dim))
@@ -95,8 +95,8 @@ class HunyuanVideoConfig:
             raise ValueError(
                 f"rope_axes_dim={self.rope_axes_dim} must have 3 axes summing to attention_head_dim={self.attention_head_dim}"
             )
-        if self.remat_policy not in layers.REMAT_POLICIES:
-            raise ValueError(f"remat_policy must be one of {sorted(layers.REMAT_POLICIES)}, got {self.remat_policy!r}")
+        if self.remat_policy not in stacking.REMAT_POLICIES:
+            raise ValueError(f"remat_policy must be one of {sorted(stacking.REMAT_POLICIES)}, got {self.remat_policy!r}")
 
     @property
     def inner_dim(self) -> int:
@@ -193,8 +193,8 @@ class HunyuanVideoAttention(nn.Module):
         image_qkv = self._qkv("to_", "norm_q", "norm_k")
         text_qkv = self._qkv("add_", "norm_added_q", "norm_added_k") if self.joint else image_qkv
         q, k, v = image_qkv(x)
-        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-        x_out, ctx_out = layers.token_parallel_attention(
+        q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
+        x_out, ctx_out = attention.token_parallel_attention(
             q, k, v, kv_lengths=kv_lengths, appended=tuple(text_qkv(ctx)), impl=cfg.attention_impl
         )
         x_out, ctx_out = (checkpoint_name(o.reshape(*o.shape[:2], cfg.inner_dim), "attn_out") for o in (x_out, ctx_out))
@@ -229,12 +229,12 @@ class HunyuanVideoDoubleBlock(nn.Module):
         img_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff", **cfg.kw)(
             layers.modulate(layers.layer_norm(img), shift_m, scale_m)
         )
-        img = layers.shard_tokens(layers.constrain(img + gate_m[:, None] * img_mlp, ACT))
+        img = partitioning.shard_tokens(partitioning.constrain(img + gate_m[:, None] * img_mlp, ACT))
         txt = txt + c_gate_a[:, None] * txt_attn
         txt_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="ff_context", **cfg.kw)(
             layers.modulate(layers.layer_norm(txt), c_shift_m, c_scale_m)
         )
-        txt = layers.constrain(txt + c_gate_m[:, None] * txt_mlp, ACT)
+        txt = partitioning.constrain(txt + c_gate_m[:, None] * txt_mlp, ACT)
         return (img, txt), None
 
 
@@ -255,10 +255,10 @@ class HunyuanVideoSingleBlock(nn.Module):
 
         def residual(x, h, a):
             mlp = nn.gelu(proj_mlp(h), approximate=True)
-            return layers.constrain(x + gate[:, None] * proj_out(jnp.concatenate([a, mlp], axis=-1)), ACT)
+            return partitioning.constrain(x + gate[:, None] * proj_out(jnp.concatenate([a, mlp], axis=-1)), ACT)
 
         img, txt = (residual(*parts) for parts in zip(carry, (h_img, h_txt), attn))
-        return (layers.shard_tokens(img), txt), None
+        return (partitioning.shard_tokens(img), txt), None
 
 
 class RefinerBlock(nn.Module):
@@ -279,13 +279,13 @@ class RefinerBlock(nn.Module):
             )
             for n in ("q", "k", "v")
         )
-        attn = layers.dot_product_attention(q, k, v, kv_lengths=kv_lengths, impl=cfg.attention_impl)
+        attn = attention.dot_product_attention(q, k, v, kv_lengths=kv_lengths, impl=cfg.attention_impl)
         attn = checkpoint_name(attn.reshape(b, s, cfg.inner_dim), "attn_out")
         attn = layers.logical_dense(cfg.inner_dim, ("heads", "embed"), name="to_out", **cfg.kw)(attn)
         gate_a, gate_m = layers.Modulation(2, cfg.inner_dim, name="norm_out", **cfg.kw)(temb)
         x = x + attn * gate_a[:, None]
         mlp = layers.FeedForward(cfg.refiner_mlp_dim, cfg.inner_dim, "silu", name="ff", **cfg.kw)(AffineLayerNorm(name="norm2", **norm_kw)(x))
-        return layers.constrain(x + mlp * gate_m[:, None], ACT), None
+        return partitioning.constrain(x + mlp * gate_m[:, None], ACT), None
 
 
 class TokenRefiner(nn.Module):
@@ -303,9 +303,9 @@ class TokenRefiner(nn.Module):
         temb = embed("timestep_embedder")(layers.timestep_sinusoid(timestep, 256))
         temb = temb + embed("text_embedder")(pooled)
         x = layers.logical_dense(cfg.inner_dim, ("cond", "embed"), name="proj_in", **cfg.kw)(text.astype(cfg.kw["dtype"]))
-        x = layers.constrain(x, ACT)
+        x = partitioning.constrain(x, ACT)
         if cfg.num_refiner_layers:
-            blocks = layers.scan_blocks(RefinerBlock, cfg.num_refiner_layers, cfg.remat_policy, cfg.scan_layers)
+            blocks = stacking.scan_blocks(RefinerBlock, cfg.num_refiner_layers, cfg.remat_policy, cfg.scan_layers)
             x, _ = blocks(cfg, name="refiner_blocks")(x, temb, text_lengths)
         return x
 
@@ -365,23 +365,23 @@ class HunyuanVideoTransformer(nn.Module):
         dtype = cfg.kw["dtype"]
 
         ids = np.stack(np.meshgrid(*(np.arange(n) for n in grid), indexing="ij"), axis=-1).reshape(-1, 3)
-        cos, sin = layers.rope_tables(jnp.asarray(ids, jnp.float32), cfg.rope_axes_dim, cfg.rope_theta)
+        cos, sin = rope.rope_tables(jnp.asarray(ids, jnp.float32), cfg.rope_axes_dim, cfg.rope_theta)
         temb = HunyuanVideoConditioning(cfg, name="time_text_embed")(timestep, pooled_projections, guidance)
 
         img = layers.PatchEmbed3D(cfg.patch, cfg.inner_dim, name="x_embedder", **cfg.kw)(hidden_states.astype(dtype))
-        img = layers.shard_tokens(img)
+        img = partitioning.shard_tokens(img)
         text_lengths = jnp.sum(encoder_attention_mask != 0, axis=-1, dtype=jnp.int32)
         txt = TokenRefiner(cfg, name="context_embedder")(encoder_hidden_states, timestep, encoder_attention_mask, text_lengths)
-        img, txt = layers.constrain(img, ACT), layers.constrain(txt, ACT)
+        img, txt = partitioning.constrain(img, ACT), partitioning.constrain(txt, ACT)
         # [image, text] order with right-padded text: the padded keys are the tail.
         img_len = img.shape[1]
         kv_lengths = img_len + text_lengths
 
         if cfg.num_layers:
-            blocks = layers.scan_blocks(HunyuanVideoDoubleBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
+            blocks = stacking.scan_blocks(HunyuanVideoDoubleBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
             (img, txt), _ = blocks(cfg, name="double_blocks")((img, txt), temb, cos, sin, kv_lengths)
         if cfg.num_single_layers:
-            blocks = layers.scan_blocks(HunyuanVideoSingleBlock, cfg.num_single_layers, cfg.remat_policy, cfg.scan_layers)
+            blocks = stacking.scan_blocks(HunyuanVideoSingleBlock, cfg.num_single_layers, cfg.remat_policy, cfg.scan_layers)
             (img, txt), _ = blocks(cfg, name="single_blocks")((img, txt), temb, cos, sin, kv_lengths)
 
         scale, shift = layers.Modulation(2, cfg.inner_dim, name="norm_out", **cfg.kw)(temb)

@@ -24,7 +24,7 @@ concrete (plain Python or numpy integers); under `jit` it cannot be.
 Deliberate differences from the PyTorch module, none of which changes fp32 output:
 * Blocks are stacked and run with `nn.scan` (parameters carry a leading `layers`
   axis), which keeps compile time independent of depth; `scan_layers=False` unrolls
-  them instead (`layers.scan_blocks`).
+  them instead (`stacking.scan_blocks`).
 * Joint attention runs on the sequence [image, text] instead of [text, image].
   Attention is permutation-equivariant once RoPE has been applied per token, so
   only the split of its output changes. With text last, the right-padded prompt
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from digen_jax.models import layers
+from digen_jax.models import attention, layers, partitioning, rope, stacking
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
@@ -76,8 +76,8 @@ class QwenImageConfig:
     dtype: str = "bfloat16"  # compute dtype of matmuls and the residual stream
     param_dtype: str = "float32"  # master weights
     attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla' | 'splash'
-    remat_policy: str = "none"  # a key of layers.REMAT_POLICIES
-    scan_layers: bool = True  # False: blocks unrolled (layers.scan_blocks): slower compile, no weight slicing
+    remat_policy: str = "none"  # a key of stacking.REMAT_POLICIES
+    scan_layers: bool = True  # False: blocks unrolled (stacking.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
@@ -90,8 +90,8 @@ class QwenImageConfig:
         unsupported = [f for f in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope") if getattr(self, f)]
         if unsupported:
             raise ValueError(f"the Qwen-Image port does not implement {unsupported}; only the base model (all False)")
-        if self.remat_policy not in layers.REMAT_POLICIES:
-            raise ValueError(f"remat_policy must be one of {sorted(layers.REMAT_POLICIES)}, got {self.remat_policy!r}")
+        if self.remat_policy not in stacking.REMAT_POLICIES:
+            raise ValueError(f"remat_policy must be one of {sorted(stacking.REMAT_POLICIES)}, got {self.remat_policy!r}")
 
     @property
     def inner_dim(self) -> int:
@@ -185,8 +185,8 @@ class QwenImageAttention(nn.Module):
         q, k, v = self._qkv(img, "to_", "norm_q", "norm_k")
         tq, tk, tv = self._qkv(txt, "add_", "norm_added_q", "norm_added_k")
         q, k, v = (jnp.concatenate(pair, axis=1) for pair in ((q, tq), (k, tk), (v, tv)))
-        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-        out = layers.dot_product_attention(q, k, v, kv_lengths=kv_lengths, impl=cfg.attention_impl)
+        q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
+        out = attention.dot_product_attention(q, k, v, kv_lengths=kv_lengths, impl=cfg.attention_impl)
         out = out.reshape(*out.shape[:2], cfg.inner_dim)
         out = checkpoint_name(out, "attn_out")
         img_len = img.shape[1]
@@ -223,11 +223,11 @@ class QwenImageBlock(nn.Module):
         img_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="img_mlp", **cfg.kw)(
             layers.modulate(layers.layer_norm(img), shift_m, scale_m)
         )
-        img = layers.constrain(img + gate_m[:, None] * img_mlp, ACT)
+        img = partitioning.constrain(img + gate_m[:, None] * img_mlp, ACT)
         txt_mlp = layers.FeedForward(cfg.mlp_dim, cfg.inner_dim, name="txt_mlp", **cfg.kw)(
             layers.modulate(layers.layer_norm(txt), t_shift_m, t_scale_m)
         )
-        txt = layers.constrain(txt + t_gate_m[:, None] * txt_mlp, ACT)
+        txt = partitioning.constrain(txt + t_gate_m[:, None] * txt_mlp, ACT)
         return (img, txt), None
 
 
@@ -291,11 +291,11 @@ class QwenImageTransformer(nn.Module):
             encoder_hidden_states
         )
         txt = layers.logical_dense(cfg.inner_dim, ("cond", "embed"), name="txt_in", **cfg.kw)(txt.astype(dtype))
-        img, txt = layers.constrain(img, ACT), layers.constrain(txt, ACT)
+        img, txt = partitioning.constrain(img, ACT), partitioning.constrain(txt, ACT)
         temb = QwenImageTimestepEmbedding(cfg, name="time_text_embed")(timestep)
 
         img_ids, txt_ids = rope_position_ids(img_shapes, img_len, txt_len)
-        cos, sin = layers.rope_tables(
+        cos, sin = rope.rope_tables(
             jnp.concatenate([img_ids, txt_ids], axis=0), cfg.axes_dims_rope, ROPE_THETA, float32_exponent=True
         )
         kv_lengths = None
@@ -303,7 +303,7 @@ class QwenImageTransformer(nn.Module):
             kv_lengths = img_len + jnp.sum(encoder_hidden_states_mask != 0, axis=1, dtype=jnp.int32)
 
         if cfg.num_layers:
-            blocks = layers.scan_blocks(QwenImageBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
+            blocks = stacking.scan_blocks(QwenImageBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
             (img, txt), _ = blocks(cfg, name="transformer_blocks")((img, txt), temb, cos, sin, kv_lengths)
 
         scale, shift = layers.Modulation(2, cfg.inner_dim, name="norm_out", **cfg.kw)(temb)

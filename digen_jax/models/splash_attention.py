@@ -1,6 +1,6 @@
 """Splash attention: JAX's Pallas TPU attention kernel behind `attention_impl='splash'`.
 
-`attention` computes what `layers.dot_product_attention` computes (softmax(q k^T / sqrt(d)) v
+`attention` computes what `attention.py`'s `dot_product_attention` computes (softmax(q k^T / sqrt(d)) v
 over (B, T, N, H) queries and (B, S, N, H) keys/values, keys at positions >= `kv_lengths`
 masked) with `jax.experimental.pallas.ops.tpu.splash_attention`:
 

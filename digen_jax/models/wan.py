@@ -15,14 +15,14 @@ cross-attention residual is added in the compute dtype, as diffusers does.
 Deliberate differences from the PyTorch module, none of which changes fp32 output:
 * Blocks are stacked and run with `nn.scan` (parameters carry a leading `layers`
   axis), which keeps compile time independent of depth; `scan_layers=False` unrolls
-  them instead (`layers.scan_blocks`).
+  them instead (`stacking.scan_blocks`).
 * The Conv3d patch embedding (kernel = stride = patch size) is a reshape into
   non-overlapping (pt, ph, pw, C) patches and one matmul with the conv kernel in
   Flax layout (pt, ph, pw, C, dim): the same sums, and a plain GEMM on accelerators.
 * The RoPE tables are built on the host in float64 from the static latent shape
   (diffusers precomputes them in float64 for `rope_max_seq_len` positions and slices).
 
-Sequence parallelism (`layers.token_parallel_attention`): traced under a mesh with a `seq`
+Sequence parallelism (`attention.token_parallel_attention`): traced under a mesh with a `seq`
 axis, the video tokens are split over it from the patch embedding on; self-attention runs as
 Ulysses (all-to-all to head shards and back), cross-attention needs no communication (only its
 queries are video tokens; the text is whole on every device).
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from digen_jax.models import layers
+from digen_jax.models import attention, layers, partitioning, rope, stacking
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
@@ -78,8 +78,8 @@ class WanConfig:
     dtype: str = "bfloat16"  # compute dtype of matmuls and the residual stream
     param_dtype: str = "float32"  # master weights
     attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla' | 'splash'
-    remat_policy: str = "none"  # a key of layers.REMAT_POLICIES
-    scan_layers: bool = True  # False: blocks unrolled (layers.scan_blocks): slower compile, no weight slicing
+    remat_policy: str = "none"  # a key of stacking.REMAT_POLICIES
+    scan_layers: bool = True  # False: blocks unrolled (stacking.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "patch_size", tuple(self.patch_size))
@@ -92,8 +92,8 @@ class WanConfig:
             )
         if self.attention_head_dim % 2:
             raise ValueError(f"attention_head_dim must be even for RoPE, got {self.attention_head_dim}")
-        if self.remat_policy not in layers.REMAT_POLICIES:
-            raise ValueError(f"remat_policy must be one of {sorted(layers.REMAT_POLICIES)}, got {self.remat_policy!r}")
+        if self.remat_policy not in stacking.REMAT_POLICIES:
+            raise ValueError(f"remat_policy must be one of {sorted(stacking.REMAT_POLICIES)}, got {self.remat_policy!r}")
 
     @property
     def inner_dim(self) -> int:
@@ -143,7 +143,7 @@ def rope_tables(cfg: WanConfig, grid: tuple[int, int, int]) -> tuple[jax.Array, 
     Tokens are in (f, h, w) order; the channels are [t | h | w] with Wan's split and
     interleaved pairs. Angles are float64 on the host, as diffusers builds them.
     """
-    freqs = layers.rope_frequencies(cfg.rope_axes_dims, 10000.0)
+    freqs = rope.rope_frequencies(cfg.rope_axes_dims, 10000.0)
     angles = [np.outer(np.arange(n, dtype=np.float64), np.repeat(f, 2)) for n, f in zip(grid, freqs)]
     f, h, w = grid
     full = np.concatenate(
@@ -189,8 +189,8 @@ class WanAttention(nn.Module):
         split = lambda a: a.reshape(*a.shape[:2], cfg.num_attention_heads, cfg.attention_head_dim)  # noqa: E731
         q, k, v = split(q), split(k), split(v)
         if not self.cross:
-            q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-        out = layers.token_parallel_attention(q, k, v, impl=cfg.attention_impl, cross=self.cross)
+            q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
+        out = attention.token_parallel_attention(q, k, v, impl=cfg.attention_impl, cross=self.cross)
         out = checkpoint_name(out.reshape(*out.shape[:2], cfg.inner_dim), "attn_out")
         return layers.logical_dense(cfg.inner_dim, ("heads", "embed"), name="to_out", **cfg.kw)(out)
 
@@ -233,7 +233,7 @@ class WanBlock(nn.Module):
         h = layers.modulate(fp32_layer_norm(x, cfg.eps), shift_m, scale_m).astype(x.dtype)
         ff = layers.FeedForward(cfg.ffn_dim, cfg.inner_dim, name="ffn", **cfg.kw)(h)
         x = (x.astype(jnp.float32) + ff.astype(jnp.float32) * gate_m[:, None]).astype(x.dtype)
-        return layers.shard_tokens(layers.constrain(x, ACT)), None
+        return partitioning.shard_tokens(partitioning.constrain(x, ACT)), None
 
 
 class WanConditioning(nn.Module):
@@ -299,12 +299,12 @@ class WanTransformer(nn.Module):
         cos, sin = rope_tables(cfg, grid)
 
         patch_embed = layers.PatchEmbed3D(cfg.patch_size, cfg.inner_dim, name="patch_embedding", **cfg.kw)
-        x = layers.shard_tokens(layers.constrain(patch_embed(hidden_states), ACT))
+        x = partitioning.shard_tokens(partitioning.constrain(patch_embed(hidden_states), ACT))
         temb, timestep_proj, ctx = WanConditioning(cfg, name="condition_embedder")(timestep, encoder_hidden_states)
-        ctx = layers.constrain(ctx, ACT)
+        ctx = partitioning.constrain(ctx, ACT)
 
         if cfg.num_layers:
-            blocks = layers.scan_blocks(WanBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
+            blocks = stacking.scan_blocks(WanBlock, cfg.num_layers, cfg.remat_policy, cfg.scan_layers)
             x, _ = blocks(cfg, name="blocks")(x, ctx, timestep_proj, cos, sin)
 
         table = self.param(

@@ -28,7 +28,7 @@ from digen_jax.runtime.multihost import role_devices
 from digen_jax.runtime.transfer import transfer
 
 
-# The mesh axis names the models read (`models/layers.py` DATA_AXIS and SEQ_AXIS; the runtime
+# The mesh axis names the models read (`models/partitioning.py` DATA_AXIS and SEQ_AXIS; the runtime
 # sits above rl and does not import the models).
 AXIS = "data"
 SEQ_AXIS = "seq"
@@ -111,7 +111,7 @@ def shards_weights(rules: Sequence[tuple[str, str | None]]) -> bool:
 def activation_rules(rules: Sequence[tuple[str, str | None]], mesh: Mesh) -> tuple[tuple[str, Any], ...]:
     """The rules the models' activation constraints follow on `mesh`: each `activation_*` rule of
     `rules`, the batch over `data` unless they say otherwise, and with a `seq` axis the token axis
-    left to `models.layers.shard_tokens`; every other activation axis whole."""
+    left to `models.partitioning.shard_tokens`; every other activation axis whole."""
     table = {name: axis for name, axis in rules if name.startswith("activation_")}
     table.setdefault("activation_batch", AXIS)
     if SEQ_AXIS in mesh.axis_names:
@@ -124,7 +124,7 @@ def model_mesh(mesh: Mesh, rules: Sequence[tuple[str, str | None]] = ()):
     whose weights lie by `rules`.
 
     With a `seq` axis, the mesh itself (`jax.set_mesh`), so the models split each sample's
-    tokens over it (`models.layers.seq_parallel_size`). Where `rules` shard the weights (FSDP),
+    tokens over it (`models.partitioning.seq_parallel_size`). Where `rules` shard the weights (FSDP),
     also `activation_rules`, so the models' activation constraints hold each activation split by
     batch and whole in its hidden axis: the compiler then gathers each layer's weight shards
     (one all-gather per weight) instead of splitting the products' contraction over the devices

@@ -103,7 +103,7 @@ def _setup(bench: ModelBench) -> dict[str, Any]:
         import jax  # only here: the PyTorch peer's process (seq_parallel 1) never starts JAX
 
         from digen_jax.app.families import ZOO
-        from digen_jax.models.layers import check_seq_parallel
+        from digen_jax.models.attention import check_seq_parallel
 
         if not ZOO[family].video or bench.seq_parallel < 1:
             raise ConfigError(f"--seq_parallel={bench.seq_parallel}: sequence parallelism is built for the video "
@@ -248,7 +248,7 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from digen_jax import flops
-    from digen_jax.models import layers
+    from digen_jax.models import stacking
     from digen_jax.rl import fp8_weights, lora
     from digen_jax.app.families import ZOO
     from digen_jax.rl.rollout import make_denoiser
@@ -314,7 +314,7 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
 
         like = jax.eval_shape(lambda p: draw(p, key=key_lora), params)
         adapters = jax.block_until_ready(
-            layers.relayout_blocks(make_adapters(key_lora), like, unstack=layers.unstack_consuming)
+            stacking.relayout_blocks(make_adapters(key_lora), like, unstack=stacking.unstack_consuming)
         )
         out["lora_param_count"] = lora.lora_param_count(adapters)
         fns["lora_fwd_bwd"] = (lora_grad, (adapters, params, latents, cond, sigma))
