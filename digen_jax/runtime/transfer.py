@@ -125,15 +125,18 @@ def transfer(tree, dst_shardings):
 
 
 def place(leaves: list, shardings: list) -> list:
-    """`jax.device_put(leaves, shardings)` (one process's arrays), where a leaf changes layout over the
+    """`jax.device_put(leaves, shardings)`, where inside one process a leaf changes layout over the
     same devices in the same order by a jitted identity instead: its collectives run on the devices.
     `jax.device_put` of a committed array to a layout none of whose shards the array holds (FSDP
     shards to a replicated copy) reads the whole array back to host memory and puts it again, the
     dispatching thread blocked meanwhile."""
     out = list(leaves)
     same, other = [], []
+    # Several processes: jax.device_put throughout (a process may hold none of the devices of a
+    # program; the in-process host copies remain there, docs/known_issues.md).
+    one_process = jax.process_count() == 1
     for i, (x, s) in enumerate(zip(leaves, shardings)):
-        (same if _same_device_order(x, s) and x.sharding != s else other).append(i)
+        (same if one_process and _same_device_order(x, s) and x.sharding != s else other).append(i)
     if same:
         for i, y in zip(same, _identity_fn(tuple(shardings[i] for i in same))(*[leaves[i] for i in same])):
             out[i] = y
