@@ -36,6 +36,9 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.model.scan_layers = True  # False unrolls blocks: no per-layer weight copies, longer compiles
     # Numerics of the rollouts' forward: 'bf16' = the model's dtype, 'fp8' = e4m3 block matmuls (README).
     c.model.rollout_precision = "bf16"
+    # LoRA's frozen base in training and every rollout: 'fp8' holds only its e4m3 form, one copy
+    # (needs rollout_precision='fp8'); 'bf16' trains on the model's dtype (docs/fp8_rollouts.md).
+    c.model.lora_base_precision = "bf16"
     c.model.vae_decode_batch = 8  # samples per VAE decode call
 
     c.data = ml_collections.ConfigDict()

@@ -19,6 +19,7 @@ from digen_jax.models import flux, fp8
 from digen_jax.models.layers import logical_dense
 from digen_jax.rl import fp8_weights, lora
 from digen_jax.runtime import mesh as mesh_lib, weight_sync
+from digen_jax.runtime.executor import Executor
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_rollout import CFG, LATENT_SHAPE, make_cond, make_params, make_sampler  # noqa: E402
@@ -129,6 +130,29 @@ def test_rollout_precision_key_is_validated():
         validate_config(c)
     c.rl.lora_merge_for_sampling = False
     validate_config(c)
+    for key, value, message in [
+        ("lora_base_precision", "int8", r"model\.lora_base_precision must be one of \('bf16', 'fp8'\), got 'int8'"),
+        ("rollout_precision", "bf16", r"model\.lora_base_precision='fp8'.*set model\.rollout_precision='fp8'"),
+    ]:
+        bad = c.copy_and_resolve_references()
+        bad.model.lora_base_precision = "fp8"
+        bad.model[key] = value
+        with pytest.raises(ConfigError, match=message):
+            validate_config(bad)
+    c.model.lora_base_precision, c.rl.lora_rank = "fp8", 0
+    with pytest.raises(ConfigError, match=r"model\.lora_base_precision='fp8'.*rl\.lora_rank=0.*'bf16'"):
+        validate_config(c)
+
+
+def test_gradient_through_the_fp8_kernel_is_the_dequantised_kernel_s():
+    """An FP8 LoRA base (`model.lora_base_precision='fp8'`) passes gradients to the layers below it
+    through its dequantised kernel, the activations' rounding passed straight through."""
+    layer, params, x = _dense_and_params()
+    fp8_params = fp8_weights.quantize_params(params, frozenset({"kernel"}))
+    dequantised = fp8_params[fp8.QUANTIZED].astype(jnp.float32) * fp8_params[fp8.SCALE]
+    cotangent = jax.random.normal(jax.random.key(3), x.shape[:-1] + (OUT,))
+    _, vjp = jax.vjp(lambda v: layer.apply({"params": fp8_params}, v), x)
+    np.testing.assert_allclose(vjp(cotangent)[0], cotangent @ dequantised.T, rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_grpo_defaults_to_truncated_importance_sampling():
@@ -143,6 +167,34 @@ def test_fp8_grpo_defaults_to_truncated_importance_sampling():
     c = tiny.get_config()
     c.model.rollout_precision, c.rl.algorithm = "fp8", "nft"
     assert precision.decoupled_loss(c) == (False, None)  # DiffusionNFT has no ratio to correct
+    c = tiny.get_config()
+    c.model.rollout_precision = c.model.lora_base_precision = "fp8"
+    assert precision.decoupled_loss(c) == (False, None)  # one FP8 base: training computes what rollouts did
+
+
+def test_lora_trained_through_the_fp8_base_the_rollouts_sample_from(pretrain_cache_dir, tmp_path):
+    """`model.lora_base_precision='fp8'` in a disaggregated mode with trainer-assisted generation:
+    the train role holds only the e4m3 base (no bf16 kernel where one is quantised), its own
+    rollouts and the rollout role's sample from that base, and the trainer's log-probs of the
+    rollouts' transitions are theirs (same numerics: the gap is float32 rounding, orders below
+    FP8 rollouts over a bf16 base), so no importance weights are needed and the run learns."""
+    config = runtime_config(pretrain_cache_dir, "gap+tsp+tag")
+    config.rl.update(lora_rank=2, lora_merge_for_sampling=False)
+    config.model.rollout_precision = config.model.lora_base_precision = "fp8"
+    run = loop.Run(config, str(tmp_path), log=lambda _: None)
+    executor = Executor(run, log=lambda _: None)
+    rows = jax.device_get([executor.iteration(k)[1] for k in range(2)])
+    executor.close()
+    for row in rows:
+        assert row["skipped"] == 0 and row["logp_diff_max"] == 0, row
+        assert row["rollout_logp_gap_max"] < 1e-4, row
+        assert "is_weight_mean" not in row, row  # not decoupled: nothing to reweigh
+    frozen = run.trainer.frozen
+    leaves = {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+              for path, leaf in jax.tree_util.tree_flatten_with_path(frozen)[0]}
+    quantised = [p for p in leaves if p.endswith(fp8.QUANTIZED)]
+    assert quantised and all(p[: -len(fp8.QUANTIZED)] + "kernel" not in leaves for p in quantised)
+    assert all(leaves[p].dtype == fp8.E4M3 for p in quantised)
 
 
 def test_lora_grpo_with_fp8_rollouts_on_their_own_role(pretrain_cache_dir, tmp_path):
@@ -167,7 +219,7 @@ def test_train_role_samples_in_fp8_only_where_it_is_the_rollout_role(mode):
     (it is the rollout role then). Disaggregated, its trainer-assisted rollouts keep the training
     precision rather than hold a quantised copy of the base beside the one training reads."""
     runtime = ml_collections.ConfigDict(dict(mode=mode, rollout_devices=4, train_devices=4, reward_devices=0))
-    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(lora_scale=None, rollout_precision="fp8"), frozen=None)
+    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(lora_scale=None, rollout_precision="fp8", lora_base_precision="bf16"), frozen=None)
     weights = weight_sync.RoleWeights(mesh_lib.build_role_meshes(runtime), tiny.get_config().sharding,
                                       flux.FAMILY.abstract_params(CFG), trainer, merge_for_sampling=False)
     params = jax.device_put(make_params(), weights.sharding["train"])  # as the trainer holds them (FSDP)
@@ -199,7 +251,7 @@ def test_gathered_colocated_sampling_quantises_then_gathers():
     weights are sharded, so no bf16 copy is gathered), equal to quantising a gathered copy, and
     made once per version until released."""
     runtime = ml_collections.ConfigDict(dict(mode="colocated", rollout_devices=0, train_devices=4, reward_devices=0))
-    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(lora_scale=None, rollout_precision="fp8"), frozen=None)
+    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(lora_scale=None, rollout_precision="fp8", lora_base_precision="bf16"), frozen=None)
     weights = weight_sync.RoleWeights(mesh_lib.build_role_meshes(runtime), tiny.get_config().sharding,
                                       flux.FAMILY.abstract_params(CFG), trainer, merge_for_sampling=False,
                                       gathered_sampling=True)

@@ -81,6 +81,7 @@ class Run:
             use_ema=rl.ema,
             max_update_ratio=rl.max_update_ratio,
             rollout_precision=precision.rollout_precision(config),
+            lora_base_precision=precision.lora_base_precision(config),
         )
         if rl.algorithm == "nft":
             self.trainer = NftTrainer(self.sampler, frozen, optimizer, loss_cfg,

@@ -10,6 +10,10 @@ trainer's own log-prob at version lag 0 (`rl.onpolicy_anchor='trainer'`), and th
 weight `min(exp(logp_bf16 - logp_fp8), cap)` carries the rollout's numerics into the loss;
 `is_weight_mean` and `is_truncated_frac` record it. DiffusionNFT has no likelihood: FP8 enters its
 loss only through the samples.
+
+`model.lora_base_precision='fp8'` trains LoRA through the same e4m3 base the rollouts sample
+with (one frozen copy, no bf16 base): rollouts and training then compute the same numerics, the
+samples are on-policy by construction, and an unset `rl.decoupled` stays False.
 """
 from __future__ import annotations
 
@@ -26,10 +30,17 @@ def rollout_precision(config: ml_collections.ConfigDict) -> str:
     return config.model.get("rollout_precision", "bf16")
 
 
+def lora_base_precision(config: ml_collections.ConfigDict) -> str:
+    return config.model.get("lora_base_precision", "bf16")
+
+
 def rollout_precision_note(config: ml_collections.ConfigDict) -> str:
     """What `model.rollout_precision` resolves to next to `model.dtype`: 'bf16' names no dtype of
     its own but the model's unchanged numerics, so model.dtype is what the rollouts compute in."""
     dtype = config.model.get("dtype", "bfloat16")
+    if lora_base_precision(config) == "fp8":
+        return "rollouts and LoRA training through one e4m3 base (attention projections and MLPs), " \
+               f"the rest in model.dtype={dtype!r}"
     if rollout_precision(config) == "fp8":
         return f"rollout attention projections and MLPs in FP8 e4m3, the rest in model.dtype={dtype!r}; training in {dtype!r}"
     return f"'bf16' means the model's own dtype: rollouts and training compute in model.dtype={dtype!r}"
@@ -39,7 +50,7 @@ def decoupled_loss(config: ml_collections.ConfigDict) -> tuple[bool, float | Non
     """(decoupled, is_cap) of the run: `rl.decoupled` / `rl.is_cap` as set, their unset (None)
     values resolved as the module docstring says."""
     rl = config.rl
-    fp8_grpo = rollout_precision(config) == "fp8" and rl.get("algorithm", "grpo") == "grpo" and rl.policy_loss == "ppo"
+    fp8_grpo = rollout_precision(config) == "fp8" and lora_base_precision(config) != "fp8" and rl.get("algorithm", "grpo") == "grpo" and rl.policy_loss == "ppo"
     decoupled = fp8_grpo if rl.get("decoupled") is None else bool(rl.decoupled)
     is_cap = rl.is_cap
     if is_cap is None and decoupled and fp8_grpo:
@@ -48,8 +59,9 @@ def decoupled_loss(config: ml_collections.ConfigDict) -> tuple[bool, float | Non
 
 
 def validate_rollout_precision(config: ml_collections.ConfigDict) -> None:
-    """Reject an unknown `model.rollout_precision`, or FP8 rollouts with LoRA merged for sampling
-    (FP8 keeps the adapters factored in their own dtype on top of the FP8 base)."""
+    """Reject an unknown `model.rollout_precision` or `model.lora_base_precision`, FP8 rollouts
+    with LoRA merged for sampling (FP8 keeps the adapters factored in their own dtype on top of
+    the FP8 base), and an FP8 base without LoRA or without FP8 rollouts."""
     precision = rollout_precision(config)
     try:
         fp8.check_rollout_precision(precision)
@@ -59,3 +71,12 @@ def validate_rollout_precision(config: ml_collections.ConfigDict) -> None:
     if precision == "fp8" and rl.lora_rank and rl.lora_merge_for_sampling:
         raise ConfigError("model.rollout_precision='fp8' applies LoRA adapters factored, in their own dtype, on "
                           "top of the FP8 base; it cannot merge them into it: set rl.lora_merge_for_sampling=False")
+    base = lora_base_precision(config)
+    if base not in fp8.ROLLOUT_PRECISIONS:
+        raise ConfigError(f"model.lora_base_precision must be one of {fp8.ROLLOUT_PRECISIONS}, got {base!r}")
+    if base == "fp8" and not rl.lora_rank:
+        raise ConfigError("model.lora_base_precision='fp8' trains LoRA adapters through a frozen FP8 base; full "
+                          "fine-tuning (rl.lora_rank=0) trains the weights themselves: set model.lora_base_precision='bf16'")
+    if base == "fp8" and precision != "fp8":
+        raise ConfigError("model.lora_base_precision='fp8' holds only the FP8 base, which the rollouts sample with "
+                          "too: set model.rollout_precision='fp8' as well")

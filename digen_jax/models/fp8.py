@@ -1,5 +1,6 @@
-"""FP8 (e4m3) inference for the transformers' linear layers: the rollout role's numerics when
-`model.rollout_precision='fp8'` (training always runs the model's own dtype).
+"""FP8 (e4m3) matmuls for the transformers' linear layers: the rollout role's numerics when
+`model.rollout_precision='fp8'`, and training's too when `model.lora_base_precision='fp8'`
+(LoRA trained through the one frozen FP8 base the rollouts sample with).
 
 Weights: a kernel W (in, out) is stored as float8_e4m3fn with one float32 scale per output
 channel, `s_w[o] = max_i |W[i, o]| / 448` and `W_q = e4m3(W / s_w)` (448 is e4m3's largest
@@ -29,6 +30,8 @@ stay in the compute dtype, as do norms, attention itself and the sampler's step 
 `rl/fp8_weights.py` picks and quantises them in a parameter tree.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -75,17 +78,42 @@ def quantize_activation(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x.astype(jnp.float32) * (1.0 / scale)).astype(E4M3), scale
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def fp8_matmul(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, compute_dtype: jnp.dtype) -> jax.Array:
     """`x @ W` in FP8, float32 (..., out): x quantised per row, times the quantised kernel
     `w_q` (in, out) with its per-column scales `w_scale` (out,).
 
     The product leaves the GEMM in `compute_dtype` (accumulated in float32 inside it): in bf16
     the scaling pass after it reads half the bytes of a float32 product, and the rounding it adds
-    (2^-9) is far below e4m3's own (2^-4)."""
+    (2^-9) is far below e4m3's own (2^-4).
+
+    Differentiable in `x` only, the kernel being a frozen base (`model.lora_base_precision='fp8'`
+    trains LoRA adapters through it): the activations' rounding passes the gradient straight
+    through, `dx = (g * s_w) @ W_q^T` in `compute_dtype`, the gradient of `x @ (W_q * s_w)`, the
+    dequantised kernel the forward multiplies by."""
+    return _fp8_product(x, w_q, w_scale, compute_dtype)
+
+
+def _fp8_product(x, w_q, w_scale, compute_dtype):
     x_q, x_scale = quantize_activation(x)
     acc = jax.lax.dot_general(x_q.astype(compute_dtype), w_q.astype(compute_dtype),
                               (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=compute_dtype)
     return acc.astype(jnp.float32) * x_scale * w_scale
+
+
+def _fp8_matmul_fwd(x, w_q, w_scale, compute_dtype):
+    return _fp8_product(x, w_q, w_scale, compute_dtype), (w_q, w_scale, jnp.zeros((0,), x.dtype))
+
+
+def _fp8_matmul_bwd(compute_dtype, residuals, g):
+    w_q, w_scale, x_like = residuals
+    scaled = (g * w_scale).astype(compute_dtype)
+    dx = jax.lax.dot_general(scaled, w_q.astype(compute_dtype), (((g.ndim - 1,), (1,)), ((), ())),
+                             preferred_element_type=compute_dtype)
+    return dx.astype(x_like.dtype), jnp.zeros_like(w_q), jnp.zeros_like(w_scale)
+
+
+fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
 def _to_e4m3(v: jax.Array) -> jax.Array:

@@ -125,11 +125,17 @@ class LossConfig:
     max_update_ratio: float = 1.0
     # Numerics of the rollouts' forward (models.fp8.ROLLOUT_PRECISIONS): 'fp8' runs the blocks'
     # matmuls of the sampling weights in FP8 (runtime/weight_sync.py quantises them); the
-    # trainer's own forward always runs the model's dtype.
+    # trainer's own forward runs the model's dtype unless the LoRA base itself is FP8.
     rollout_precision: str = "bf16"
+    # The frozen LoRA base's form ('fp8': `frozen` holds the e4m3 base, which the trainer's forward
+    # and every rollout read, applying the adapters factored since they cannot merge into it).
+    lora_base_precision: str = "bf16"
 
     def __post_init__(self):
         fp8.check_rollout_precision(self.rollout_precision)
+        fp8.check_rollout_precision(self.lora_base_precision)
+        if self.lora_base_precision == "fp8" and (self.lora_scale is None or self.lora_mode != "factored"):
+            raise ValueError("an FP8 LoRA base needs LoRA adapters applied factored (lora_mode='factored')")
         if self.policy_loss not in losses.POLICY_LOSSES:
             raise ValueError(f"policy_loss must be one of {losses.POLICY_LOSSES}, got {self.policy_loss!r}")
         if self.onpolicy_anchor not in ONPOLICY_ANCHORS:
@@ -242,7 +248,10 @@ class Trainer:
         return self._log_prob_jit(trainable, self.frozen, units)
 
     def params_for(self, trainable):
-        """Merged weights (a plain tree) for sampling, evaluation and export."""
+        """Merged weights (a plain tree) for sampling, evaluation and export; over an FP8 base
+        (`cfg.lora_base_precision`), the base with the adapters applied factored."""
+        if self.cfg.lora_base_precision == "fp8":
+            return lora.LoraWeights(self.frozen, trainable, self.cfg.lora_scale, "factored")
         return self._merged(trainable, self.frozen)
 
     def init_state(self, trainable) -> TrainState:

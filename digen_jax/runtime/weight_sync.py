@@ -20,7 +20,10 @@ quantises the trainable weights each time sampling weights are made from them: a
 the train role, before they cross, so only the e4m3 tree moves (and alike before a colocated
 gathered copy is placed).
 The train role's own rollouts of a disaggregated run (trainer-assisted generation) stay in the
-training precision (`WeightSync.on_train`).
+training precision (`RoleWeights.on_train`). With `model.lora_base_precision='fp8'` the frozen
+base is quantised where it is placed on the train role and its bf16 form dropped: training,
+colocated rollouts and trainer-assisted ones all read that one e4m3 copy, and the rollout role
+receives it as it is.
 
 Several processes: every process builds the same frozen base and decoder weights (same
 checkpoint, seed and pretraining cache), so each places its own copy on its own devices of
@@ -70,6 +73,9 @@ class RoleWeights:
             paths = fp8_weights.quantized_kernel_paths(abstract_params)
             self._quantize = jax.jit(lambda params: fp8_weights.quantize_params(params, paths))
             self._fp8_paths = paths
+        # LoRA trained through the FP8 base: the trainer's frozen base is the quantised one
+        self.fp8_base = trainer.cfg.lora_base_precision == "fp8"
+        self._fp8_base_on_rollout = None  # the rollout role's shardings of that base
         self._fp8_sharding = None  # `_fp8_rollout_sharding`, made once
         self._frozen_fp8_on_train = None  # colocated FP8 LoRA sampling: the frozen base quantised once
         self.frozen_on_rollout = None
@@ -116,12 +122,19 @@ class RoleWeights:
         """The trainer's frozen base (if any) onto the train mesh; with `own` (`own_frozen`) each
         process places its own devices' part from its own copy."""
         self.trainer.place_frozen(self.sharding["train"], put=jax.device_put if own is None else put_own_copy)
+        if self.fp8_base:  # the placed bf16 base goes as soon as its e4m3 form exists
+            self._fp8_base_on_rollout = fp8_weights.quantized_shardings(
+                self.sharding["rollout"], self.trainer.frozen, self._fp8_paths)
+            self.trainer.frozen = self._quantize(self.trainer.frozen)
 
     def place_frozen_on_rollout(self, own: Any = None) -> None:
         """Disaggregated with LoRA: the frozen base, once, onto the rollout role (syncs carry
         adapters only). From `own` (`own_frozen`) each process places its own devices' part and
         nothing crosses between processes; otherwise it moves from the train mesh."""
         if self.lora_scale is not None and not self.meshes.colocated:
+            if own is None and self.fp8_base:  # already e4m3 on the train role: it moves as it is
+                self.frozen_on_rollout = transfer(self.trainer.frozen, self._fp8_base_on_rollout)
+                return
             if own is None:
                 self.frozen_on_rollout = transfer(self.trainer.frozen, self.sharding["rollout"])
             else:
@@ -211,11 +224,12 @@ class RoleWeights:
         training precision: FP8 there would hold a quantised copy of the base beside the one
         training reads (Qwen-Image-20B: 20 GB on top of 41 GB, which ran an 80 GB card out of
         memory with training's activations). Each rollout records the log-probabilities of the
-        numerics it ran, so the decoupled loss weighs both kinds correctly.
+        numerics it ran, so the decoupled loss weighs both kinds correctly. Over an FP8 LoRA base
+        (`fp8_base`) every role samples in FP8 from the one base training reads.
         """
-        fp8 = self.meshes.colocated
+        fp8 = self.meshes.colocated or self.fp8_base
         frozen = self.trainer.frozen
-        if fp8 and self._quantize is not None and self.lora_scale is not None:
+        if fp8 and self._quantize is not None and self.lora_scale is not None and not self.fp8_base:
             if self._frozen_fp8_on_train is None:
                 self._frozen_fp8_on_train = self._quantize(frozen)
             frozen = self._frozen_fp8_on_train
