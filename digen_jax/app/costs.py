@@ -97,6 +97,7 @@ def iteration_work(config) -> IterationWork:
         updates=rl.num_updates_per_batch,
         unit_forwards=1 + int(_is_nft(rl)) + int(rl.kl_beta > 0),
         rollout_precision=config.model.get("rollout_precision", "bf16"),
+        lora_base_precision=config.model.get("lora_base_precision", "bf16"),
         **_memory_terms(config, terms),
     )
 

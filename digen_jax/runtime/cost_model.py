@@ -276,6 +276,9 @@ class IterationWork:
     # `Efficiency.fp8_rollout_speedup` times faster from weights of one byte; the train role's own
     # rollouts (trainer-assisted generation) stay in the training precision
     rollout_precision: str = "bf16"
+    # `model.lora_base_precision`: 'fp8' holds the LoRA base only in e4m3 (one byte per weight),
+    # and the train role's own rollouts then sample in FP8 as well
+    lora_base_precision: str = "bf16"
     # What the memory plan (runtime/memory_plan.py) reads besides the sizes above.
     optimizer_state_bytes: int = 0  # bytes per Adam moment element; 0: param_bytes ('param')
     offload_optimizer: bool = False  # runtime.offload_optimizer: the moments in host memory
@@ -433,7 +436,7 @@ def model_costs(w: IterationWork, pool: Pool, mode: str, microbatches: int, *, s
     return plan_lib.Costs(
         rollout={
             "rollout": rollout_mb_s(w, samples, r_kind, r_n, eff, fp8=fp8),
-            "train": rollout_mb_s(w, samples, t_kind, t_n, eff, sharded_in=pool),
+            "train": rollout_mb_s(w, samples, t_kind, t_n, eff, sharded_in=pool, fp8=w.lora_base_precision == "fp8"),
         },
         reward=reward_mb_s(w, samples, r_kind, r_n, eff),
         train=train_mb_s(w, samples, t_kind, t_n, pool, eff, tsp=flags.tsp),

@@ -4,7 +4,8 @@ For an iteration's work (`cost_model.IterationWork`) on a pool (`cost_model.Pool
 (colocated: 'shared'; disaggregated: 'rollout' and 'train') holds, per device:
 
 * weights: what it trains (sharded over the role when the train rules shard weights, FSDP),
-  and with LoRA the frozen base beside the adapters; the rollout role its sampling copy (bf16, or
+  and with LoRA the frozen base beside the adapters (one byte per weight with
+  `model.lora_base_precision='fp8'`); the rollout role its sampling copy (bf16, or
   e4m3 with `model.rollout_precision='fp8'`), replicated unless the rollout rules shard it;
 * gradients: the running sum of an update's gradients, sharded like the trainable weights;
 * optimizer: AdamW's two moments per trainable weight in `rl.optimizer_state_dtype`, on the
@@ -129,6 +130,8 @@ def advice(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff: Effi
         ("FSDP train rules (--config.sharding.train_rules=\"(('activation_batch','data'),('embed','data'))\")",
          dict(train_sharded=True)),
         ("--config.model.rollout_precision=fp8", dict(rollout_precision="fp8")),
+        ("--config.model.rollout_precision=fp8 --config.model.lora_base_precision=fp8",
+         dict(rollout_precision="fp8", lora_base_precision="fp8")),
         ("--config.rl.optimizer_state_dtype=param", dict(optimizer_state_bytes=0)),
         ("--config.runtime.colocated_sampling=sharded", dict(colocated_sampling="sharded")),
     ]
@@ -188,13 +191,15 @@ def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool
     shard = _shard(w, n, pool, w.train_sharded)
     pb = w.param_bytes
     trainable = w.trainable * pb / shard
-    weights = trainable + (w.params * pb / shard if w.lora else 0.0)
+    fp8_base = w.lora and w.lora_base_precision == "fp8"  # the LoRA base held in e4m3 only
+    weights = trainable + (w.params * (1 if fp8_base else pb) / shard if w.lora else 0.0)
     gradients = trainable  # the update's running sum
     moments = 2 * w.trainable * w.optimizer_bytes / shard
     copies = trainable * (int(w.ema) + int(w.old_policy)) + (w.params * pb / shard if w.kl_reference and not w.lora else 0.0)
     fp8 = colocated and w.rollout_precision == "fp8"
-    # e4m3: one byte per weight, sharded like the weights; gathered, the whole copy is sampling's
-    rollout_copy = w.params / shard if fp8 and not gathered else 0.0
+    # e4m3: one byte per weight, sharded like the weights; gathered, the whole copy is sampling's;
+    # an FP8 LoRA base is itself the copy the rollouts read
+    rollout_copy = w.params / shard if fp8 and not gathered and not fp8_base else 0.0
     gathered_layers = 2 * 2 * w.params * pb / max(w.layers, 1) if shard > 1 else 0.0  # one layer and the next, forward and backward
     units = -(-w.micro_batch_size * w.seq_parallel // n) / w.seq_parallel  # a unit's tokens split over a sequence group
     chunks = _chunks_per_update(w)
