@@ -198,3 +198,31 @@ def test_full_fine_tuning_zoo_configs_follow_the_peers_recipe(tmp_path):
     assert {x.dtype for x in weights} == {np.dtype(jax.numpy.bfloat16)} and len(moments) == 2 * len(weights)
     assert {x.dtype for x in moments} == {np.dtype(np.float32)}
     assert int(state.version) == 1
+
+
+def test_fp8_lora_base_is_the_only_copy_and_fits_one_80gb_card():
+    """Qwen-Image-20B LoRA colocated on one H100, 4 x 8 images: bf16 fits; FP8 rollouts over a bf16
+    base hold an e4m3 copy beside it and do not fit (as on the card); the FP8 base
+    (`model.lora_base_precision='fp8'`) is one byte per weight with no second copy, fits, and is
+    what the refusal suggests."""
+    def config(**model):
+        c = importlib.import_module("configs.qwenimage").get_config()
+        c.rl.prompts_per_iteration, c.rl.group_size = 4, 8
+        c.runtime.update(micro_batches=4, rollout_devices=0, train_devices=0)
+        c.model.update(model)
+        return c
+
+    def shared(c):
+        return mp.memory_plan(costs.iteration_work(c), Pool.parse("h100:2"), "colocated", 4,
+                              colocated_devices=1).role("shared")
+
+    bf16, fp8_rollouts = shared(config()), shared(config(rollout_precision="fp8"))
+    fp8_base = shared(config(rollout_precision="fp8", lora_base_precision="fp8"))
+    w = costs.iteration_work(config())
+    assert bf16.fits and not fp8_rollouts.fits and fp8_base.fits
+    assert fp8_rollouts.rollout_copy == pytest.approx(w.params) and fp8_base.rollout_copy == 0
+    assert fp8_base.weights == pytest.approx(bf16.weights - w.params)  # 1 byte a base weight, not 2
+    with pytest.raises(ConfigError) as e:
+        costs.check_fits(config(rollout_precision="fp8"), _gpus(1))
+    assert "--config.model.lora_base_precision=fp8" in str(e.value)
+    costs.check_fits(config(rollout_precision="fp8", lora_base_precision="fp8"), _gpus(1))
