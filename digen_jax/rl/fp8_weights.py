@@ -42,6 +42,12 @@ def quantize_params(params: Mapping, paths: frozenset[str]) -> dict[str, Any]:
     return traverse_util.unflatten_dict(flat, sep="/")
 
 
+def is_quantized(params: Mapping, paths: frozenset[str]) -> bool:
+    """Whether `params` (unboxed) hold the e4m3 form of the kernels at `paths` (`quantize_params`)."""
+    flat = traverse_util.flatten_dict(params, sep="/")
+    return bool(paths) and all(p[: -len("kernel")] + QUANTIZED in flat for p in paths)
+
+
 def quantized_shardings(shardings: Mapping, params: Mapping, paths: frozenset[str]) -> dict[str, Any]:
     """The shardings of `quantize_params(params, paths)` from `params`' own (`shardings`): each
     e4m3 kernel like its kernel, each per-output-channel scale like the kernel without its input

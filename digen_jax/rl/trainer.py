@@ -136,6 +136,8 @@ class LossConfig:
         fp8.check_rollout_precision(self.lora_base_precision)
         if self.lora_base_precision == "fp8" and (self.lora_scale is None or self.lora_mode != "factored"):
             raise ValueError("an FP8 LoRA base needs LoRA adapters applied factored (lora_mode='factored')")
+        if self.lora_base_precision == "fp8" and self.rollout_precision != "fp8":
+            raise ValueError("an FP8 LoRA base is what the rollouts sample with: rollout_precision must be 'fp8'")
         if self.policy_loss not in losses.POLICY_LOSSES:
             raise ValueError(f"policy_loss must be one of {losses.POLICY_LOSSES}, got {self.policy_loss!r}")
         if self.onpolicy_anchor not in ONPOLICY_ANCHORS:
