@@ -364,7 +364,8 @@ def test_source_digest_names_the_code(tmp_path):
 
 def test_elastic_warm_up_runs_until_the_split_settles():
     """One extra warm-up always; then more while the next split differs from the last (its extra
-    prefetch would finish inside the timed iteration), at most MAX_SETTLING_ITERATIONS."""
+    prefetch would finish inside the timed iteration) or the next iteration is the first to train
+    prefetched samples, at most MAX_SETTLING_ITERATIONS."""
     from types import SimpleNamespace
 
     from digen_jax.app.bench import system
@@ -376,7 +377,10 @@ def test_elastic_warm_up_runs_until_the_split_settles():
         def split_for(self, k):
             return self.split
 
-    last = [SimpleNamespace(tag=0, prefetch=3)]
+    last = [SimpleNamespace(tag=0, prefetch=3)] * 2
+    first_prefetch = [SimpleNamespace(tag=1, prefetch=0), SimpleNamespace(tag=0, prefetch=3)]
+    assert system._keep_warming(Executor((0, 3)), 2, first_prefetch, extra=1)
+    assert not system._keep_warming(Executor((0, 3)), 2, first_prefetch[:1], extra=1)
     assert system._keep_warming(Executor((0, 3)), 1, last, extra=0)
     assert not system._keep_warming(Executor((0, 3)), 2, last, extra=1)
     assert system._keep_warming(Executor((0, 2)), 2, last, extra=1)

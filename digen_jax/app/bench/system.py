@@ -91,12 +91,16 @@ def _keep_warming(executor: Executor, k: int, plans: list, *, extra: int) -> boo
     in flight), then until iteration `k` would start as a long run's do: with the split of the
     one before and the micro-batches that one prefetched (a changed split leaves the previous
     iteration's extra prefetch to finish inside the timed one), at most
-    `MAX_SETTLING_ITERATIONS`.
+    `MAX_SETTLING_ITERATIONS`. Where the last warm-up prefetched and no earlier one did, the
+    next iteration would be the first to train stale samples (their proximal log-probs compile
+    then): it warms up too.
     """
     if extra == 0:
         return True
     if extra >= MAX_SETTLING_ITERATIONS:
         return False
+    if plans[-1].prefetch and not any(p.prefetch for p in plans[:-1]):
+        return True
     tag, prefetch = executor.split_for(k)
     return (tag, prefetch) != (plans[-1].tag, plans[-1].prefetch)
 
