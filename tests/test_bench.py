@@ -380,7 +380,7 @@ def test_elastic_warm_up_runs_until_the_split_settles():
     last = [SimpleNamespace(tag=0, prefetch=3)] * 2
     first_prefetch = [SimpleNamespace(tag=1, prefetch=0), SimpleNamespace(tag=0, prefetch=3)]
     assert system._keep_warming(Executor((0, 3)), 2, first_prefetch, extra=1)
-    assert not system._keep_warming(Executor((0, 3)), 2, first_prefetch[:1], extra=1)
+    assert not system._keep_warming(Executor((1, 0)), 2, first_prefetch[:1], extra=1)
     assert system._keep_warming(Executor((0, 3)), 1, last, extra=0)
     assert not system._keep_warming(Executor((0, 3)), 2, last, extra=1)
     assert system._keep_warming(Executor((0, 2)), 2, last, extra=1)
