@@ -1,8 +1,10 @@
-"""Colocated Flow-GRPO training: rollout, reward, advantages, updates, on one device group.
+"""The training run: a `Run` (workload, trainer, state, checkpoints) and `train`, its loop.
 
 `train(config, workdir)` runs the loop of `launch/train.py` for any workload
-(`digen_jax.app.workload`): the shapes task of configs/tiny.py or one of the four model
-families of configs/{flux,qwenimage,wan21,hunyuanvideo}.py. Every iteration k is a pure
+(`digen_jax.app.workload`): the shapes task of configs/tiny.py or a model-zoo family, with
+Flow-GRPO or DiffusionNFT (`rl.algorithm`), in any schedule mode (`runtime.mode`: each iteration
+goes through the runtime executor, which places rollout, reward and training on the device
+roles). Every iteration k is a pure
 function of (seed, k, state): prompts, noises and step selection derive from
 `fold_in(seed, k)`, so a run resumed from a checkpoint replays exactly what an
 uninterrupted run would have done.
