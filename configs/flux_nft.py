@@ -21,6 +21,6 @@ from configs.sections import nft_recipe, tiny_overrides
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c = nft_recipe(flux.get_config())
     c.sampling.num_steps = 10  # the reference's NFT rollouts (SD3.5-M) take 10 DPM2 steps
-    c.rl.micro_batch_size = 24  # units (sample, noise level) per gradient micro-batch: divides 1152 x 9
+    # configs/flux.py's 24 units (sample, noise level) per gradient micro-batch divide 1152 x 9
     # The tiny size's 4 steps: int(4 * 0.99) = 3 levels per sample
     return tiny_overrides(c, video=False, trained_steps=3) if size == "tiny" else c

@@ -1,64 +1,12 @@
-"""What the configs share, as data: the `runtime` and `sharding` sections, the `rl.algorithm` keys,
-the LoRA target sets of the model families, the CPU-size (`:tiny`), clip-length (`:81f...`) and
-TPU-slice overrides of the model-zoo configs and the DiffusionNFT recipe of the `*_nft.py` zoo configs."""
+"""Recipes the configs share, as data: the LoRA target sets of the model families, the CPU-size
+(`:tiny`), clip-length (`:81f...`) and TPU-slice overrides of the model-zoo configs, and the
+DiffusionNFT and full fine-tuning recipes of the `*_nft.py` and `*_full.py` zoo configs. Every key
+and its default: configs/schema.py."""
 from __future__ import annotations
 
 import ml_collections
 
-
-def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_collections.ConfigDict:
-    """Schedule mode and device roles (docs/design.md sections 2 and 4; README 'Runtime')."""
-    return ml_collections.ConfigDict(
-        dict(
-            # 'colocated' | 'disagg_sync' | 'gap' | 'gap+tsp' | 'gap+tsp+tag' | 'gap+tsp+tag+tcss'
-            mode=mode,
-            micro_batches=micro_batches,  # M: micro-batches (whole groups) per iteration
-            # Devices per role (disaggregated modes); 0 = an even split of what is left.
-            # Colocated: train_devices > 0 uses only the first train_devices devices.
-            rollout_devices=0,
-            train_devices=0,
-            reward_devices=0,  # 0: rewards are scored where decoding ran
-            # Devices per sequence group: each sample's tokens split over this many devices of its role
-            # (Ulysses attention; video families, heads and tokens divisible by it). 1: no split.
-            seq_parallel=1,
-            # Micro-batches the trainer rolls out (tag modes) / the rollout group prefetches with
-            # stale weights (tcss); -1: chosen every iteration from measured costs.
-            tag_microbatches=-1,
-            prefetch_microbatches=-1,
-            staleness=1,  # tcss: iterations a prefetched sample's weights may lag (0 turns prefetching off)
-            # Keep the optimizer state (Adam moments) in pinned host memory, copied through the train
-            # devices at each update: full fine-tuning of 12-20B models on 80 GB cards (README).
-            offload_optimizer=False,
-            # Colocated full fine-tuning with FSDP train rules: 'sharded' samples from the sharded
-            # weights (each step all-gathers them layer by layer); 'gathered' gathers one replicated
-            # copy per iteration (sampled under the rollout rules, dropped before training); 'auto'
-            # gathers when the memory plan fits the copy. LoRA and unsharded train rules ignore it.
-            colocated_sampling="auto",
-            # Refuse a run whose memory plan (launch/simulate.py prints it) does not fit its devices.
-            check_memory=True,
-            reward_workers=2,  # host threads scoring micro-batches
-            trace=True,  # WORKDIR/trace.json (Chrome trace)
-            distributed=False,  # jax.distributed.initialize() (SLURM auto-detection); see launch/slurm/
-            # Several processes: when one dies or freezes, every other one stops (exit status 1,
-            # a line naming it) within this many seconds (digen_jax/runtime/peer_watchdog.py).
-            peer_timeout_s=120.0,
-        )
-    )
-
-
-def sharding_section(fsdp: bool = True) -> ml_collections.ConfigDict:
-    """Logical axis -> mesh axis rules per role (digen_jax.models.partitioning lists the logical names).
-
-    Rollout replicates the weights and splits the batch (no per-step all-gathers); training
-    shards the hidden dimension of every weight over its devices (FSDP) when `fsdp`.
-    """
-    batch = (("activation_batch", "data"),)
-    return ml_collections.ConfigDict(
-        dict(
-            rollout_rules=batch,
-            train_rules=batch + ((("embed", "data"),) if fsdp else ()),
-        )
-    )
+from configs.schema import FSDP_RULES
 
 
 def tpu_overrides(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -74,30 +22,9 @@ def tpu_overrides(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       `jax.distributed.initialize()` takes the hosts from the TPU metadata (one host: one process).
     """
     c.model.attention_impl = "splash"
-    c.sharding = sharding_section(fsdp=True)
-    c.sharding.rollout_rules = c.sharding.train_rules
+    c.sharding.train_rules = c.sharding.rollout_rules = FSDP_RULES
     c.runtime.distributed = True
     return c
-
-
-def algorithm_keys() -> dict:
-    """`rl.algorithm` and DiffusionNFT's own keys (docs/algorithms.md section A12), to add to a
-    config's `rl` section; the defaults train Flow-GRPO and leave the NFT keys unused.
-
-    With 'nft' the GRPO-only keys (step selection, clip range, policy loss, decoupled PPO, the
-    on-policy anchor, sampling.noise_level and sde_type) play no part; `rl.adv_clip` is the
-    reference's `train.adv_clip_max` (advantage clip and loss scale) and `rl.kl_beta` its
-    `train.beta` (the weight of the squared distance to the base model's velocity).
-    """
-    return dict(
-        algorithm="grpo",  # 'grpo' (Flow-GRPO family) | 'nft' (DiffusionNFT)
-        nft_solver="dpm2",  # NFT rollout ODE solver: 'euler' | 'dpm2' (the reference's sample.solver)
-        # K noise levels trained per sample; 0: int(sampling.num_steps * rl.timestep_fraction), the reference's rule
-        nft_timesteps=0,
-        nft_beta=1.0,  # implicit-policy mixing strength (the reference's `beta`; 0.1 for its OCR config)
-        # Old-policy decay once per iteration, after its last update: 'copy' | 'ramp' | 'ramp_delayed' (the reference's decay_type 0 | 1 | 2)
-        nft_decay="ramp",
-    )
 
 
 def nft_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -133,7 +60,7 @@ def full_ft_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.sampling.cfg_scale = 1.0
     if "cfg_rescale" in c.sampling:
         c.sampling.cfg_rescale = False
-    c.sharding = sharding_section(fsdp=True)
+    c.sharding.train_rules = FSDP_RULES
     return c
 
 

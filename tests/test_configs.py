@@ -410,13 +410,15 @@ def test_unknown_config_key_without_config_flag(capsys):
 
 def test_zoo_configs_replicate_the_weights_and_the_fsdp_rules_shard_them():
     """The model-zoo configs train data parallel (every weight whole on each train device);
-    `sharding_section(fsdp=True)` shards the weights for training only, never for rollouts."""
-    from configs.sections import sharding_section
+    `schema.FSDP_RULES` shard the weights; the full fine-tuning recipe uses them for training
+    only, never for rollouts."""
+    from configs import schema, sections
 
     for family in CONFIGS:
         assert not mesh_lib.shards_weights(get_config(family).sharding.train_rules), family
-    fsdp = sharding_section(fsdp=True)
+    fsdp = sections.full_ft_recipe(get_config("qwenimage")).sharding
     assert mesh_lib.shards_weights(fsdp.train_rules) and not mesh_lib.shards_weights(fsdp.rollout_rules)
+    assert tuple(fsdp.train_rules) == schema.FSDP_RULES
 
 
 def test_a_converted_vae_decodes_in_model_dtype(tmp_path):

@@ -23,7 +23,7 @@ from test_runtime import runtime_config
 from digen_jax.models import FAMILIES
 from digen_jax.rewards import RemoteRewardError, clip_scores
 from digen_jax.app import loop, random_init, run_checkpoints, workload
-from configs.sections import sharding_section
+from configs import schema
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
 
@@ -47,7 +47,7 @@ def small_config(mode, **runtime):
     """tests/test_runtime.py's runtime config with a one-block model (placement, not quality)."""
     c = runtime_config("unused", mode, **runtime)  # no pretraining cache: random_base_model
     c.model.arch.num_layers = c.model.arch.num_single_layers = 1
-    c.sharding = sharding_section(fsdp=False)  # replicated training weights: far less to compile
+    c.sharding.train_rules = schema.BATCH_RULES  # replicated training weights: far less to compile
     c.rl.ema = False
     c.sampling.num_steps = 8  # rollouts long enough that scoring visibly overlaps the next one
     return c

@@ -223,10 +223,11 @@ def test_tokens_not_divisible_and_image_families_are_config_errors():
 
 
 def test_role_meshes_split_devices_into_sequence_groups():
-    from configs.sections import runtime_section
+    from configs import schema
 
     assert (mesh_lib.AXIS, mesh_lib.SEQ_AXIS) == (partitioning.DATA_AXIS, partitioning.SEQ_AXIS)  # what the models read
-    rt = runtime_section("gap", micro_batches=2)
+    rt = schema.config().runtime
+    rt.mode, rt.micro_batches = "gap", 2
     rt.rollout_devices, rt.train_devices, rt.seq_parallel = 4, 4, 2
     meshes = mesh_lib.build_role_meshes(rt)
     for mesh in (meshes.rollout, meshes.train):

@@ -5,12 +5,12 @@ The simulated grid compares systems on the same work per iteration, so the secon
 and training chunks hold enough units to give every trainer device several
 (`rl.micro_batch_size`).
 """
-from configs.sections import runtime_section, sharding_section
+from configs.schema import FSDP_RULES
 
 
 def paper_overrides(c, *, micro_batch_size: int = 64):
     c.rl.num_updates_per_batch = 1
     c.rl.micro_batch_size = micro_batch_size
-    c.runtime = runtime_section("gap+tsp+tag+tcss", micro_batches=8)
-    c.sharding = sharding_section()
+    c.runtime.mode, c.runtime.micro_batches = "gap+tsp+tag+tcss", 8
+    c.sharding.train_rules = FSDP_RULES
     return c
