@@ -112,6 +112,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.reward = ml_collections.ConfigDict()
     c.reward.weights = {"shapes": 1.0}
+    # Several rewards: 'reward' normalises their weighted sum per group (Flow-GRPO); 'advantage'
+    # normalises each per group, then weights them (MixGRPO's advantage_aggr). Optional key.
+    c.reward.mix = "reward"
 
     c.train = ml_collections.ConfigDict()
     c.train.iterations = 40
