@@ -424,10 +424,10 @@ class Executor:
         acc["finite"] = acc["finite"] and bool(np.all(np.isfinite(signal)))
         signal = np.where(np.isfinite(signal), signal, 0.0)
         prompt_groups = rows.shape[1] // rl.group_size  # GRPO groups: one prompt's samples each
-        group_ids = jnp.asarray(np.repeat(np.arange(prompt_groups), rl.group_size))
         start = self.tracer.now()
         kwargs = dict(std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof, mean_mode=rl.mean_mode)
         with jax.default_device(mesh_lib.host_device()):  # not behind the rollouts queued on a rollout device
+            group_ids = jnp.asarray(np.repeat(np.arange(prompt_groups), rl.group_size))
             if self._reward_mix == "reward":
                 adv = adv_lib.group_advantages(jnp.asarray(signal[0]), group_ids, prompt_groups, **kwargs)
             else:
