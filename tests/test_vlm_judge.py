@@ -93,6 +93,8 @@ def test_score_regex_groups_and_ranges():
     judge = vlm_judge.VLMJudge("http://127.0.0.1:1/v1/chat/completions", model="m",
                                score_regex=r"Rating:\s*(\d+)/5", min_score=1, max_score=5)
     assert judge.parse_score("Step 1 of 3. Rating: 4/5") == 4.0
+    with pytest.raises(ValueError, match="holds no score"):  # cut off while reasoning: no score, not its 3
+        judge.parse_score("Rating: <think>Rating: 3/5 maybe, but")
     with pytest.raises(ValueError, match=r"outside \[min_score, max_score\] = \[1.0, 5.0\]"):
         judge.parse_score("Rating: 7/5")
     parts = json.dumps({"choices": [{"message": {"content": [{"type": "text", "text": "Rating: 2/5"}]}}]})

@@ -10,7 +10,8 @@ SGLang, TGI or a hosted API):
                       {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}],
      "max_tokens": <max_tokens>, "temperature": <temperature>}
 
-The score is parsed from the first choice's message: `<think>...</think>` blocks are dropped,
+The score is parsed from the first choice's message: `<think>...</think>` blocks are dropped
+(an unclosed one to the end of the answer, which `max_tokens` cut off),
 then the first match of `score_regex` (its first group if it has one) must be a number in
 [`min_score`, `max_score`]; it is the reward as it stands (no rescaling: weights do that).
 An answer without one is malformed: it is retried like a timeout, and after `retries` retries
@@ -40,7 +41,8 @@ DEFAULT_RUBRIC = (
     "Answer with the number only."
 )
 DEFAULT_SCORE_REGEX = r"[-+]?\d+(?:\.\d+)?"
-_THINKING = re.compile(r"<think>.*?</think>", re.DOTALL)
+# A reasoning block, or an unclosed one running to the end (an answer cut off by max_tokens).
+_THINKING = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL)
 
 
 class VLMJudge(RemoteScorer):
