@@ -35,6 +35,7 @@ from digen_jax.models.conversion import (
     ConversionError,
     ParamBuilder,
     read_safetensors,
+    read_weight_file,
     safetensors_shards,
 )
 from digen_jax.rewards.clip_scores import AESTHETIC_HEAD_DIR, TOKENIZER_SUBDIR, aesthetic_head_params
@@ -42,29 +43,6 @@ from digen_jax.rewards.clip_scores import AESTHETIC_HEAD_DIR, TOKENIZER_SUBDIR, 
 TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
 )
-
-
-def read_weight_file(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """(key, array) pairs of a .safetensors or torch (.bin/.pt/.pth) state dict.
-
-    A torch file may wrap the state dict as {'state_dict': ...} (HPS checkpoints) and
-    carry a DistributedDataParallel 'module.' prefix; both are removed.
-    """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"weight file {path} not found")
-    if path.endswith(".safetensors"):
-        yield from read_safetensors(path)
-        return
-    import torch
-
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 (torch raises many types for a bad file)
-        raise ConversionError(f"{path}: not a readable torch state dict ({type(e).__name__}: {e})") from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    for key, tensor in state.items():
-        yield key.removeprefix("module."), tensor.detach().float().numpy() if tensor.is_floating_point() else tensor.numpy()
 
 
 def _transformers_weights(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:

@@ -337,6 +337,40 @@ def test_hpsv2_matches_open_clip(open_clip_model):
     np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-6)
 
 
+def test_hpsv2_architecture_is_open_clip_vit_h_14(open_clip_model):
+    """HPS v2.1 is open_clip's ViT-H-14 fine-tuned: its model config (open_clip's
+    model_configs/ViT-H-14.json, every key) gives our ViT-H-14 variant, and a copy of that
+    config shrunk to tiny widths and depths (every other key kept) scores as HPSv2's
+    img_score.py does (cosine of the normalised features) to 1e-4 relative in float32."""
+    ocm = sys.modules[type(open_clip_model[0]).__module__]  # open_clip.model, as the fixture imported it
+    with open(os.path.join(os.path.dirname(ocm.__file__), "model_configs", "ViT-H-14.json")) as f:
+        full = json.load(f)
+    vision, text = full["vision_cfg"], full["text_cfg"]
+    assert clip.VARIANTS["ViT-H-14"] == dataclasses.replace(
+        clip.VARIANTS["ViT-H-14"], image_size=vision["image_size"], patch_size=vision["patch_size"],
+        vision_width=vision["width"], vision_layers=vision["layers"],
+        vision_heads=vision["width"] // vision["head_width"], vocab_size=text["vocab_size"],
+        context_length=text["context_length"], text_width=text["width"], text_layers=text["layers"],
+        text_heads=text["heads"], projection_dim=full["embed_dim"],
+        hidden_act="quick_gelu" if full.get("quick_gelu") else "gelu")
+    tiny = json.loads(json.dumps(full))
+    tiny["embed_dim"] = 24
+    tiny["vision_cfg"].update(image_size=32, patch_size=8, width=32, layers=2, head_width=8)
+    tiny["text_cfg"].update(context_length=16, vocab_size=99, width=32, heads=4, layers=2)
+    torch.manual_seed(7)
+    model = ocm.CLIP(**tiny).eval()
+    cfg = clip.CLIPConfig(**TINY, hidden_act="gelu")
+    params = convert_weights(clip.OPEN_CLIP_FAMILY, cfg, clip.split_fused_qkv(torch_state_dict_arrays(model)))
+    images, ids = _scorer_images(), _tokens(pad=0)
+    pixels = torch.tensor(np.stack([_pil_longest_pad(im, 32) for im in images])).permute(0, 3, 1, 2).float()
+    with torch.no_grad():
+        image = _torch_normalised(model.encode_image(pixels))
+        text = _torch_normalised(model.encode_text(torch.tensor(ids)))
+        ref = torch.diagonal(image @ text.T).numpy()  # img_score.py's logits_per_image diagonal
+    got = np.asarray(_score_fn("hpsv2", cfg)({"clip": params}, images, ids))
+    assert _rel(got, ref) <= 1e-4
+
+
 def _tiny_tokenizer_dir(path):
     """A CLIP BPE tokenizer over a handful of words, written as vocab.json + merges.txt."""
     words = ["a", "cat", "dog", "on", "mat"]

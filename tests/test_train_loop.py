@@ -14,6 +14,7 @@ from configs import tiny
 from digen_jax.rewards import registry
 from digen_jax.app import loop, run_checkpoints, workload
 from digen_jax.app.errors import RunStopped
+from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import optim
 from digen_jax.runtime.executor import Executor
 
@@ -82,6 +83,7 @@ def test_outputs_and_resume_match_an_uninterrupted_run(cache_dir, tmp_path):
         ("rl.policy_loss", "trpo", "rl.policy_loss"),
         ("rl.mean_mode", "batch", "rl.mean_mode"),
         ("rl.std_mode", "prompt", "rl.std_mode"),
+        ("reward.mix", "sum", r"reward\.mix must be 'reward'"),
         ("rl.learning_rate", float("nan"), r"rl\.learning_rate must be a number in \(0, inf\), got nan"),
         ("rl.learning_rate", -3e-4, r"rl\.learning_rate"),
         ("rl.clip_range", -1.0, r"rl\.clip_range"),
@@ -149,6 +151,45 @@ def test_nonfinite_rewards_skip_updates_then_stop(cache_dir, tmp_path):
     rows = read_metrics(tmp_path)
     assert [r["skipped"] for r in rows] == [1, 1] and rows[-1]["version"] == 0
     assert sum("skipped (" in line and "a non-finite reward" in line for line in logs) == 2
+
+
+def test_normalising_each_reward_trains_on_their_weighted_advantages_and_logs_each(cache_dir, tmp_path, monkeypatch):
+    """`reward.mix='advantage'`: the trainer's advantages are the weighted sum of each reward's
+    group-normalised advantages, and every reward's mean is a metric beside the weighted total's."""
+    name = "brightness_for_tests"
+    if name not in registry.registered_rewards():
+
+        @registry.register_reward(name)
+        def _factory():
+            return lambda images, prompts, metadata: np.asarray(images, np.float32).mean(axis=(1, 2, 3))
+
+    calls = []
+    multi = adv_lib.multi_reward_advantages
+
+    def spy(rewards, weights, group_ids, num_groups, **kwargs):
+        out = multi(rewards, weights, group_ids, num_groups, **kwargs)
+        calls.append((np.asarray(rewards), np.asarray(weights), kwargs, np.asarray(out)))
+        return out
+
+    monkeypatch.setattr(adv_lib, "multi_reward_advantages", spy)
+    c = small_config(cache_dir, iterations=1, eval_every=0, image_every=0, checkpoint_every=0)
+    c.reward.weights = {"shapes": 1.0, name: -0.5}
+    c.reward.mix = "advantage"
+    loop.train(c, str(tmp_path), log=lambda _: None)
+    (row,) = read_metrics(tmp_path)
+    (rewards, weights, kwargs, adv), = calls
+    assert kwargs["mix"] == "advantage" and list(weights) == [-0.5, 1.0]  # sorted names: brightness, shapes
+    assert row[f"reward_{name}_mean"] == pytest.approx(float(rewards[0].mean()), rel=1e-6)
+    assert row["reward_shapes_mean"] == pytest.approx(float(rewards[1].mean()), rel=1e-6)
+    assert row["reward_mean"] == pytest.approx(row["reward_shapes_mean"] - 0.5 * row[f"reward_{name}_mean"], abs=1e-6)
+    group_ids = np.repeat(np.arange(c.rl.prompts_per_iteration), c.rl.group_size)
+    per_reward = [adv_lib.group_advantages(r, group_ids, c.rl.prompts_per_iteration, std_mode=c.rl.std_mode,
+                                           mean_mode=c.rl.mean_mode, eps=c.rl.std_eps, ddof=c.rl.std_ddof)
+                  for r in rewards]
+    np.testing.assert_allclose(adv, -0.5 * per_reward[0] + per_reward[1], rtol=1e-6, atol=1e-6)
+    total = adv_lib.group_advantages(rewards[1] - 0.5 * rewards[0], group_ids, c.rl.prompts_per_iteration,
+                                     std_mode=c.rl.std_mode, mean_mode=c.rl.mean_mode, eps=c.rl.std_eps)
+    assert np.max(np.abs(adv - total)) > 1e-3  # the other mix would have trained on other numbers
 
 
 @pytest.mark.parametrize("learning_rate", [1e6, float("nan")])

@@ -51,6 +51,7 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
     _validate_workload(config)
     try:
         registry.validate_reward_config(dict(config.reward.weights))
+        adv_lib.validate_reward_mix(config.reward.get("mix", "reward"))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     rl = config.rl

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 
 from digen_jax.models import clip, flux, hunyuan_video, qwenimage, vae_flux, vae_hunyuan_video, vae_wan, wan
+from digen_jax.models import image_reward
 from digen_jax.models.checkpoints import load_checkpoint, save_checkpoint
 from digen_jax.models.conversion import (
     ConversionError,
@@ -38,6 +39,7 @@ FAMILIES: dict[str, ModelFamily] = {
         vae_hunyuan_video.FAMILY,
         clip.TRANSFORMERS_FAMILY,
         clip.OPEN_CLIP_FAMILY,
+        image_reward.FAMILY,
     )
 }
 

@@ -167,7 +167,9 @@ def _checked_float_images(images: np.ndarray) -> np.ndarray:
     return np.clip(images, 0.0, 1.0)
 
 
-def _prompt_tokens(tokenize, prompts, metadata, context_length: int) -> np.ndarray:
+def prompt_tokens(tokenize, prompts, metadata, context_length: int) -> np.ndarray:
+    """(B, <= context_length) int32 token ids of `prompts`: from `tokenize(prompts, context_length)`,
+    else from every `metadata[i]['prompt_tokens']`; ValueError naming the options otherwise."""
     if tokenize is not None:
         return np.asarray(tokenize(list(prompts), context_length), np.int32)
     if metadata and all("prompt_tokens" in m for m in metadata):
@@ -176,7 +178,7 @@ def _prompt_tokens(tokenize, prompts, metadata, context_length: int) -> np.ndarr
             raise ValueError(f"metadata prompt_tokens must be (B, <= {context_length}) ids, got shape {tokens.shape}")
         return tokens
     raise ValueError(
-        "CLIP rewards need token ids: set the reward option tokenizer_dir (a local CLIP tokenizer folder), "
+        "this reward needs token ids: set the reward option tokenizer_dir (a local tokenizer folder of the reward model), "
         "pass tokenizer=fn(prompts, context_length), or give metadata[i]['prompt_tokens']"
     )
 
@@ -213,7 +215,7 @@ def build_clip_reward(
             frames = _checked_float_images(frames)
         tokens = None
         if scorer.head != "aesthetic":
-            tokens = _prompt_tokens(tokenizer, prompts, metadata, cfg.context_length)
+            tokens = prompt_tokens(tokenizer, prompts, metadata, cfg.context_length)
             if len(tokens) != batch:
                 raise ValueError(f"got {batch} images but {len(tokens)} prompts")
             tokens = np.repeat(tokens, per_sample, axis=0)

@@ -289,9 +289,24 @@ class RemoteScorer:
         if len(answer) > limit:
             raise RemoteRewardError(f"malformed answer: longer than max_answer_bytes={limit}")
         try:
-            return parse_scores(answer, expected)
+            return self.parse_answer(answer, expected)
         except ValueError as e:
             raise RemoteRewardError(f"malformed answer: {e}") from None
+
+    def parse_answer(self, answer: bytes, expected: int) -> np.ndarray:
+        """(expected,) float32 scores from an answer's body; ValueError describing any defect."""
+        return parse_scores(answer, expected)
+
+    def request_bodies(self, pixels: np.ndarray, prompts: Sequence[str],
+                       metadata: Sequence[Mapping[str, Any]]) -> list[tuple[bytes, int]]:
+        """The requests scoring (B, H, W, 3) uint8 `pixels`: (body, images it scores) pairs, in order."""
+        batch = len(pixels)
+        return [
+            (request_body(pixels[s : s + self.batch_size], prompts[s : s + self.batch_size],
+                          metadata[s : s + self.batch_size], image_format=self.image_format,
+                          jpeg_quality=self.jpeg_quality), min(self.batch_size, batch - s))
+            for s in range(0, batch, self.batch_size)
+        ]
 
     def _post(self, body: bytes, expected: int) -> np.ndarray:
         delay, failures = self.backoff, []
@@ -319,15 +334,7 @@ class RemoteScorer:
         batch = len(pixels)
         if len(prompts) != batch or len(metadata) != batch:
             raise ValueError(f"got {batch} images, {len(prompts)} prompts and {len(metadata)} metadata entries")
-        starts = range(0, batch, self.batch_size)
-        bodies = [
-            request_body(pixels[s : s + self.batch_size], prompts[s : s + self.batch_size],
-                         metadata[s : s + self.batch_size], image_format=self.image_format,
-                         jpeg_quality=self.jpeg_quality)
-            for s in starts
-        ]
-        sizes = [min(self.batch_size, batch - s) for s in starts]
-        futures = [self._pool.submit(self._post, body, n) for body, n in zip(bodies, sizes)]
+        futures = [self._pool.submit(self._post, body, n) for body, n in self.request_bodies(pixels, prompts, metadata)]
         return np.concatenate([f.result() for f in futures]) if futures else np.zeros((0,), np.float32)
 
 

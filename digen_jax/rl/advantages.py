@@ -134,6 +134,15 @@ def clip_advantages(advantages: jax.Array, limit: float) -> jax.Array:
     return jnp.clip(jnp.asarray(advantages, jnp.float32), -limit, limit)
 
 
+def validate_reward_mix(mix: str) -> None:
+    """Raise ValueError unless ``mix`` (config key ``reward.mix``) is 'reward' or 'advantage'."""
+    if mix not in ("reward", "advantage"):
+        raise ValueError(
+            f"reward.mix must be 'reward' (weighted sum of the rewards, then group normalisation) or "
+            f"'advantage' (each reward normalised within its groups, then the weighted sum), got {mix!r}"
+        )
+
+
 def multi_reward_advantages(
     rewards: jax.Array,
     weights: jax.Array,
@@ -162,18 +171,15 @@ def multi_reward_advantages(
         raise ValueError(
             f"rewards must be (K, N) and weights (K,), got {rewards.shape} and {weights.shape}"
         )
+    validate_reward_mix(mix)
     kwargs = dict(std_mode=std_mode, eps=eps, ddof=ddof, mean_mode=mean_mode)
     # Elementwise weighted sums rather than a matmul: exact float32 on every backend (a GPU
     # float32 dot may run in TF32 at default precision).
     if mix == "reward":
         total = jnp.sum(weights[:, None] * rewards, axis=0)
         return group_advantages(total, group_ids, num_groups, **kwargs)
-    if mix == "advantage":
-        per_reward = jax.vmap(
-            lambda r: group_advantages(r, group_ids, num_groups, **kwargs)
-        )(rewards)
-        return jnp.sum(weights[:, None] * per_reward, axis=0)
-    raise ValueError(f"mix must be 'advantage' or 'reward', got {mix!r}")
+    per_reward = jax.vmap(lambda r: group_advantages(r, group_ids, num_groups, **kwargs))(rewards)
+    return jnp.sum(weights[:, None] * per_reward, axis=0)
 
 
 def _moments(

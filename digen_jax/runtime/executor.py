@@ -176,6 +176,7 @@ class MicroBatch:
     version: int | None = None  # the policy version that generated it
     traj: Trajectory | FinalSamples | None = None  # what the algorithm's rollout keeps (Trainer.rollout)
     on_trainer: Trajectory | FinalSamples | None = None  # the trajectory moved to the train mesh ahead of its training
+    # (1 + K, samples) float32: the weighted total, then each of the K rewards (`Executor.reward_names`)
     rewards: concurrent.futures.Future | None = None
 
 
@@ -201,6 +202,12 @@ class Executor:
         self.shared = SharedValues()  # host values one process computes for all (rewards, figures, costs)
         self._agreements = 0  # `_agreed_costs` calls so far: alike on every process
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=rt.reward_workers, thread_name_prefix="reward")
+        # The rewards of `reward.weights` in a fixed order (the rows after the total in
+        # `MicroBatch.rewards`), their weights, and how advantages combine them (`reward.mix`).
+        reward = self.config.reward
+        self.reward_names = tuple(sorted(reward.weights))
+        self._reward_weights = np.asarray([reward.weights[n] for n in self.reward_names], np.float32)
+        self._reward_mix = reward.get("mix", "reward")
         self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
         self.measured: dict[tuple[str, str], list[float]] = {}  # (kind, group) -> recent durations
         self._synced_version = -1  # what the rollout weights hold once the submitted syncs ran
@@ -334,10 +341,11 @@ class Executor:
             task = self._reward_task(mb)
             self.tracer.expect_elsewhere(task)
 
-            def traced(timed: np.ndarray) -> np.ndarray:  # [start, end, *rewards] in float64
+            def traced(timed: np.ndarray) -> np.ndarray:  # [start, end, *reward rows] in float64
                 self.tracer.record_elsewhere(task, float(timed[0]), float(timed[1]), process=scorer,
                                              sample_ids=mb.sample_ids.tolist())
-                return timed[2:].astype(np.float32)  # exact: float32 values travelled as float64
+                # exact: float32 values travelled as float64
+                return timed[2:].astype(np.float32).reshape(1 + len(self.reward_names), -1)
 
             def settle(future: concurrent.futures.Future) -> None:  # no event: done all the same
                 if future.cancelled() or future.exception() is not None:
@@ -353,7 +361,7 @@ class Executor:
             except BaseException as e:
                 self.shared.fail(name, e)
                 raise
-            self.shared.publish(name, np.concatenate([[start, end], rewards.astype(np.float64)]))
+            self.shared.publish(name, np.concatenate([[start, end], rewards.ravel().astype(np.float64)]))
             return rewards
 
         return self.pool.submit(score_and_share)
@@ -363,14 +371,15 @@ class Executor:
         return plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version)
 
     def _score(self, mb: MicroBatch, decoded: jax.Array) -> tuple[np.ndarray, float, float]:
-        """Rewards (float32) of a decoded micro-batch, and the start and end of their scoring."""
+        """Reward rows (1 + K, B) float32 of a decoded micro-batch (`MicroBatch.rewards`), and the
+        start and end of their scoring."""
         pixels = np.asarray(decoded)  # device-to-host copies only: no device program from this thread
         start = self.tracer.now()
         # Reward models that run on a device (CLIP scorers) use a device that decoded this
         # micro-batch: the reward role's when it has devices (single-device programs, no collectives).
         with jax.default_device(decoded.addressable_shards[0].device):
-            rewards, _ = self.job.reward(pixels, jnp.asarray(mb.prompt_ids))
-        rewards = np.asarray(rewards, np.float32)
+            total, per_reward = self.job.reward(pixels, jnp.asarray(mb.prompt_ids))
+        rewards = np.stack([total] + [per_reward[n] for n in self.reward_names]).astype(np.float32)
         end = self.tracer.now()
         self.tracer.record_done(self._reward_task(mb), start, end, sample_ids=mb.sample_ids.tolist())
         return rewards, start, end
@@ -409,16 +418,21 @@ class Executor:
         if mb.on_trainer is None:  # not moved ahead by a crossing task
             self._move_trajectory(mb)
         traj, mb.on_trainer = mb.on_trainer, None  # the trainer's copy lives as long as this task's programs need it
-        rewards = mb.rewards.result()  # the one wait: everything that can run meanwhile is enqueued
-        acc["finite"] = acc["finite"] and bool(np.all(np.isfinite(rewards)))
-        prompt_groups = len(rewards) // rl.group_size  # GRPO groups: one prompt's samples each
-        group_ids = np.repeat(np.arange(prompt_groups), rl.group_size)
+        rows = mb.rewards.result()  # the one wait: everything that can run meanwhile is enqueued
+        # 'reward': advantages of the weighted total; 'advantage': of each reward, then weighted.
+        signal = rows[:1] if self._reward_mix == "reward" else rows[1:]
+        acc["finite"] = acc["finite"] and bool(np.all(np.isfinite(signal)))
+        signal = np.where(np.isfinite(signal), signal, 0.0)
+        prompt_groups = rows.shape[1] // rl.group_size  # GRPO groups: one prompt's samples each
         start = self.tracer.now()
+        kwargs = dict(std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof, mean_mode=rl.mean_mode)
         with jax.default_device(mesh_lib.host_device()):  # not behind the rollouts queued on a rollout device
-            adv = adv_lib.group_advantages(
-                jnp.asarray(np.where(np.isfinite(rewards), rewards, 0.0)), jnp.asarray(group_ids), prompt_groups,
-                std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof, mean_mode=rl.mean_mode,
-            )
+            group_ids = jnp.asarray(np.repeat(np.arange(prompt_groups), rl.group_size))
+            if self._reward_mix == "reward":
+                adv = adv_lib.group_advantages(jnp.asarray(signal[0]), group_ids, prompt_groups, **kwargs)
+            else:
+                adv = adv_lib.multi_reward_advantages(jnp.asarray(signal), self._reward_weights, group_ids,
+                                                      prompt_groups, mix="advantage", **kwargs)
             trained = jnp.asarray(mb.trained)
         cond, adv, trained = mesh_lib.put_batch((mb.cond, adv, trained), mesh)
         trainer, acc_grads = self.job.trainer, acc["sum"]
@@ -586,12 +600,13 @@ class Executor:
         self.lanes.wait([t.key for t in plan.tasks if t.iteration == k and t.kind != "reward"])
         self.carried = list(next_mbs.values())
         self._last = [mbs[(k, m)] for m in range(self.microbatches)]
-        all_rewards = np.concatenate([mb.rewards.result() for mb in sorted(mbs.values(), key=lambda m: m.index)])
+        rows = np.concatenate([mb.rewards.result() for mb in sorted(mbs.values(), key=lambda m: m.index)], axis=1)
         metrics = dict(figures)
+        metrics.update({f"reward_{name}_mean": float(np.mean(r)) for name, r in zip(self.reward_names, rows[1:])})
         metrics.update(
             step=k + 1,
-            reward_mean=float(np.mean(all_rewards)),
-            reward_std=float(np.std(all_rewards)),
+            reward_mean=float(np.mean(rows[0])),
+            reward_std=float(np.std(rows[0])),
             mode=self.mode,
             tag_microbatches=tag,
             prefetch_microbatches=prefetch,
@@ -755,7 +770,10 @@ class Executor:
             mb.version = int(saved["version"])
             mb.rolled_on = plan_lib.GROUPS[int(saved["group"])]
             mb.rewards = concurrent.futures.Future()
-            mb.rewards.set_result(np.asarray(saved["rewards"], np.float32))
+            rows = np.asarray(saved["rewards"], np.float32)
+            if rows.ndim == 1:  # a checkpoint holding the weighted totals only: the components are unknown
+                rows = np.concatenate([rows[None], np.full((len(self.reward_names), rows.size), np.nan, np.float32)])
+            mb.rewards.set_result(rows)
             self.carried.append(mb)
         self.weights.rollout_version = self._synced_version = -1
         self.weights.release_gathered()
