@@ -147,6 +147,9 @@ KEYS: dict[str, Key] = {
     "rl.nft_decay": Key("ramp", "DiffusionNFT old-policy decay per iteration", ("copy", "ramp", "ramp_delayed")),
     # ------------------------------------------------------------------ reward
     "reward.weights": Key({"jpeg_compressibility": 1.0}, "registered reward name -> weight in the total"),
+    "reward.mix": Key("reward", "several rewards: 'reward' normalises their weighted sum per group (Flow-GRPO); "
+                                "'advantage' normalises each per group, then weights them (MixGRPO's advantage_aggr)",
+                      ("reward", "advantage")),
     "reward.frame_stride": Key(1, "video: rewards average over every n-th decoded frame", group="zoo"),
     # ------------------------------------------------------------------ train
     "train.iterations": Key(300, "iterations of the run"),

@@ -34,9 +34,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.lora_targets = ATTENTION_MLP_TARGETS["flux"]
 
     c.reward.weights = {"shapes": 1.0}
-    # Several rewards: 'reward' normalises their weighted sum per group (Flow-GRPO); 'advantage'
-    # normalises each per group, then weights them (MixGRPO's advantage_aggr). Optional key.
-    c.reward.mix = "reward"
 
     c.train.iterations = 40
     c.train.eval_every = 5  # ODE samples of fixed eval prompts, EMA weights when enabled
