@@ -150,6 +150,8 @@ ATTENTION_MLP_TARGETS: dict[str, tuple[str, ...]] = {
         r"double_blocks/(\d+/)?(ff|ff_context)/",
         r"single_blocks/(\d+/)?proj_(mlp|out)/",
     ),
+    # Both attentions of the MMDiT-X blocks (attn, and attn2 where a block has it) and both MLPs.
+    "sd3": (r"attn2?/(to_|add_)", r"/(ff|ff_context)/"),
 }
 
 

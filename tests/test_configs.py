@@ -26,9 +26,10 @@ from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.rl.rollout import Conditioning, make_denoiser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = {"flux": "flux", "qwenimage": "qwenimage", "wan": "wan21", "hunyuan_video": "hunyuanvideo"}
+CONFIGS = {"flux": "flux", "qwenimage": "qwenimage", "wan": "wan21", "hunyuan_video": "hunyuanvideo", "sd3": "sd35"}
 # Released transformer sizes (docs/models.md section 1); FLUX.1-dev's is its guidance-distilled variant's.
-PARAMS = {"flux": 11_901_408_320, "qwenimage": 20_430_401_088, "wan": 14_288_491_584, "hunyuan_video": 12_821_012_544}
+PARAMS = {"flux": 11_901_408_320, "qwenimage": 20_430_401_088, "wan": 14_288_491_584, "hunyuan_video": 12_821_012_544,
+          "sd3": 2_243_171_520}
 
 
 def get_config(family: str, size: str = "full", files: dict = CONFIGS):
@@ -144,7 +145,7 @@ def test_tiny_flow_grpo_iteration_through_train(family, mode, tmp_path):
     assert set(jax.tree.leaves(jax.tree.map(lambda x: x.ndim, state.trainable))) <= {2, 3}  # adapters only
 
 
-NFT_CONFIGS = {"flux": "flux_nft", "qwenimage": "qwenimage_nft"}
+NFT_CONFIGS = {"flux": "flux_nft", "qwenimage": "qwenimage_nft", "sd3": "sd35_nft"}
 
 
 @pytest.mark.parametrize("family", sorted(NFT_CONFIGS))

@@ -136,6 +136,8 @@ def test_vae_parity_at_sd3_constants():
 def test_bad_config_and_inputs_fail_with_named_field():
     with pytest.raises(ValueError, match="dual_attention_layers must be the first k blocks"):
         sd3.SD3Config(num_layers=4, dual_attention_layers=(1, 2))
+    # As in diffusers, indices past the last block are ignored: a shortened SD3.5-M keeps its first blocks.
+    assert sd3.SD3Config(num_layers=2, dual_attention_layers=range(13)).dual_attention_layers == (0, 1)
     with pytest.raises(ValueError, match="caption_projection_dim=32 must equal"):
         sd3.SD3Config(num_attention_heads=2, attention_head_dim=8, caption_projection_dim=32)
     with pytest.raises(ValueError, match="qk_norm"):

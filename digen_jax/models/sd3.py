@@ -76,16 +76,18 @@ class SD3Config:
     scan_layers: bool = True  # False: blocks unrolled (stacking.scan_blocks)
 
     def __post_init__(self):
-        object.__setattr__(self, "dual_attention_layers", tuple(self.dual_attention_layers))
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1 (the last block is the context-pre-only one), got {self.num_layers}")
+        # diffusers ignores indices past the last block (a shortened stack keeps its first blocks).
+        object.__setattr__(self, "dual_attention_layers",
+                           tuple(i for i in self.dual_attention_layers if i < self.num_layers))
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if self.caption_projection_dim != self.inner_dim:
             raise ValueError(
                 f"caption_projection_dim={self.caption_projection_dim} must equal num_attention_heads * "
                 f"attention_head_dim = {self.inner_dim}: the blocks take the projected text at that width")
-        if self.dual_attention_layers != tuple(range(self.num_dual)) or self.num_dual > self.num_layers:
+        if self.dual_attention_layers != tuple(range(self.num_dual)):
             raise ValueError(
                 f"dual_attention_layers must be the first k blocks (0, 1, ..., k-1) as in every release, "
                 f"got {self.dual_attention_layers}")
@@ -129,10 +131,10 @@ class SD3Config:
 
 _SD35 = dict(num_layers=24, num_attention_heads=24, caption_projection_dim=1536, qk_norm="rms_norm")
 VARIANTS = {
-    # stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json.
-    "sd3-medium": SD3Config(num_layers=24, num_attention_heads=24, caption_projection_dim=1536, pos_embed_max_size=192),
     # stabilityai/stable-diffusion-3.5-medium: MMDiT-X (dual attention in blocks 0-12), RMS qk-norm.
     "sd3.5-medium": SD3Config(**_SD35, pos_embed_max_size=384, dual_attention_layers=tuple(range(13))),
+    # stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json.
+    "sd3-medium": SD3Config(num_layers=24, num_attention_heads=24, caption_projection_dim=1536, pos_embed_max_size=192),
     # stabilityai/stable-diffusion-3.5-large: 38 blocks of 38 heads, RMS qk-norm, no dual attention.
     "sd3.5-large": SD3Config(num_layers=38, num_attention_heads=38, caption_projection_dim=2432,
                              pos_embed_max_size=192, qk_norm="rms_norm"),
