@@ -286,7 +286,7 @@ def _model_json(path, family):
         ("hunyuan_video", {"sampling.num_frames": 0}, r"sampling.num_frames=0 must be 4k\+1"),
         ("qwenimage", {"data.text_len": 1025}, r"data.text_len 1025 is over the qwenimage text cap of 1024"),
         ("hunyuan_video", {"data.text_len": 257}, r"data.text_len 257 is over the hunyuan_video text cap of 256"),
-        ("qwenimage", {"model.family": "sd3"}, r"model.family='sd3' is unknown"),
+        ("qwenimage", {"model.family": "sdxl"}, r"model.family='sdxl' is unknown"),
         ("flux", {"model.variant": "huge"}, r"model.variant='huge' is unknown"),
         ("flux", {"sampling.cfg_scale": 3.0}, r"sampling.cfg_scale=3.0: flux uses embedded guidance"),
         ("wan", {"reward.frame_stride": 0}, r"reward.frame_stride must be a positive integer"),

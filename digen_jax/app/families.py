@@ -59,6 +59,8 @@ class ZooFamily:
     text_dim / pooled_dim: the config fields the conditioning must match.
     video: latents (C, T', H/8, W/8) and 4k+1 frames; else packed 2x2 tokens.
     text_prefix: text positions in front of the capped encoder's (SD3: CLIP's 77 before T5's).
+    latent_dim: the config field the latents' channels must match (packed tokens' width for image
+      families; SD3's `in_channels` count the latent's channels before its 2x2 patching).
     """
 
     title: str  # as the released pipeline folder is usually called
@@ -74,6 +76,7 @@ class ZooFamily:
     pooled_dim: str | None
     video: bool
     text_prefix: int = 0
+    latent_dim: str = "in_channels"
 
     @property
     def name(self) -> str:
@@ -130,7 +133,8 @@ ZOO = {
             title="stable-diffusion-3.5-medium", transformer=sd3.FAMILY, full_variant="sd3.5-medium",
             vae=vae_flux.FAMILY, full_vae_variant="sd3", vae_families=("vae_flux",), decode=_decode_flux,
             embedding=EMBEDDING_LAYOUTS["sd3"], flop_formula=flops.FORMULAS["sd3"],
-            text_dim="joint_attention_dim", pooled_dim="pooled_projection_dim", video=False, text_prefix=77),
+            text_dim="joint_attention_dim", pooled_dim="pooled_projection_dim", video=False, text_prefix=77,
+            latent_dim="patch_dim"),
     )
 }
 # Config keys that shorten a random-weight transformer (block stacks by their config field names).

@@ -225,8 +225,7 @@ def _jax_inputs(bench: ModelBench, prepared: dict[str, Any], key):
         pt = flops.FORMULAS[family].temporal_patch(cfg)
         latent_shape = (batch, cfg.in_channels, frames * pt, 2 * rows, 2 * cols)
     else:
-        # Packed 2x2 tokens; SD3's in_channels are the latent's, before its patching.
-        latent_shape = (batch, rows * cols, cfg.patch_dim if family == "sd3" else cfg.in_channels)
+        latent_shape = (batch, rows * cols, getattr(cfg, zoo.latent_dim))  # packed 2x2 tokens
     text_dim = getattr(cfg, zoo.text_dim)
     pooled = None
     if zoo.pooled_dim:
