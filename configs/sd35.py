@@ -9,7 +9,8 @@ global std. The reference evaluates with 40 ODE steps; here evaluation uses the 
 LoRA targets: the reference adapts the joint attention's projections of every block (peft
 `attn.{to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out}`), not the MMDiT-X
 blocks' second attention `attn2` nor the MLPs; `sections.ATTENTION_MLP_TARGETS["sd3"]` is the
-wider attention-and-MLP set the other zoo configs use.
+wider attention-and-MLP set the other zoo configs use. The last block's `add_q_proj` is left
+out: that block discards its text outputs, so an adapter there never gets a gradient.
 
 Real run (converted weights and an embedding cache; Flow-GRPO encodes T5 to 128 tokens):
 
@@ -29,8 +30,9 @@ import ml_collections
 
 from configs.sections import algorithm_keys, runtime_section, sharding_section, tiny_overrides
 
-# The reference's peft targets: the joint attention (`attn`) of every block, both streams.
-JOINT_ATTENTION_TARGETS = (r"/attn/(to_|add_)",)
+# The reference's peft targets: the joint attention (`attn`) of every block, both streams
+# (in the last block, which drops its text outputs, the text keys and values only).
+JOINT_ATTENTION_TARGETS = (r"(dual|joint)_blocks/(\d+/)?attn/(to_|add_)", r"final_block/(\d+/)?attn/(to_|add_[kv])")
 
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:

@@ -151,3 +151,25 @@ def test_bad_config_and_inputs_fail_with_named_field():
         jax.eval_shape(sd3.SD3Transformer(cfg).apply, params, **{**inputs, "hidden_states": jnp.zeros((1, 4, 5, 4))})
     with pytest.raises(ValueError, match="pooled_projections"):
         jax.eval_shape(sd3.SD3Transformer(cfg).apply, params, **{**inputs, "pooled_projections": jnp.zeros((1, 8))})
+
+
+def test_sd35_config_adapts_the_reference_lora_modules():
+    """configs/sd35.py's LoRA targets are Flow-GRPO's peft `target_modules` (joint attention of
+    every block) mapped through the conversion rules, less the last block's text query
+    projection, which gets no gradient there (its text outputs are discarded)."""
+    import re
+
+    from configs import sd35
+
+    reference = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                 "attn.to_out.0", "attn.to_q", "attn.to_v")
+    model = random_sd3(3, **SD35, num_layers=4)
+    peft = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(reference)}
+    cfg = sd3.FAMILY.config_from_diffusers(dict(model.config))
+    ours = set()
+    for rule in sd3.FAMILY.weight_rules(cfg):
+        if rule.path[-1] == "kernel" and any(re.search(p, "/".join(rule.path)) for p in sd35.get_config().rl.lora_targets):
+            for name, first, count, _ in cfg.stacks:
+                if rule.path[0] == name:
+                    ours |= {rule.key.removesuffix(".weight").format(i=i + first) for i in range(count)}
+    assert ours == peft - {"transformer_blocks.3.attn.add_q_proj"}
