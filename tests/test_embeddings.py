@@ -316,20 +316,21 @@ def test_read_prompts(tmp_path):
         encode.read_prompts(str(tmp_path / "bad.jsonl"))
 
 
-def test_cli_loads_pipeline_folder(tmp_path):
+@pytest.mark.parametrize("family", ["flux", "sd3"])  # SD3: three encoders, two of them CLIP with projections
+def test_cli_loads_pipeline_folder(tmp_path, family):
     """convert/encode_prompts.py on a saved diffusers-layout folder gives the in-memory result."""
-    components = _components("flux")
+    components = _components(family)
     for name, component in components.items():
         component.save_pretrained(str(tmp_path / "pipe" / name))
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS[:3]) + "\n", encoding="utf-8")
     out = tmp_path / "cache"
-    subprocess.run([sys.executable, os.path.join(REPO, "convert", "encode_prompts.py"), "--family=flux",
+    subprocess.run([sys.executable, os.path.join(REPO, "convert", "encode_prompts.py"), f"--family={family}",
                     f"--prompts={tmp_path / 'prompts.txt'}", f"--out={out}", f"--encoder_dir={tmp_path / 'pipe'}",
                     "--batch_size=2", "--device=cpu", "--dtype=float32"],
                    check=True, cwd=REPO, timeout=120, capture_output=True)
-    cache = EmbeddingCache.open(str(out), expect_family="flux")
+    cache = EmbeddingCache.open(str(out), expect_family=family)
     assert cache.prompts == PROMPTS[:3] and cache.meta["source"] == str(tmp_path / "prompts.txt")
-    ref = _reference(encode.text_pipeline("flux", **components), "flux", PROMPTS[:3])
+    ref = _reference(encode.text_pipeline(family, **components), family, PROMPTS[:3])
     got = cache.batch([0, 1, 2])
     np.testing.assert_allclose(got["text"], ref["text"].numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got["pooled"], ref["pooled"].numpy(), rtol=1e-5, atol=1e-5)
