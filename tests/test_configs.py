@@ -285,6 +285,7 @@ def _model_json(path, family):
         ("wan", {"sampling.num_frames": 32}, r"sampling.num_frames=32 must be 4k\+1"),
         ("hunyuan_video", {"sampling.num_frames": 0}, r"sampling.num_frames=0 must be 4k\+1"),
         ("qwenimage", {"data.text_len": 1025}, r"data.text_len 1025 is over the qwenimage text cap of 1024"),
+        ("sd3", {"data.text_len": 590}, r"data.text_len 590 is over the sd3 text cap of 589"),  # CLIP's 77 + T5's 512
         ("hunyuan_video", {"data.text_len": 257}, r"data.text_len 257 is over the hunyuan_video text cap of 256"),
         ("qwenimage", {"model.family": "sdxl"}, r"model.family='sdxl' is unknown"),
         ("flux", {"model.variant": "huge"}, r"model.variant='huge' is unknown"),

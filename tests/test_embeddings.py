@@ -151,8 +151,9 @@ def test_cache_equals_pipeline_encode_prompt(encoded):
     expected_len = {"flux": 512, "wan": 512, "hunyuan_video": 256, "sd3": 77 + 256}.get(family, ref["text"].shape[1])
     assert len(cache) == n and cache.text_len == expected_len and cache.dtype == "float32"
     assert cache.prompts == PROMPTS and got["prompt_ids"].tolist() == [3, 4, 7, 8, 9]
-    t5 = {"flux": pipe.text_encoder_2, "sd3": getattr(pipe, "text_encoder_3", None)}.get(family)
-    assert got["text"].shape == (n, expected_len, t5.config.d_model if t5 else pipe.text_encoder.config.hidden_size)
+    width = {"flux": lambda: pipe.text_encoder_2.config.d_model, "sd3": lambda: pipe.text_encoder_3.config.d_model}.get(
+        family, lambda: pipe.text_encoder.config.hidden_size)()
+    assert got["text"].shape == (n, expected_len, width)
     # Batches of 2 vs one batch of 5: same values up to matmul-blocking rounding.
     np.testing.assert_allclose(got["text"], ref["text"].numpy(), rtol=1e-5, atol=1e-5)
     assert set(got) == {"text", "prompt_ids"} | {k for k in ("pooled", "mask", "lengths")
@@ -289,8 +290,8 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="no true CFG"):
         write_cache(str(tmp_path / "neg"), "flux", prompts=["a"], text=np.zeros((1, 2, 2)), pooled=np.zeros((1, 2)),
                     negative_prompt="", negative={"text": np.zeros((1, 2, 2))})
-    with pytest.raises(ValueError, match="unknown model family 'sd3'"):
-        EmbeddingCache.open(str(tmp_path / "flux"), expect_family="sd3")
+    with pytest.raises(ValueError, match="unknown model family 'sdxl'"):
+        EmbeddingCache.open(str(tmp_path / "flux"), expect_family="sdxl")
     (tmp_path / "flux" / "meta.json").write_text("{", encoding="utf-8")
     with pytest.raises(ValueError, match="cannot read meta.json"):
         EmbeddingCache.open(str(tmp_path / "flux"))

@@ -89,7 +89,8 @@ class ZooFamily:
     @property
     def text_cap(self) -> int:
         """Longest text the model takes: the pipeline's hard cap of max_sequence_length where it
-        has one, else the fixed length its text encoder pads to (the length it was trained with)."""
+        has one, else the fixed length its text encoder pads to (the length it was trained with),
+        after `text_prefix` positions of another encoder."""
         _, _, _, default_len, hard_cap = PIPELINES[self.name]
         return self.text_prefix + (hard_cap or default_len)
 
