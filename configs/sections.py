@@ -77,6 +77,10 @@ ATTENTION_MLP_TARGETS: dict[str, tuple[str, ...]] = {
         r"double_blocks/(\d+/)?(ff|ff_context)/",
         r"single_blocks/(\d+/)?proj_(mlp|out)/",
     ),
+    # Both attentions of the MMDiT-X blocks (attn, and attn2 where a block has it) and both MLPs;
+    # not the last block's text query projection, whose output that block discards.
+    "sd3": (r"(dual|joint)_blocks/(\d+/)?attn2?/(to_|add_)", r"final_block/(\d+/)?attn2?/(to_|add_[kv])",
+            r"/(ff|ff_context)/"),
 }
 
 

@@ -4,8 +4,8 @@ r"""Convert a diffusers transformer or VAE folder (config.json + safetensors) in
         --model_dir=/ckpt/FLUX.1-dev/transformer --out=/ckpt/flux-dev-jax [--dtype=bfloat16]
     python convert/diffusers_to_orbax.py --model_dir=/ckpt/FLUX.1-dev/vae --out=/ckpt/flux-vae-jax
 
-Families: the FLUX, Qwen-Image, Wan2.1 and HunyuanVideo transformers and their VAEs (the
-decoder; the encoder's weights are skipped), recognised by config.json's `_class_name`.
+Families: the FLUX, Qwen-Image, Wan2.1, HunyuanVideo and SD3 / SD3.5 transformers and their
+VAEs (the decoder; the encoder's weights are skipped), recognised by config.json's `_class_name`.
 
 The shards are read one at a time, memory-mapped, and each weight is written into
 its place in the output tree as it is read, so peak memory is about the size of

@@ -7,9 +7,10 @@ r"""Precompute the prompt embeddings of a prompt file into a cache that training
 are skipped; each row keeps its line number). --encoder_dir is a diffusers pipeline folder; only
 its text encoder and tokenizer subfolders are read (FLUX: text_encoder, tokenizer,
 text_encoder_2, tokenizer_2; Qwen-Image and Wan: text_encoder, tokenizer; HunyuanVideo: all
-four). The pipeline's own `encode_prompt` does the encoding, so templates, cropping, padding and
-caps are exactly diffusers'. The true-CFG families (Qwen-Image, Wan) also store their negative
-prompt's embedding (" " and "" unless --negative_prompt is given, none with --no_negative).
+four; SD3: the three encoders and tokenizers). The pipeline's own `encode_prompt` does the
+encoding, so templates, cropping, padding and caps are exactly diffusers'. The true-CFG families
+(Qwen-Image, Wan, SD3) also store their negative prompt's embedding (" ", "" and "" unless
+--negative_prompt is given, none with --no_negative).
 Read the result with `digen_jax.data.embeddings.EmbeddingCache.open(out)`.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per encoder call.")
 _DEVICE = flags.DEFINE_string("device", "cpu", "torch device: cpu, cuda, cuda:1, ...")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(embeddings.DTYPES), "Encoder weights and stored dtype.")
 _MAX_LEN = flags.DEFINE_integer(
-    "max_sequence_length", None, "Text length cap; default FLUX 512, Qwen-Image 512, Wan 512, HunyuanVideo 256.")
+    "max_sequence_length", None, "Text length cap; default FLUX 512, Qwen-Image 512, Wan 512, HunyuanVideo 256, SD3 256 (T5's).")
 _NEGATIVE = flags.DEFINE_string("negative_prompt", None, "Negative prompt of true-CFG families; default family's.")
 _NO_NEGATIVE = flags.DEFINE_bool("no_negative", False, "Store no negative prompt embedding.")
 

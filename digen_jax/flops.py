@@ -370,6 +370,38 @@ def _hunyuan_video(cfg, batch: int, vid: int, txt: int) -> ModelTerms:
     return ModelTerms(tuple(m), tuple(att), (r, "double_blocks", "single_blocks", "out"))
 
 
+def _sd3(cfg, batch: int, img: int, txt: int) -> ModelTerms:
+    dim, heads, hd = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
+    m = [
+        Matmul("pos_embed", batch * img, cfg.patch_dim, dim, "input"),
+        Matmul("context_embedder", batch * txt, cfg.joint_attention_dim, dim, "input"),
+        *_embedder("time_text_embed/timestep_embedder", batch, 256, dim),
+        *_embedder("time_text_embed/text_embedder", batch, cfg.pooled_projection_dim, dim),
+        Matmul("norm_out/linear", batch, dim, 2 * dim, "cond"),
+        Matmul("proj_out", batch * img, dim, cfg.out_dim, "trunk", "out"),
+    ]
+    att = []
+    for s, _, n, dual in cfg.stacks:
+        # The last block's text only feeds the joint attention: AdaLN-Continuous (scale, shift),
+        # no text output projection or MLP; its text queries are still computed and attend.
+        last = s == "final_block"
+        m += [Matmul(f"{s}/norm1/linear", batch, dim, (9 if dual else 6) * dim, "cond", s, n),
+              Matmul(f"{s}/norm1_context/linear", batch, dim, (2 if last else 6) * dim, "cond", s, n)]
+        streams = [(img, ("to_q", "to_k", "to_v", "to_out"), "ff")]
+        streams.append((txt, ("add_q_proj", "add_k_proj", "add_v_proj") + (() if last else ("to_add_out",)),
+                        None if last else "ff_context"))
+        for rows, projections, ff in streams:
+            m += [Matmul(f"{s}/attn/{p}", batch * rows, dim, dim, "trunk", s, n) for p in projections]
+            if ff:
+                m += [Matmul(f"{s}/{ff}/proj_in", batch * rows, dim, cfg.mlp_dim, "trunk", s, n),
+                      Matmul(f"{s}/{ff}/proj_out", batch * rows, cfg.mlp_dim, dim, "trunk", s, n)]
+        att.append(Attention(f"{s}/attn", batch, heads, img + txt, img + txt, hd, s, n))
+        if dual:  # MMDiT-X: a second self-attention over the image tokens
+            m += [Matmul(f"{s}/attn2/{p}", batch * img, dim, dim, "trunk", s, n) for p in ("to_q", "to_k", "to_v", "to_out")]
+            att.append(Attention(f"{s}/attn2", batch, heads, img, img, hd, s, n))
+    return ModelTerms(tuple(m), tuple(att), tuple(s for s, *_ in cfg.stacks) + ("out",))
+
+
 @dataclasses.dataclass(frozen=True)
 class Formula:
     """One model family's FLOP formula.
@@ -390,6 +422,7 @@ FORMULAS: dict[str, Formula] = {
     "qwenimage": Formula(_qwenimage),
     "wan": Formula(_wan, lambda cfg: cfg.patch_size[0]),
     "hunyuan_video": Formula(_hunyuan_video, lambda cfg: cfg.patch_size_t),
+    "sd3": Formula(_sd3),
 }
 
 

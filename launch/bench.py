@@ -64,10 +64,11 @@ _MODE = flags.DEFINE_enum(
     "What to benchmark: 'model' (one transformer on one device) or 'system' (RL iterations of --config in "
     "every schedule mode of --modes on all devices).",
 )
-_FAMILY = flags.DEFINE_enum("family", "flux", ["flux", "qwenimage", "wan", "hunyuan_video"], "Model family.")
+_FAMILY = flags.DEFINE_enum("family", "flux", ["flux", "qwenimage", "wan", "hunyuan_video", "sd3"], "Model family.")
 _VARIANT = flags.DEFINE_string(
     "variant", None, "Variant of the family's VARIANTS table: flux dev|schnell|tiny, qwenimage qwen-image|tiny, "
-    "wan t2v-14b|tiny, hunyuan_video t2v|tiny. Default: the full-size model."
+    "wan t2v-14b|tiny, hunyuan_video t2v|tiny, sd3 sd3.5-medium|sd3-medium|sd3.5-large|tiny. Default: the full-size "
+    "model."
 )
 _BATCH = flags.DEFINE_integer("batch", 1, "Batch size of one forward (CFG doubles it in sampling; not applied here).")
 _HEIGHT = flags.DEFINE_integer("height", 512, "Image/video height in pixels (multiple of 16).")

@@ -8,7 +8,7 @@ gap+tsp+tag and gap+tsp+tag+tcss split the devices into rollout and train roles)
         --config.rl.lora_rank=4
     python launch/train.py --config=configs/tiny.py --print_config   # every key as training resolves it
 
-The model-zoo configs (configs/flux.py, qwenimage.py, wan21.py, hunyuanvideo.py) need a
+The model-zoo configs (configs/flux.py, qwenimage.py, wan21.py, hunyuanvideo.py, sd35.py) need a
 converted checkpoint, a converted VAE and a prompt-embedding cache (--config.model.checkpoint,
 --config.model.vae_checkpoint, --config.data.embedding_cache; without them the error says how
 to make each), or run on random weights and embeddings for throughput:

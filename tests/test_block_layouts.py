@@ -13,7 +13,7 @@ from digen_jax.models import FAMILIES, load_checkpoint, save_checkpoint, stackin
 from digen_jax.app import random_init
 from digen_jax.rl import lora
 
-TRANSFORMERS = ("flux", "qwenimage", "wan", "hunyuan_video")
+TRANSFORMERS = ("flux", "qwenimage", "wan", "hunyuan_video", "sd3")
 
 
 def _tiny(name: str, **policy):

@@ -26,9 +26,10 @@ from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.rl.rollout import Conditioning, make_denoiser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = {"flux": "flux", "qwenimage": "qwenimage", "wan": "wan21", "hunyuan_video": "hunyuanvideo"}
+CONFIGS = {"flux": "flux", "qwenimage": "qwenimage", "wan": "wan21", "hunyuan_video": "hunyuanvideo", "sd3": "sd35"}
 # Released transformer sizes (docs/models.md section 1); FLUX.1-dev's is its guidance-distilled variant's.
-PARAMS = {"flux": 11_901_408_320, "qwenimage": 20_430_401_088, "wan": 14_288_491_584, "hunyuan_video": 12_821_012_544}
+PARAMS = {"flux": 11_901_408_320, "qwenimage": 20_430_401_088, "wan": 14_288_491_584, "hunyuan_video": 12_821_012_544,
+          "sd3": 2_243_171_520}
 
 
 def get_config(family: str, size: str = "full", files: dict = CONFIGS):
@@ -144,7 +145,7 @@ def test_tiny_flow_grpo_iteration_through_train(family, mode, tmp_path):
     assert set(jax.tree.leaves(jax.tree.map(lambda x: x.ndim, state.trainable))) <= {2, 3}  # adapters only
 
 
-NFT_CONFIGS = {"flux": "flux_nft", "qwenimage": "qwenimage_nft"}
+NFT_CONFIGS = {"flux": "flux_nft", "qwenimage": "qwenimage_nft", "sd3": "sd35_nft"}
 
 
 @pytest.mark.parametrize("family", sorted(NFT_CONFIGS))
@@ -284,8 +285,9 @@ def _model_json(path, family):
         ("wan", {"sampling.num_frames": 32}, r"sampling.num_frames=32 must be 4k\+1"),
         ("hunyuan_video", {"sampling.num_frames": 0}, r"sampling.num_frames=0 must be 4k\+1"),
         ("qwenimage", {"data.text_len": 1025}, r"data.text_len 1025 is over the qwenimage text cap of 1024"),
+        ("sd3", {"data.text_len": 590}, r"data.text_len 590 is over the sd3 text cap of 589"),  # CLIP's 77 + T5's 512
         ("hunyuan_video", {"data.text_len": 257}, r"data.text_len 257 is over the hunyuan_video text cap of 256"),
-        ("qwenimage", {"model.family": "sd3"}, r"model.family='sd3' is unknown"),
+        ("qwenimage", {"model.family": "sdxl"}, r"model.family='sdxl' is unknown"),
         ("flux", {"model.variant": "huge"}, r"model.variant='huge' is unknown"),
         ("flux", {"sampling.cfg_scale": 3.0}, r"sampling.cfg_scale=3.0: flux uses embedded guidance"),
         ("wan", {"reward.frame_stride": 0}, r"reward.frame_stride must be a positive integer"),

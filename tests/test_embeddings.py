@@ -58,10 +58,10 @@ def _tokenizer(template: str, post: str | None, max_length: int):
         additional_special_tokens=_SPECIALS[4:], model_max_length=max_length)
 
 
-def _clip(tokenizer):
+def _clip(tokenizer, cls=None, hidden_size=16):
     torch.manual_seed(0)
-    return transformers.CLIPTextModel(transformers.CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    return (cls or transformers.CLIPTextModel)(transformers.CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=2, max_position_embeddings=77, projection_dim=16,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)).eval()
@@ -100,6 +100,14 @@ def _components(family: str) -> dict:
             vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=512, pad_token_id=tok.pad_token_id)).eval()
         return {"text_encoder": llama, "tokenizer": tok, "text_encoder_2": _clip(clip_tok), "tokenizer_2": clip_tok}
+    if family == "sd3":
+        # CLIP-L and CLIP-G (hidden 16 + 24, zero-padded to T5's 48) with projections, and T5.
+        clip_tok, t5_tok = _tokenizer("", "<s> $A </s>", 77), _tokenizer("", "$A </s>", 512)
+        with_projection = transformers.CLIPTextModelWithProjection
+        t5 = transformers.T5EncoderModel(transformers.T5Config(**{**_t5_config(t5_tok), "d_model": 48})).eval()
+        return {"text_encoder": _clip(clip_tok, with_projection), "tokenizer": clip_tok,
+                "text_encoder_2": _clip(clip_tok, with_projection, hidden_size=24), "tokenizer_2": clip_tok,
+                "text_encoder_3": t5, "tokenizer_3": t5_tok}
     raise ValueError(family)
 
 
@@ -126,6 +134,10 @@ def _reference(pipe, family, prompts):
             return {"text": text, "mask": mask}
         if family == "wan":
             return {"text": pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512)[0]}
+        if family == "sd3":
+            text, _, pooled, _ = pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False,
+                                                    max_sequence_length=256)
+            return {"text": text, "pooled": pooled}
         text, pooled, mask = pipe.encode_prompt(prompts, max_sequence_length=256)
         return {"text": text, "pooled": pooled, "mask": mask}
 
@@ -135,17 +147,19 @@ def test_cache_equals_pipeline_encode_prompt(encoded):
     ref = _reference(pipe, family, PROMPTS)
     got = cache.batch(np.arange(len(PROMPTS)))
     n = len(PROMPTS)
-    expected_len = {"flux": 512, "wan": 512, "hunyuan_video": 256}.get(family, ref["text"].shape[1])
+    # SD3: CLIP's 77 positions, then T5's 256.
+    expected_len = {"flux": 512, "wan": 512, "hunyuan_video": 256, "sd3": 77 + 256}.get(family, ref["text"].shape[1])
     assert len(cache) == n and cache.text_len == expected_len and cache.dtype == "float32"
     assert cache.prompts == PROMPTS and got["prompt_ids"].tolist() == [3, 4, 7, 8, 9]
-    assert got["text"].shape == (n, expected_len, pipe.text_encoder.config.hidden_size if family != "flux"
-                                 else pipe.text_encoder_2.config.d_model)
+    width = {"flux": lambda: pipe.text_encoder_2.config.d_model, "sd3": lambda: pipe.text_encoder_3.config.d_model}.get(
+        family, lambda: pipe.text_encoder.config.hidden_size)()
+    assert got["text"].shape == (n, expected_len, width)
     # Batches of 2 vs one batch of 5: same values up to matmul-blocking rounding.
     np.testing.assert_allclose(got["text"], ref["text"].numpy(), rtol=1e-5, atol=1e-5)
     assert set(got) == {"text", "prompt_ids"} | {k for k in ("pooled", "mask", "lengths")
                                                   if embeddings.EMBEDDING_LAYOUTS[family][k]}
     if "pooled" in got:
-        assert got["pooled"].shape == (n, 16)
+        assert got["pooled"].shape == (n, 32 if family == "sd3" else 16)  # SD3: two projected CLIPs
         np.testing.assert_allclose(got["pooled"], ref["pooled"].numpy(), rtol=1e-5, atol=1e-5)
     if "mask" in got:
         np.testing.assert_array_equal(got["mask"], ref["mask"].numpy().astype(bool))
@@ -165,6 +179,9 @@ def test_cache_equals_pipeline_encode_prompt(encoded):
         width = ref_negative.shape[1]
         np.testing.assert_allclose(got_negative["text"][:, :width], ref_negative, rtol=1e-5, atol=1e-5)
         assert not np.asarray(got_negative["text"][:, width:]).any()
+        if "pooled" in got:  # SD3's CFG needs the negative prompt's pooled vector too
+            np.testing.assert_allclose(got_negative["pooled"], _reference(pipe, family, [negative])["pooled"].numpy(),
+                                       rtol=1e-5, atol=1e-5)
     else:
         with pytest.raises(ValueError, match="no negative prompt"):
             cache.negative()
@@ -273,8 +290,8 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="no true CFG"):
         write_cache(str(tmp_path / "neg"), "flux", prompts=["a"], text=np.zeros((1, 2, 2)), pooled=np.zeros((1, 2)),
                     negative_prompt="", negative={"text": np.zeros((1, 2, 2))})
-    with pytest.raises(ValueError, match="unknown model family 'sd3'"):
-        EmbeddingCache.open(str(tmp_path / "flux"), expect_family="sd3")
+    with pytest.raises(ValueError, match="unknown model family 'sdxl'"):
+        EmbeddingCache.open(str(tmp_path / "flux"), expect_family="sdxl")
     (tmp_path / "flux" / "meta.json").write_text("{", encoding="utf-8")
     with pytest.raises(ValueError, match="cannot read meta.json"):
         EmbeddingCache.open(str(tmp_path / "flux"))
@@ -300,20 +317,21 @@ def test_read_prompts(tmp_path):
         encode.read_prompts(str(tmp_path / "bad.jsonl"))
 
 
-def test_cli_loads_pipeline_folder(tmp_path):
+@pytest.mark.parametrize("family", ["flux", "sd3"])  # SD3: three encoders, two of them CLIP with projections
+def test_cli_loads_pipeline_folder(tmp_path, family):
     """convert/encode_prompts.py on a saved diffusers-layout folder gives the in-memory result."""
-    components = _components("flux")
+    components = _components(family)
     for name, component in components.items():
         component.save_pretrained(str(tmp_path / "pipe" / name))
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS[:3]) + "\n", encoding="utf-8")
     out = tmp_path / "cache"
-    subprocess.run([sys.executable, os.path.join(REPO, "convert", "encode_prompts.py"), "--family=flux",
+    subprocess.run([sys.executable, os.path.join(REPO, "convert", "encode_prompts.py"), f"--family={family}",
                     f"--prompts={tmp_path / 'prompts.txt'}", f"--out={out}", f"--encoder_dir={tmp_path / 'pipe'}",
                     "--batch_size=2", "--device=cpu", "--dtype=float32"],
                    check=True, cwd=REPO, timeout=120, capture_output=True)
-    cache = EmbeddingCache.open(str(out), expect_family="flux")
+    cache = EmbeddingCache.open(str(out), expect_family=family)
     assert cache.prompts == PROMPTS[:3] and cache.meta["source"] == str(tmp_path / "prompts.txt")
-    ref = _reference(encode.text_pipeline("flux", **components), "flux", PROMPTS[:3])
+    ref = _reference(encode.text_pipeline(family, **components), family, PROMPTS[:3])
     got = cache.batch([0, 1, 2])
     np.testing.assert_allclose(got["text"], ref["text"].numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got["pooled"], ref["pooled"].numpy(), rtol=1e-5, atol=1e-5)

@@ -23,6 +23,7 @@ BATCH, TEXT_LEN, RANK = 2, 6, 3
 SHAPES = {
     "flux": dict(height=64, width=32),
     "qwenimage": dict(height=64, width=32),
+    "sd3": dict(height=64, width=32),
     "wan": dict(height=64, width=32, frames=5),
     "hunyuan_video": dict(height=64, width=32, frames=5),
 }
@@ -32,7 +33,7 @@ def abstract_model(family, cfg, shape, batch=BATCH, text_len=TEXT_LEN):
     """(module, abstract params, abstract inputs) of `family` at a pixel `shape`."""
     fam = FAMILIES[family]
     frames, rows, cols = flops.latent_grid(family, cfg, **shape)
-    if family in ("flux", "qwenimage"):
+    if family in ("flux", "qwenimage", "sd3"):
         inputs = fam.example_inputs(cfg, batch, rows * cols, text_len)
     else:
         inputs = fam.example_inputs(cfg, batch, frames=frames, height=rows, width=cols, text_seq_len=text_len)
@@ -115,6 +116,7 @@ def test_full_size_forward_reproduces_models_md(family, variant, height, width, 
 @pytest.mark.parametrize("family,variant,shape,text_len", [
     ("flux", "dev", dict(height=512, width=512), 512),
     ("qwenimage", "qwen-image", dict(height=512, width=512), 128),
+    ("sd3", "sd3.5-medium", dict(height=512, width=512), 77 + 128),  # Flow-GRPO's T5 length
     ("wan", "t2v-14b", dict(height=480, width=832, frames=33), 512),
     ("hunyuan_video", "t2v", dict(height=480, width=848, frames=33), 256),
 ])

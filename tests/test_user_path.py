@@ -27,7 +27,7 @@ diffusers = pytest.importorskip("diffusers")
 torch = pytest.importorskip("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = {"flux": "flux", "qwenimage": "qwenimage", "wan": "wan21", "hunyuan_video": "hunyuanvideo"}
+CONFIGS = {"flux": "flux", "qwenimage": "qwenimage", "wan": "wan21", "hunyuan_video": "hunyuanvideo", "sd3": "sd35"}
 PROMPTS = ("a cat", "a dog", "a red car", "two birds", "a house", "a tree")
 # One interpreter converts every folder through the CLI's own flags and main (a process per
 # folder would start JAX eight times).
@@ -80,7 +80,11 @@ def random_cache(path: str, family: str, text_dim: int, pooled_dim: int | None, 
         arrays["lengths"] = lengths
     negative = None
     if spec["negative"] is not None:
-        negative = {"text": rng.standard_normal((1, 3, text_dim)).astype(np.float32), "lengths": np.array([3], np.int32)}
+        negative = {"text": rng.standard_normal((1, 3, text_dim)).astype(np.float32)}
+        if spec["lengths"]:
+            negative["lengths"] = np.array([3], np.int32)
+        if spec["pooled"]:  # SD3: CFG's negative has a pooled vector too
+            negative["pooled"] = rng.standard_normal((1, pooled_dim)).astype(np.float32)
         if spec["mask"]:
             negative["mask"] = np.ones((1, 3), bool)
     return write_cache(path, family, prompts=PROMPTS, **arrays,

@@ -33,6 +33,7 @@ from digen_jax.models import (
     flux,
     hunyuan_video,
     qwenimage,
+    sd3,
     vae_flux,
     vae_hunyuan_video,
     vae_wan,
@@ -57,6 +58,9 @@ class ZooFamily:
     flop_formula: its FLOP formula (`flops.FORMULAS`).
     text_dim / pooled_dim: the config fields the conditioning must match.
     video: latents (C, T', H/8, W/8) and 4k+1 frames; else packed 2x2 tokens.
+    text_prefix: text positions in front of the capped encoder's (SD3: CLIP's 77 before T5's).
+    latent_dim: the config field the latents' channels must match (packed tokens' width for image
+      families; SD3's `in_channels` count the latent's channels before its 2x2 patching).
     """
 
     title: str  # as the released pipeline folder is usually called
@@ -71,6 +75,8 @@ class ZooFamily:
     text_dim: str
     pooled_dim: str | None
     video: bool
+    text_prefix: int = 0
+    latent_dim: str = "in_channels"
 
     @property
     def name(self) -> str:
@@ -83,13 +89,14 @@ class ZooFamily:
     @property
     def text_cap(self) -> int:
         """Longest text the model takes: the pipeline's hard cap of max_sequence_length where it
-        has one, else the fixed length its text encoder pads to (the length it was trained with)."""
+        has one, else the fixed length its text encoder pads to (the length it was trained with),
+        after `text_prefix` positions of another encoder."""
         _, _, _, default_len, hard_cap = PIPELINES[self.name]
-        return hard_cap or default_len
+        return self.text_prefix + (hard_cap or default_len)
 
 
 def _decode_flux(params, vae_cfg, latents):
-    """FLUX's VAE on (B, C, H, W) latents, as one-frame videos."""
+    """FLUX's (and SD3's) VAE on (B, C, H, W) latents, as one-frame videos."""
     return vae_flux.decode_latents(vae_cfg, params, latents)[:, :, None]
 
 
@@ -123,6 +130,12 @@ ZOO = {
             decode=vae_hunyuan_video.decode_latents,
             embedding=EMBEDDING_LAYOUTS["hunyuan_video"], flop_formula=flops.FORMULAS["hunyuan_video"],
             text_dim="text_embed_dim", pooled_dim="pooled_projection_dim", video=True),
+        ZooFamily(
+            title="stable-diffusion-3.5-medium", transformer=sd3.FAMILY, full_variant="sd3.5-medium",
+            vae=vae_flux.FAMILY, full_vae_variant="sd3", vae_families=("vae_flux",), decode=_decode_flux,
+            embedding=EMBEDDING_LAYOUTS["sd3"], flop_formula=flops.FORMULAS["sd3"],
+            text_dim="joint_attention_dim", pooled_dim="pooled_projection_dim", video=False, text_prefix=77,
+            latent_dim="patch_dim"),
     )
 }
 # Config keys that shorten a random-weight transformer (block stacks by their config field names).

@@ -359,7 +359,7 @@ def _validate_zoo(config) -> None:
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model: {e}") from None
     shape = latent_shape(config, vae_cfg)
-    model_in = model_cfg.in_channels
+    model_in = getattr(model_cfg, zoo.latent_dim)
     if model_in != (shape[1] if not zoo.video else shape[0]):
         raise ConfigError(f"the transformer (model.checkpoint / model.variant) takes {model_in} latent channels but "
                           f"the VAE (model.vae_checkpoint) gives latents of shape {shape}: they are not one model's")

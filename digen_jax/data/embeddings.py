@@ -10,10 +10,11 @@ A cache is a directory::
     prompts.jsonl        one {"id": int, "prompt": str} per row, in row order
     prompt_ids.npy       (N,) int64: each row's 0-based line number in the source prompt file
     text.npy             (N, L, D) text states, exactly what the family's transformer receives
-    pooled.npy           (N, P) pooled text vector            [flux, hunyuan_video]
+    pooled.npy           (N, P) pooled text vector            [flux, hunyuan_video, sd3]
     mask.npy             (N, L) bool, True = real token       [qwenimage, hunyuan_video]
     lengths.npy          (N,) int32 number of real positions  [qwenimage, wan, hunyuan_video]
-    negative_text.npy    (1, L, D) the negative prompt's      [qwenimage, wan]: true-CFG families
+    negative_text.npy    (1, L, D) the negative prompt's      [qwenimage, wan, sd3]: true-CFG families
+    negative_pooled.npy  (1, P)                               [sd3]
     negative_mask.npy    (1, L)                               [qwenimage]
     negative_lengths.npy (1,)                                 [qwenimage, wan]
 
@@ -30,6 +31,12 @@ What each family stores (docs/models.md section 6):
   transformer takes none), ``lengths`` says where the zeros start.
 * ``hunyuan_video``: Llama ``hidden_states[-3]`` with the template's first 95 tokens cropped,
   (L=256) plus mask; CLIP ``pooler_output`` as ``pooled``.
+* ``sd3``: as ``StableDiffusion3Pipeline.encode_prompt`` builds them: the penultimate hidden
+  states of CLIP-L and CLIP-G (77 tokens each, concatenated to 768 + 1280 = 2048 and
+  zero-padded to T5's 4096) followed by T5-XXL's ``last_hidden_state`` padded to
+  max_sequence_length, so L = 77 + max_sequence_length (256 by default; Flow-GRPO encodes 128);
+  no mask. ``pooled`` is the two CLIPs' projected ``text_embeds`` concatenated (2048). The
+  negative prompt ("" by default) stores its text and pooled vector.
 
 Text arrays are float32, float16 or bfloat16 (``meta["dtype"]``). numpy has no bfloat16, so
 bfloat16 arrays are saved as their raw bits (uint16) and viewed back as ``ml_dtypes.bfloat16``
@@ -57,6 +64,7 @@ EMBEDDING_LAYOUTS = {
     "qwenimage": {"pooled": False, "mask": True, "lengths": True, "negative": " "},
     "wan": {"pooled": False, "mask": False, "lengths": True, "negative": ""},
     "hunyuan_video": {"pooled": True, "mask": True, "lengths": True, "negative": None},
+    "sd3": {"pooled": True, "mask": False, "lengths": False, "negative": ""},
 }
 
 _HOW_TO_CREATE = (
@@ -100,7 +108,7 @@ def _array_specs(family: str, n: int, text_len: int, text_dim: int, pooled_dim: 
     if spec["lengths"]:
         arrays["lengths"] = ((n,), np.dtype(np.int32))
     if negative:
-        for name in ("text", "mask", "lengths"):
+        for name in ("text", "pooled", "mask", "lengths"):
             if name in arrays:
                 shape, array_dtype = arrays[name]
                 arrays["negative_" + name] = ((1, *shape[1:]), array_dtype)

@@ -30,6 +30,11 @@ PIPELINES = {
     "wan": ("WanPipeline", {"text_encoder": "UMT5EncoderModel"}, ("tokenizer",), 512, None),
     "hunyuan_video": ("HunyuanVideoPipeline", {"text_encoder": "LlamaModel", "text_encoder_2": "CLIPTextModel"},
                       ("tokenizer", "tokenizer_2"), 256, None),
+    # The cap is T5's; the text the transformer receives is CLIP's 77 tokens longer.
+    "sd3": ("StableDiffusion3Pipeline", {"text_encoder": "CLIPTextModelWithProjection",
+                                         "text_encoder_2": "CLIPTextModelWithProjection",
+                                         "text_encoder_3": "T5EncoderModel"},
+            ("tokenizer", "tokenizer_2", "tokenizer_3"), 256, 512),
 }
 # Sentinel for "the family's default negative prompt" (EMBEDDING_LAYOUTS[family]["negative"]).
 FAMILY_DEFAULT = object()
@@ -138,6 +143,10 @@ def encode_batch(pipe, family: str, prompts: Sequence[str], *, max_sequence_leng
             mask = mask.cpu().numpy().astype(bool)
             return {"text": _numpy(text), "pooled": _numpy(pooled), "mask": mask,
                     "lengths": mask.sum(1).astype(np.int32)}
+        if family == "sd3":
+            text, _, pooled, _ = pipe.encode_prompt(prompts, None, None, device=torch.device(device),
+                                                    do_classifier_free_guidance=False, max_sequence_length=max_len)
+            return {"text": _numpy(text), "pooled": _numpy(pooled)}
     raise ValueError(f"unknown model family {family!r}; expected one of {sorted(PIPELINES)}")
 
 
@@ -162,9 +171,9 @@ def encode_to_cache(pipe, family: str, prompts: Sequence[str], out: str, *, prom
       out: the cache directory to create.
       batch_size: prompts per encoder call.
       max_sequence_length: the family's text length cap; default FLUX 512, Qwen-Image 512,
-        Wan 512, HunyuanVideo 256 (what the pipelines' __call__ pass).
+        Wan 512, HunyuanVideo 256, SD3 256 (T5's; what the pipelines' __call__ pass).
       negative_prompt: the negative prompt of true-CFG families; FAMILY_DEFAULT gives Qwen-Image
-        " ", Wan "" and none for FLUX/HunyuanVideo; None stores none.
+        " ", Wan "" and SD3 "", and none for FLUX/HunyuanVideo; None stores none.
       dtype: the stored dtype ('float32', 'float16', 'bfloat16').
       device: torch device the encoders run on.
       info: extra meta.json entries.

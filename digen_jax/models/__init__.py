@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import jax
 
-from digen_jax.models import clip, flux, hunyuan_video, qwenimage, vae_flux, vae_hunyuan_video, vae_wan, wan
+from digen_jax.models import clip, flux, hunyuan_video, qwenimage, sd3, vae_flux, vae_hunyuan_video, vae_wan, wan
 from digen_jax.models import image_reward
 from digen_jax.models.checkpoints import load_checkpoint, save_checkpoint
 from digen_jax.models.conversion import (
@@ -33,6 +33,7 @@ FAMILIES: dict[str, ModelFamily] = {
         qwenimage.FAMILY,
         wan.FAMILY,
         hunyuan_video.FAMILY,
+        sd3.FAMILY,
         vae_flux.FAMILY,
         vae_wan.FAMILY,
         vae_wan.QWEN_FAMILY,

@@ -30,6 +30,8 @@ TRANSFORMS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "none": lambda a: a,
     "linear": lambda a: a.T,  # (out, in) -> (in, out)
     "conv": lambda a: np.moveaxis(a, (0, 1), (-1, -2)),  # (O, I, *k) -> (*k, I, O)
+    # A patchifying conv (kernel = stride) as a dense layer on patches flattened (I, *k): (I * prod(k), O)
+    "patch": lambda a: a.reshape(a.shape[0], -1).T,
 }
 
 
@@ -41,13 +43,15 @@ class ConversionError(ValueError):
 class WeightRule:
     """One Flax parameter (`path`) and the diffusers key it is read from.
 
-    A `{i}` in `key` makes the parameter stacked over blocks: the weight of block i
-    goes to index i of the parameter's leading (`layers`) axis.
+    A `{i}` in `key` makes the parameter stacked over blocks: the weight of block
+    i + `offset` goes to index i of the parameter's leading (`layers`) axis (a stack that
+    starts at block `offset` of the checkpoint's numbering).
     """
 
     path: tuple[str, ...]
     key: str
     transform: str = "none"
+    offset: int = 0
 
 
 def linear_rules(path: tuple[str, ...], key: str) -> list[WeightRule]:
@@ -166,7 +170,7 @@ class ParamBuilder:
             ruled.add(rule.path)
             if "{i}" in rule.key:
                 for i in range(self.expected[rule.path][0]):
-                    self.by_key[rule.key.format(i=i)] = (rule, i)
+                    self.by_key[rule.key.format(i=i + rule.offset)] = (rule, i)
             else:
                 self.by_key[rule.key] = (rule, None)
         unruled = sorted(set(self.expected) - ruled)

@@ -1,11 +1,15 @@
-"""FLUX.1 VAE decoder (the decoder half of diffusers `AutoencoderKL`) in flax.linen.
+"""FLUX.1 and SD3 VAE decoder (the decoder half of diffusers `AutoencoderKL`) in flax.linen.
+
+FLUX.1 and SD3 / SD3.5 ship the same architecture with different latent constants
+(`scaling_factor`, `shift_factor`, read from each `vae/config.json`; `VARIANTS` has both), and
+both pipelines de-normalise the same way.
 
 Computes what `AutoencoderKL.decode(z).sample` computes (fp32 parity is tested):
 an optional 1x1 `post_quant_conv` (FLUX.1 has none: `use_post_quant_conv=False`),
 `conv_in`, a mid block (ResNet, single-head self-attention with its own GroupNorm
 and a residual connection, ResNet), one up block per level (`layers_per_block + 1`
 ResNets, then nearest 2x upsampling and a 3x3 conv on all but the last level), and
-GroupNorm -> SiLU -> `conv_out`. `decode_latents` adds the FLUX pipeline's latent
+GroupNorm -> SiLU -> `conv_out`. `decode_latents` adds the FLUX / SD3 pipelines' latent
 de-normalisation `z / scaling_factor + shift_factor` in front. The output is not
 clamped, as in diffusers; the pipeline's image processor maps [-1, 1] to pixels.
 
@@ -116,6 +120,8 @@ class VAEConfig:
 VARIANTS = {
     # FLUX.1-dev and FLUX.1-schnell ship the same VAE.
     "flux1": VAEConfig(),
+    # SD3 / SD3.5 (every release): the same architecture with its own latent scaling and shift.
+    "sd3": VAEConfig(scaling_factor=1.5305, shift_factor=0.0609),
     # The released structure with 8-channel bases (docs/models.md section 4), for CPU tests.
     "tiny": VAEConfig(block_out_channels=(8, 16, 32, 32), latent_channels=4, norm_num_groups=4, dtype="float32"),
 }
@@ -251,7 +257,7 @@ class VAEDecoder(nn.Module):
 
 @functools.partial(jax.jit, static_argnums=0)
 def decode_latents(cfg: VAEConfig, params: dict, latents: jax.Array) -> jax.Array:
-    """Decode the transformer's (unpacked) latents to images, as the FLUX pipeline does.
+    """Decode the transformer's (unpacked) latents to images, as the FLUX and SD3 pipelines do.
 
     Applies `latents / scaling_factor + shift_factor`, then the decoder. Returns
     (B, out_channels, 8h, 8w) in `cfg.dtype`, unclamped (nominally [-1, 1]).

@@ -31,7 +31,7 @@ WHATS = ("forward", "forward_fp8", "lora_fwd_bwd", "full_fwd_bwd")
 PEER_WHATS = ("forward", "lora_fwd_bwd", "full_fwd_bwd")
 # Text-encoder sequence lengths of the pipelines (docs/models.md section 7; Qwen-Image's is the
 # prompt length, assumed 128).
-DEFAULT_TEXT_LEN = {"flux": 512, "qwenimage": 128, "wan": 512, "hunyuan_video": 256}
+DEFAULT_TEXT_LEN = {"flux": 512, "qwenimage": 128, "wan": 512, "hunyuan_video": 256, "sd3": 77 + 256}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +225,7 @@ def _jax_inputs(bench: ModelBench, prepared: dict[str, Any], key):
         pt = flops.FORMULAS[family].temporal_patch(cfg)
         latent_shape = (batch, cfg.in_channels, frames * pt, 2 * rows, 2 * cols)
     else:
-        latent_shape = (batch, rows * cols, cfg.in_channels)
+        latent_shape = (batch, rows * cols, getattr(cfg, zoo.latent_dim))  # packed 2x2 tokens
     text_dim = getattr(cfg, zoo.text_dim)
     pooled = None
     if zoo.pooled_dim:

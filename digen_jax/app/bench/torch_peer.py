@@ -60,6 +60,9 @@ def _inputs(bench: model.ModelBench, prepared: dict[str, Any], device, dtype) ->
     if family in ("flux", "qwenimage"):
         text_dim = cfg.joint_attention_dim
         hidden = rand(batch, rows * cols, cfg.in_channels)
+    elif family == "sd3":  # (B, C, H/8, W/8) latents, patchified inside
+        text_dim = cfg.joint_attention_dim
+        hidden = rand(batch, cfg.in_channels, 2 * rows, 2 * cols)
     else:
         pt = cfg.patch_size[0] if family == "wan" else cfg.patch_size_t
         text_dim = cfg.text_dim if family == "wan" else cfg.text_embed_dim
@@ -78,6 +81,9 @@ def _inputs(bench: model.ModelBench, prepared: dict[str, Any], device, dtype) ->
                     img_shapes=[[(1, rows, cols)]] * batch)
     if family == "wan":
         return dict(hidden_states=hidden, timestep=sigma * 1000, encoder_hidden_states=text)
+    if family == "sd3":
+        return dict(hidden_states=hidden, encoder_hidden_states=text,
+                    pooled_projections=rand(batch, cfg.pooled_projection_dim), timestep=sigma * 1000)
     return dict(hidden_states=hidden, timestep=sigma * 1000, encoder_hidden_states=text,
                 encoder_attention_mask=torch.ones(batch, text_len, device=device, dtype=torch.int64),
                 pooled_projections=rand(batch, cfg.pooled_projection_dim),
