@@ -4,8 +4,10 @@ r"""Convert a diffusers transformer or VAE folder (config.json + safetensors) in
         --model_dir=/ckpt/FLUX.1-dev/transformer --out=/ckpt/flux-dev-jax [--dtype=bfloat16]
     python convert/diffusers_to_orbax.py --model_dir=/ckpt/FLUX.1-dev/vae --out=/ckpt/flux-vae-jax
 
-Families: the FLUX, Qwen-Image, Wan2.1, HunyuanVideo and SD3 / SD3.5 transformers and their
+Families: the FLUX, Qwen-Image, Wan2.1/2.2, HunyuanVideo and SD3 / SD3.5 transformers and their
 VAEs (the decoder; the encoder's weights are skipped), recognised by config.json's `_class_name`.
+`--family=vae_wan_encoder` converts a Wan VAE folder's encoder instead (Wan2.2 TI2V encodes its
+conditioning image with it).
 
 The shards are read one at a time, memory-mapped, and each weight is written into
 its place in the output tree as it is read, so peak memory is about the size of
@@ -24,6 +26,9 @@ from digen_jax.models import ConversionError, convert_diffusers_folder
 
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Diffusers model folder holding config.json and *.safetensors.")
 _OUT = flags.DEFINE_string("out", None, "Output checkpoint folder.")
+_FAMILY = flags.DEFINE_string(
+    "family", None, "The part to convert where several families port one class (vae_wan_encoder); default: by class."
+)
 _DTYPE = flags.DEFINE_enum(
     "dtype", "source", ["source", "float32", "bfloat16", "float16"], "Stored dtype; 'source' keeps the file's."
 )
@@ -34,8 +39,8 @@ def main(argv):
     if not _MODEL_DIR.value or not _OUT.value:
         sys.exit("usage: diffusers_to_orbax.py --model_dir=DIR --out=DIR [--dtype=source|float32|bfloat16|float16]")
     try:
-        convert_diffusers_folder(_MODEL_DIR.value, _OUT.value, _DTYPE.value)
-    except (FileNotFoundError, ConversionError) as e:  # a folder that is not a diffusers model, corrupt weights
+        convert_diffusers_folder(_MODEL_DIR.value, _OUT.value, _DTYPE.value, family=_FAMILY.value)
+    except (FileNotFoundError, ConversionError, ValueError) as e:  # a folder that is not a diffusers model, corrupt weights
         sys.exit(f"error: {e}")
 
 

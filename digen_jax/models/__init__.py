@@ -37,6 +37,7 @@ FAMILIES: dict[str, ModelFamily] = {
         vae_flux.FAMILY,
         vae_wan.FAMILY,
         vae_wan.QWEN_FAMILY,
+        vae_wan.ENCODER_FAMILY,
         vae_hunyuan_video.FAMILY,
         clip.TRANSFORMERS_FAMILY,
         clip.OPEN_CLIP_FAMILY,
@@ -52,7 +53,7 @@ __all__ = [
 
 
 def family_for_class(class_name: str) -> ModelFamily:
-    """The family whose diffusers class is `class_name`; a clear error otherwise."""
+    """The (first registered) family whose diffusers class is `class_name`; a clear error otherwise."""
     for family in FAMILIES.values():
         if family.diffusers_class == class_name:
             return family
@@ -85,15 +86,17 @@ def make_apply_fn(family: ModelFamily, cfg: Any) -> Callable:
     return apply_fn
 
 
-def from_diffusers(module, **policy) -> tuple[Callable, dict]:
+def from_diffusers(module, family: str | None = None, **policy) -> tuple[Callable, dict]:
     """Port an instantiated diffusers transformer: returns `(apply_fn, params)`.
 
     `apply_fn(params, **inputs)` accepts the keyword arguments of the module's
-    `forward` (arrays in place of tensors) and returns the output array. `policy`
-    overrides the execution policy (`dtype`, `param_dtype`, `attention_impl`,
-    `remat_policy`); dtypes default to the module's own.
+    `forward` (arrays in place of tensors) and returns the output array. `family` names the
+    part to port where several families port one class (`"vae_wan_encoder"`: the encoder of an
+    `AutoencoderKLWan`, whose default family is its decoder). `policy` overrides the execution
+    policy (`dtype`, `param_dtype`, `attention_impl`, `remat_policy`); dtypes default to the
+    module's own.
     """
-    family = family_for_class(type(module).__name__)
+    family = _family(type(module).__name__, family)
     module_dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
     policy = {"dtype": module_dtype, "param_dtype": module_dtype, **policy}
     cfg = family.config_from_diffusers(dict(module.config), **policy)
@@ -103,19 +106,33 @@ def from_diffusers(module, **policy) -> tuple[Callable, dict]:
     return make_apply_fn(family, cfg), params
 
 
-def convert_diffusers_folder(model_dir: str, out: str, dtype: str = "source", log=print) -> None:
+def _family(class_name: str, name: str | None) -> ModelFamily:
+    """`family_for_class(class_name)`, or the family `name` after checking that it ports that class."""
+    if name is None:
+        return family_for_class(class_name)
+    family = FAMILIES.get(name)
+    if family is None or family.diffusers_class != class_name:
+        parts = sorted(f.name for f in FAMILIES.values() if f.diffusers_class == class_name)
+        raise ValueError(f"family {name!r} does not port {class_name!r}; the families that do: {parts}")
+    return family
+
+
+def convert_diffusers_folder(
+    model_dir: str, out: str, dtype: str = "source", log=print, family: str | None = None
+) -> None:
     """Convert a diffusers model folder (config.json + safetensors shards) into a checkpoint.
 
     Shards are read one at a time, memory-mapped, each weight written into its place
     as it is read (peak memory ~ the converted parameters). `dtype` is the stored
-    dtype ('source' keeps each weight's). Load the result with `load_checkpoint(out)`.
+    dtype ('source' keeps each weight's); `family` as in `from_diffusers`. Load the result
+    with `load_checkpoint(out)`.
     """
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{config_path} not found: --model_dir must be a diffusers model folder")
     with open(config_path) as f:
         diffusers_config = json.load(f)
-    family = family_for_class(diffusers_config.get("_class_name", "<no _class_name in config.json>"))
+    family = _family(diffusers_config.get("_class_name", "<no _class_name in config.json>"), family)
     cfg = family.config_from_diffusers(diffusers_config)
     builder = ParamBuilder(
         family.weight_rules(cfg),
