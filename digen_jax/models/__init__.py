@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 
 from digen_jax.models import clip, flux, hunyuan_video, qwenimage, sd3, vae_flux, vae_hunyuan_video, vae_wan, wan
-from digen_jax.models import image_reward
+from digen_jax.models import image_reward, wan22
 from digen_jax.models.checkpoints import load_checkpoint, save_checkpoint
 from digen_jax.models.conversion import (
     ConversionError,
@@ -32,6 +32,7 @@ FAMILIES: dict[str, ModelFamily] = {
         flux.FAMILY,
         qwenimage.FAMILY,
         wan.FAMILY,
+        wan22.FAMILY,
         hunyuan_video.FAMILY,
         sd3.FAMILY,
         vae_flux.FAMILY,
