@@ -45,9 +45,15 @@ class Wan22Config(wan.WanConfig):
     else two experts of this architecture, the high-noise one for timesteps >= boundary_ratio * 1000."""
 
     boundary_ratio: float | None = None
+    # The spatial compression of the VAE whose latents the transformer takes (the pipeline's
+    # `vae_scale_factor_spatial`); None: 16 for 48 latent channels (the Wan2.2 VAE), else 8
+    # (the Wan2.1 VAE). Not part of the weights: it sizes the latents for a given video.
+    vae_scale_factor_spatial: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
+        if self.vae_scale_factor_spatial is None:
+            object.__setattr__(self, "vae_scale_factor_spatial", 16 if self.in_channels == 48 else 8)
         if self.boundary_ratio is not None and not 0.0 < self.boundary_ratio < 1.0:
             raise ValueError(f"boundary_ratio must be in (0, 1) (or None for one transformer), got {self.boundary_ratio}")
 
@@ -68,7 +74,7 @@ VARIANTS = {
     # model_index.json boundary_ratio 0.875.
     "t2v-a14b": Wan22Config(**_A14B, boundary_ratio=0.875),
     # Structurally identical to TI2V-5B (2 blocks; 8 latent channels, the tiny Wan2.2 VAE's).
-    "tiny": Wan22Config(**_TINY, in_channels=8, out_channels=8),
+    "tiny": Wan22Config(**_TINY, in_channels=8, out_channels=8, vae_scale_factor_spatial=16),
     # Structurally identical to T2V-A14B (two experts of 2 blocks; the tiny Wan2.1 VAE's 4 channels).
     "tiny-a14b": Wan22Config(**_TINY, in_channels=4, out_channels=4, boundary_ratio=0.875),
 }
