@@ -14,11 +14,15 @@ Wan2.2 text-to-video models, each at its released flow shift and guidance:
 
 Real run (converted weights and an embedding cache, see README "Model-zoo configs"):
 
-    python convert/diffusers_to_orbax.py --model_dir=/ckpt/Wan2.2-TI2V-5B-Diffusers/transformer --out=/ckpt/wan22-5b-jax
+    python convert/diffusers_to_orbax.py --model_dir=/ckpt/Wan2.2-TI2V-5B-Diffusers/transformer --family=wan22 \
+        --out=/ckpt/wan22-5b-jax
     python convert/diffusers_to_orbax.py --model_dir=/ckpt/Wan2.2-TI2V-5B-Diffusers/vae --out=/ckpt/wan22-vae-jax
     python launch/train.py --config=configs/wan22.py --workdir=/tmp/wan22 \
         --config.model.checkpoint=/ckpt/wan22-5b-jax --config.model.vae_checkpoint=/ckpt/wan22-vae-jax \
         --config.data.embedding_cache=/data/wan-prompts
+
+T2V-A14B: convert both experts into one checkpoint (convert/diffusers_to_orbax.py --model_dir_2) and
+use the Wan2.1 VAE (configs/wan21.py's).
 
 Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
 CPU smoke runs of the tiny variants: --config=configs/wan22.py:tiny (TI2V structure, tiny Wan2.2

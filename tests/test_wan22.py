@@ -1,17 +1,28 @@
 """Wan2.2 at the model level: the T2V-A14B pair of experts routed by timestep, its conversion,
 and the released configs' shapes."""
 import dataclasses
+import importlib.util
+import json
+import os
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from digen_jax.models import FAMILIES, make_apply_fn, wan, wan22
-from digen_jax.models.conversion import convert_weights, torch_state_dict_arrays
+from digen_jax.app import families, loop
+from digen_jax.app.errors import ConfigError
+from digen_jax.models import FAMILIES, convert_expert_pair, load_checkpoint, make_apply_fn, vae_wan, wan, wan22
+from digen_jax.models.conversion import ConversionError, convert_weights, torch_state_dict_arrays
+from digen_jax.rl import lora
+from digen_jax.rl.rollout import Conditioning, make_denoiser
 from test_wan import port, random_wan, rel_err, to_numpy, wan_inputs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +114,95 @@ def test_released_variants():
     assert a14b.boundary_timestep == 875.0
     with pytest.raises(ValueError, match="boundary_ratio"):
         dataclasses.replace(a14b, boundary_ratio=1.5)
+
+
+def wan22_config(size):
+    spec = importlib.util.spec_from_file_location("config_wan22", os.path.join(ROOT, "configs", "wan22.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(size)
+
+
+@pytest.mark.parametrize("size,shape,vae_variant", [
+    ("ti2v_5b", (48, 9, 30, 52), "wan2.2"),  # 480x832, 33 frames: 16x spatial, 4x temporal
+    ("t2v_a14b", (16, 9, 60, 104), "wan2.1"),
+])
+def test_full_size_configs_validate_and_fit_their_models(size, shape, vae_variant):
+    """No weights: the config validates, the latents fit the transformer (both experts for A14B)
+    and the VAE (jax.eval_shape), the LoRA targets match inside every expert."""
+    c = wan22_config(size)
+    assert c.model.family == "wan22" and not c.model.random_init
+    c.model.random_init = c.data.random_embeddings = True
+    loop.validate_config(c, this_machine=False)
+    model_cfg, vae_cfg = families.model_config(c), families.vae_config(c)
+    assert vae_cfg == dataclasses.replace(vae_wan.VARIANTS[vae_variant], dtype=c.model.dtype)
+    assert families.latent_shape(c, vae_cfg) == shape
+    params = nn.unbox(wan22.FAMILY.abstract_params(model_cfg))
+    targets = lora.match_lora_targets(params, list(c.rl.lora_targets))
+    assert {path.split("/")[0] for path in targets} == ({"transformer", "transformer_2"} if size == "t2v_a14b" else {"blocks"})
+    module = wan22.make_module(model_cfg)
+    cond = Conditioning(jax.ShapeDtypeStruct((1, c.data.text_len, 4096), jnp.float32), None, None)
+    latents = jax.ShapeDtypeStruct((1, *shape), jnp.float32)
+    velocity = jax.eval_shape(make_denoiser(wan22.FAMILY, module), params, latents, cond,
+                              jax.ShapeDtypeStruct((1,), jnp.float32))
+    assert velocity.shape == (1, *shape)
+    vae_params = nn.unbox(vae_wan.FAMILY.abstract_params(vae_cfg))
+    frames = jax.eval_shape(families.decoder("wan22", vae_cfg, c.sampling.height, c.sampling.width), vae_params, latents)
+    assert frames.shape == (1, 3, c.sampling.num_frames, c.sampling.height, c.sampling.width)
+
+
+def test_sides_must_fit_the_wan22_vae():
+    c = wan22_config("tiny")
+    c.sampling.height = 48  # a multiple of 16, not of the Wan2.2 VAE's 32
+    with pytest.raises(ConfigError, match="sampling.height=48 must be a multiple of 32"):
+        loop.validate_config(c)
+
+
+def b_norm(adapters, expert):
+    """Sum of |B| over the expert's adapters (B starts at 0, so > 0 once trained)."""
+    flat = traverse_util.flatten_dict(adapters, sep="/")
+    found = [np.abs(np.asarray(x)).sum() for path, x in flat.items() if path.startswith(f"{expert}/") and path.endswith(f"/{lora._B}")]
+    assert found, f"no adapters of {expert}"
+    return float(sum(found))
+
+
+@pytest.mark.parametrize("size,mode", [("tiny", "gap"), ("tiny_a14b", "colocated")])
+def test_tiny_iteration_through_train(size, mode, tmp_path):
+    """configs/wan22.py's tiny sizes through the real entry point: TI2V's structure (tiny Wan2.2
+    VAE) disaggregated, the A14B pair colocated. For the pair the ladder's flow shift is 3, so
+    the 4 steps' timesteps are 1000, 900 (high-noise expert) and 750, 500 (low-noise): the trained
+    steps 0-2 fall on both sides, and one LoRA update moves both experts' adapters (B starts at
+    0). The update is on-policy (ratio exactly 1), and the rollout's log-probabilities match the
+    trainer's, so rollout and training routed every step to the same expert."""
+    c = wan22_config(size)
+    c.runtime.mode = mode
+    if mode == "gap":
+        c.runtime.rollout_devices = c.runtime.train_devices = 4
+    if size == "tiny_a14b":
+        c.sampling.ladder_options = {"flow_shift": 3.0}
+    state = loop.train(c, str(tmp_path), log=lambda _: None)
+    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+        (row,) = [json.loads(line) for line in f]
+    assert row["step"] == 1 and row["skipped"] == 0 and row["ratio_mean"] == 1 and row["grad_norm"] > 0
+    assert row["rollout_logp_gap_max"] < 1e-5, row
+    if size == "tiny_a14b":
+        b_norms = {e: b_norm(state.trainable, e) for e in wan22.EXPERTS}
+        assert all(v > 0 for v in b_norms.values()), b_norms
+
+
+def test_pair_converts_from_a_pipeline_folder(experts, tmp_path):
+    """The pipeline's transformer/ and transformer_2/ folders into one wan22 checkpoint of the
+    pair, the boundary read from model_index.json; configs that differ are refused."""
+    high, low, _, direct = experts
+    high.save_pretrained(tmp_path / "transformer")
+    low.save_pretrained(tmp_path / "transformer_2")
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "boundary_ratio": 0.875}))
+    convert_expert_pair(str(tmp_path / "transformer"), str(tmp_path / "transformer_2"), str(tmp_path / "out"),
+                        log=lambda _: None)
+    family, cfg, params = load_checkpoint(str(tmp_path / "out"), dtype="float32", param_dtype="float32")
+    assert family is wan22.FAMILY and cfg.boundary_ratio == 0.875
+    jax.tree.map(np.testing.assert_array_equal, params, direct)
+    random_wan(13, num_layers=1).save_pretrained(tmp_path / "other")
+    with pytest.raises(ConversionError, match=r"configs differ in \['num_layers'\]"):
+        convert_expert_pair(str(tmp_path / "transformer"), str(tmp_path / "other"), str(tmp_path / "x"),
+                            log=lambda _: None)

@@ -50,6 +50,7 @@ __all__ = [
     "FAMILIES",
     "ConversionError",
     "convert_diffusers_folder",
+    "convert_expert_pair",
     "family_for_class", "from_diffusers", "load_checkpoint", "make_apply_fn", "save_checkpoint"]
 
 
@@ -128,28 +129,72 @@ def convert_diffusers_folder(
     dtype ('source' keeps each weight's); `family` as in `from_diffusers`. Load the result
     with `load_checkpoint(out)`.
     """
-    config_path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{config_path} not found: --model_dir must be a diffusers model folder")
-    with open(config_path) as f:
-        diffusers_config = json.load(f)
+    diffusers_config = _read_config(model_dir, "--model_dir")
     family = _family(diffusers_config.get("_class_name", "<no _class_name in config.json>"), family)
     cfg = family.config_from_diffusers(diffusers_config)
-    builder = ParamBuilder(
+    builder = _builder(family, cfg, dtype, model_dir)
+    _stream(builder, model_dir, "", log)
+    params = builder.finish()
+    save_checkpoint(out, family, cfg, params)
+    log(f"wrote {family.name} checkpoint with {len(builder.seen)} weights to {out}")
+
+
+def convert_expert_pair(
+    model_dir: str, model_dir_2: str, out: str, boundary_ratio: float | None = None, dtype: str = "source", log=print
+) -> None:
+    """Convert Wan2.2-A14B's two experts (the pipeline's `transformer` and `transformer_2`
+    folders: high noise, low noise) into one `wan22` checkpoint of the pair.
+
+    `boundary_ratio` defaults to the pipeline's (`model_index.json` next to `model_dir`). Both
+    folders must hold the same architecture. Streams shard by shard as `convert_diffusers_folder`.
+    """
+    configs = [_read_config(d, flag) for d, flag in ((model_dir, "--model_dir"), (model_dir_2, "--model_dir_2"))]
+    arch = [{k: v for k, v in c.items() if not k.startswith("_")} for c in configs]
+    if arch[0] != arch[1]:
+        differ = sorted(k for k in arch[0].keys() | arch[1].keys() if arch[0].get(k) != arch[1].get(k))
+        raise ConversionError(f"the two experts' configs differ in {differ}: {model_dir} and {model_dir_2}")
+    if boundary_ratio is None:
+        index = os.path.join(os.path.dirname(os.path.abspath(model_dir)), "model_index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                boundary_ratio = json.load(f).get("boundary_ratio")
+        if boundary_ratio is None:
+            raise ConversionError(f"no boundary_ratio in {index}: pass --boundary_ratio (0.875 for Wan2.2-T2V-A14B)")
+    family = wan22.FAMILY
+    cfg = family.config_from_diffusers({**configs[0], "boundary_ratio": boundary_ratio})
+    builder = _builder(family, cfg, dtype, f"{model_dir} + {model_dir_2}")
+    for expert, folder in zip(wan22.EXPERTS, (model_dir, model_dir_2)):
+        _stream(builder, folder, f"{expert}.", log)
+    params = builder.finish()
+    save_checkpoint(out, family, cfg, params)
+    log(f"wrote the {family.name} pair (boundary_ratio {boundary_ratio}) with {len(builder.seen)} weights to {out}")
+
+
+def _read_config(model_dir: str, flag: str) -> dict:
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{config_path} not found: {flag} must be a diffusers model folder")
+    with open(config_path) as f:
+        return json.load(f)
+
+
+def _builder(family: ModelFamily, cfg: Any, dtype: str, source: str) -> ParamBuilder:
+    return ParamBuilder(
         family.weight_rules(cfg),
         family.abstract_params(cfg),
         dtype=None if dtype == "source" else dtype,
-        source=model_dir,
+        source=source,
         ignored_prefixes=family.ignored_prefixes,
     )
+
+
+def _stream(builder: ParamBuilder, model_dir: str, prefix: str, log) -> None:
+    """Every weight of the folder's shards into `builder`, keys prefixed with `prefix`."""
     shards = safetensors_shards(model_dir)
     start = time.time()
     for n, shard in enumerate(shards, 1):
         count = 0
         for key, array in read_safetensors(shard):
-            builder.add(key, array)
+            builder.add(prefix + key, array)
             count += 1
         log(f"[{n}/{len(shards)}] {os.path.basename(shard)}: {count} weights ({time.time() - start:.1f}s)")
-    params = builder.finish()
-    save_checkpoint(out, family, cfg, params)
-    log(f"wrote {family.name} checkpoint with {len(builder.seen)} weights to {out}")
