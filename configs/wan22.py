@@ -9,8 +9,8 @@ Wan2.2 text-to-video models, each at its released flow shift and guidance:
   takes matter only for image conditioning, which this run does not do).
 * `:t2v_a14b`: Wan2.2-T2V-A14B, two 14.3 B experts of the Wan2.1-14B architecture on the Wan2.1
   VAE; steps with timestep >= 875 (boundary_ratio 0.875) run the high-noise expert, the rest the
-  low-noise one, in rollout and training alike; LoRA adapts both. Flow shift 12; CFG 4 (the
-  release uses 4 on the high-noise expert and 3 on the low-noise one; one scale here).
+  low-noise one, in rollout and training alike; LoRA adapts both. Flow shift 12; CFG 4 on the
+  high-noise steps and 3 on the low-noise ones (`sampling.cfg_scale_2`), as released.
 
 Real run (converted weights and an embedding cache, see README "Model-zoo configs"):
 
@@ -41,7 +41,7 @@ from configs.sections import (
 # The released models: transformer variant, sample_shift and guidance (Wan2.2's configs).
 MODELS = {
     "ti2v_5b": dict(variant="ti2v-5b", flow_shift=5.0, cfg_scale=5.0),
-    "t2v_a14b": dict(variant="t2v-a14b", flow_shift=12.0, cfg_scale=4.0),
+    "t2v_a14b": dict(variant="t2v-a14b", flow_shift=12.0, cfg_scale=4.0, cfg_scale_2=3.0),
 }
 SIZES = ("ti2v_5b", "t2v_a14b", "tiny", "tiny_a14b")
 
@@ -84,6 +84,9 @@ def get_config(size: str = "ti2v_5b") -> ml_collections.ConfigDict:
     c.sampling.ladder_options = {"flow_shift": released["flow_shift"]}  # the released sample_shift
     c.sampling.guidance = 0.0  # no embedded guidance
     c.sampling.cfg_scale = released["cfg_scale"]  # true CFG against the cache's negative prompt
+    # A14B: the low-noise expert's scale (diffusers' guidance_scale_2); None: cfg_scale throughout.
+    c.sampling.cfg_scale_2 = ml_collections.config_dict.placeholder(float)
+    c.sampling.cfg_scale_2 = released.get("cfg_scale_2")
     c.sampling.cfg_rescale = False
     c.sampling.sde_type = "wan"
     c.sampling.noise_level = 1.0  # only zero vs non-zero matters for the Wan step

@@ -226,3 +226,23 @@ def test_per_token_timesteps_split_over_a_seq_mesh():
         out = compiled(params, inputs)
     assert "all-to-all" in compiled.as_text()
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+
+
+def test_low_noise_steps_take_the_second_guidance_scale():
+    """`sampling.cfg_scale_2` (diffusers' guidance_scale_2): samples whose timestep is below the
+    boundary are guided with it, the others with cfg_scale; it needs a pair and CFG on."""
+    from digen_jax.rl.rollout import SamplerSpec, guided_velocity
+
+    def denoiser(params, latents, cond, sigma):  # v = text: negative 0, positive 1
+        return jnp.broadcast_to(cond.text.mean(axis=(1, 2)).reshape(-1, 1, 1, 1, 1), latents.shape)
+
+    spec = SamplerSpec("wan", 4.0, False, cfg_scale_2=3.0, boundary_timestep=875.0)
+    cond = Conditioning(jnp.ones((3, 2, 4)), None, None)
+    negative = Conditioning(jnp.zeros((1, 2, 4)), None, None)
+    sigma = jnp.asarray([0.9, 0.875, 0.874])
+    v = guided_velocity(denoiser, spec, None, jnp.zeros((3, 4, 1, 2, 2)), cond, sigma, negative)
+    np.testing.assert_array_equal(np.asarray(v[:, 0, 0, 0, 0]), [4.0, 4.0, 3.0])
+    with pytest.raises(ValueError, match="one transformer"):
+        SamplerSpec("wan", 4.0, False, cfg_scale_2=3.0)
+    with pytest.raises(ValueError, match="needs true CFG"):
+        SamplerSpec("wan", 1.0, False, cfg_scale_2=3.0, boundary_timestep=875.0)

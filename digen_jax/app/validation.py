@@ -358,6 +358,11 @@ def _validate_zoo(config) -> None:
         model_cfg, vae_cfg = model_config(config), vae_config(config)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model: {e}") from None
+    try:
+        SamplerSpec(s.sde_type, s.cfg_scale, s.cfg_rescale, s.get("cfg_scale_2"),
+                    getattr(model_cfg, "boundary_timestep", None))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     side = side_multiple(vae_cfg)
     for key in ("height", "width"):
         if s[key] % side:
