@@ -47,7 +47,8 @@ _DTYPE = flags.DEFINE_enum(
 def main(argv):
     del argv
     if not _MODEL_DIR.value or not _OUT.value:
-        sys.exit("usage: diffusers_to_orbax.py --model_dir=DIR --out=DIR [--dtype=source|float32|bfloat16|float16]")
+        sys.exit("usage: diffusers_to_orbax.py --model_dir=DIR --out=DIR [--model_dir_2=DIR] [--family=NAME] "
+                 "[--dtype=source|float32|bfloat16|float16]")
     try:
         if _MODEL_DIR_2.value:
             convert_expert_pair(_MODEL_DIR.value, _MODEL_DIR_2.value, _OUT.value, _BOUNDARY.value, _DTYPE.value)
