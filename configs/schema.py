@@ -93,6 +93,8 @@ KEYS: dict[str, Key] = {
     "sampling.guidance": Key(3.5, "embedded guidance scale (FLUX.1-dev style; 0: none)"),
     "sampling.cfg_scale": Key(1.0, "true classifier-free guidance against the negative prompt (1: off)"),
     "sampling.cfg_rescale": Key(False, "guided velocity rescaled to the conditional one's norm per token"),
+    "sampling.cfg_scale_2": Key(_placeholder(float), "a pair of experts (Wan2.2-A14B): the low-noise steps' CFG "
+                                "scale (diffusers' guidance_scale_2); None: cfg_scale throughout", group="zoo"),
     "sampling.sde_type": Key("sde", "the SDE step: 'sde' (Flow-GRPO) | 'cps' | 'wan' | 'dance' (DanceGRPO)",
                              ("sde", "cps", "wan", "dance")),
     "sampling.noise_level": Key(0.9, "Flow-GRPO's noise level `a` (eta for 'dance')"),

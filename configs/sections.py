@@ -72,6 +72,7 @@ ATTENTION_MLP_TARGETS: dict[str, tuple[str, ...]] = {
     "flux": (r"attn/(to_|add_)", r"/(ff|ff_context)/", r"single_blocks/(\d+/)?proj_(mlp|out)/"),
     "qwenimage": (r"attn/(to_|add_)", r"/(img_mlp|txt_mlp)/"),
     "wan": (r"blocks/(\d+/)?attn[12]/to_", r"blocks/(\d+/)?ffn/"),
+    "wan22": (r"blocks/(\d+/)?attn[12]/to_", r"blocks/(\d+/)?ffn/"),  # in both A14B experts alike
     "hunyuan_video": (
         r"(double|single)_blocks/(\d+/)?attn/(to_|add_)",
         r"double_blocks/(\d+/)?(ff|ff_context)/",

@@ -198,9 +198,10 @@ def latent_grid(family: str, cfg: Any, *, height: int, width: int, frames: int =
     hunyuan_video): ((frames - 1)/4 + 1, H/16, W/16) with the (1, 2, 2) patch.
     """
     formula = _formula(family)
-    if height <= 0 or width <= 0 or height % PIXELS_PER_TOKEN or width % PIXELS_PER_TOKEN:
-        raise ValueError(f"height and width must be positive multiples of {PIXELS_PER_TOKEN}, got {height}x{width}")
-    rows, cols = height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
+    side = formula.pixels_per_token(cfg) if formula.pixels_per_token else PIXELS_PER_TOKEN
+    if height <= 0 or width <= 0 or height % side or width % side:
+        raise ValueError(f"height and width must be positive multiples of {side}, got {height}x{width}")
+    rows, cols = height // side, width // side
     if formula.temporal_patch is None:
         if frames != 1:
             raise ValueError(f"{family} generates images: frames must be 1, got {frames}")
@@ -410,10 +411,12 @@ class Formula:
     samples of `tokens` post-patch latent tokens and `text_len` text positions each.
     temporal_patch(cfg): for video families, the latent frames one token spans (the config's
     temporal patch); None for image families (one frame of packed 2x2 tokens).
+    pixels_per_token(cfg): the side of the pixel square one token spans; None: PIXELS_PER_TOKEN.
     """
 
     terms: Callable[[Any, int, int, int], ModelTerms]
     temporal_patch: Callable[[Any], int] | None = None
+    pixels_per_token: Callable[[Any], int] | None = None
 
 
 # The FLOP formula of each transformer family, by the family's name (`digen_jax.models.FAMILIES`).
@@ -421,6 +424,8 @@ FORMULAS: dict[str, Formula] = {
     "flux": Formula(_flux),
     "qwenimage": Formula(_qwenimage),
     "wan": Formula(_wan, lambda cfg: cfg.patch_size[0]),
+    # One forward runs one transformer (of the A14B pair, one expert); its VAE sets the token size.
+    "wan22": Formula(_wan, lambda cfg: cfg.patch_size[0], lambda cfg: cfg.vae_scale_factor_spatial * cfg.patch_size[1]),
     "hunyuan_video": Formula(_hunyuan_video, lambda cfg: cfg.patch_size_t),
     "sd3": Formula(_sd3),
 }

@@ -64,11 +64,12 @@ _MODE = flags.DEFINE_enum(
     "What to benchmark: 'model' (one transformer on one device) or 'system' (RL iterations of --config in "
     "every schedule mode of --modes on all devices).",
 )
-_FAMILY = flags.DEFINE_enum("family", "flux", ["flux", "qwenimage", "wan", "hunyuan_video", "sd3"], "Model family.")
+_FAMILY = flags.DEFINE_enum("family", "flux", ["flux", "qwenimage", "wan", "wan22", "hunyuan_video", "sd3"],
+                            "Model family.")
 _VARIANT = flags.DEFINE_string(
     "variant", None, "Variant of the family's VARIANTS table: flux dev|schnell|tiny, qwenimage qwen-image|tiny, "
-    "wan t2v-14b|tiny, hunyuan_video t2v|tiny, sd3 sd3.5-medium|sd3-medium|sd3.5-large|tiny. Default: the full-size "
-    "model."
+    "wan t2v-14b|tiny, wan22 ti2v-5b|t2v-a14b|tiny|tiny-a14b (sides multiples of 32 for ti2v-5b and tiny), "
+    "hunyuan_video t2v|tiny, sd3 sd3.5-medium|sd3-medium|sd3.5-large|tiny. Default: the family's first variant."
 )
 _BATCH = flags.DEFINE_integer("batch", 1, "Batch size of one forward (CFG doubles it in sampling; not applied here).")
 _HEIGHT = flags.DEFINE_integer("height", 512, "Image/video height in pixels (multiple of 16).")

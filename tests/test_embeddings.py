@@ -89,7 +89,7 @@ def _components(family: str) -> dict:
             vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, max_position_embeddings=2048, pad_token_id=tok.pad_token_id)).eval()
         return {"text_encoder": model, "tokenizer": tok}
-    if family == "wan":
+    if family in ("wan", "wan22"):
         tok = _tokenizer("", "$A </s>", 512)
         return {"text_encoder": transformers.UMT5EncoderModel(transformers.UMT5Config(**_t5_config(tok))).eval(),
                 "tokenizer": tok}
@@ -132,7 +132,7 @@ def _reference(pipe, family, prompts):
         if family == "qwenimage":
             text, mask = pipe.encode_prompt(prompts, max_sequence_length=512)
             return {"text": text, "mask": mask}
-        if family == "wan":
+        if family in ("wan", "wan22"):
             return {"text": pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512)[0]}
         if family == "sd3":
             text, _, pooled, _ = pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False,
@@ -148,7 +148,8 @@ def test_cache_equals_pipeline_encode_prompt(encoded):
     got = cache.batch(np.arange(len(PROMPTS)))
     n = len(PROMPTS)
     # SD3: CLIP's 77 positions, then T5's 256.
-    expected_len = {"flux": 512, "wan": 512, "hunyuan_video": 256, "sd3": 77 + 256}.get(family, ref["text"].shape[1])
+    expected_len = {"flux": 512, "wan": 512, "wan22": 512, "hunyuan_video": 256, "sd3": 77 + 256}.get(
+        family, ref["text"].shape[1])
     assert len(cache) == n and cache.text_len == expected_len and cache.dtype == "float32"
     assert cache.prompts == PROMPTS and got["prompt_ids"].tolist() == [3, 4, 7, 8, 9]
     width = {"flux": lambda: pipe.text_encoder_2.config.d_model, "sd3": lambda: pipe.text_encoder_3.config.d_model}.get(
@@ -167,7 +168,7 @@ def test_cache_equals_pipeline_encode_prompt(encoded):
         # Right-padded, and zeros are in the padding only where diffusers zero-pads (Qwen-Image).
         assert all(got["mask"][i, :length].all() and not got["mask"][i, length:].any()
                    for i, length in enumerate(got["lengths"].tolist()))
-    if family == "wan":
+    if family in ("wan", "wan22"):
         lengths = got["lengths"].tolist()
         assert all(not np.asarray(got["text"][i, length:]).any() and np.asarray(got["text"][i, length - 1]).any()
                    for i, length in enumerate(lengths))

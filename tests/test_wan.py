@@ -84,6 +84,34 @@ def test_parity_with_diffusers(overrides, batch, video, text_len):
     assert rel_err(out, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("batch,video", [(2, (3, 4, 6)), (1, (2, 2, 4))])
+def test_per_token_timesteps_parity_with_diffusers(batch, video):
+    """Wan2.2 TI2V: a (B, S) timestep, one per patch token. The pipeline's pattern (first latent
+    frame's tokens at 0, the rest at t) in the first sample, arbitrary per-token values in the
+    others, so a wrong token order or a timestep broadcast over the wrong axis shows."""
+    model = random_wan(4)
+    inputs = wan_inputs(model, batch, *video, 5)
+    f, h, w = video[0], video[1] // 2, video[2] // 2
+    g = torch.Generator().manual_seed(5)
+    per_token = 1000.0 * torch.rand(batch, f * h * w, generator=g)
+    per_token[0] = 700.0
+    per_token[0, : h * w] = 0.0
+    inputs["timestep"] = per_token
+    with torch.no_grad():
+        ref = model(**inputs).sample.numpy()
+    apply_fn, params = port(model)
+    out = apply_fn(params, **to_numpy(inputs))
+    chex.assert_shape(out, ref.shape)
+    assert rel_err(out, ref) <= 1e-5
+    # A (B, S) timestep equal on every token is the (B,) timestep.
+    same = np.full((batch, f * h * w), 321.0, np.float32)
+    np.testing.assert_allclose(
+        np.asarray(apply_fn(params, **{**to_numpy(inputs), "timestep": same})),
+        np.asarray(apply_fn(params, **{**to_numpy(inputs), "timestep": same[:, 0]})),
+        rtol=1e-5, atol=1e-6,
+    )
+
+
 def test_rope_split_matches_diffusers():
     model = random_wan(0, attention_head_dim=20)
     cfg = wan.FAMILY.config_from_diffusers(dict(model.config))
@@ -136,8 +164,8 @@ def test_bad_inputs_fail_with_named_argument():
         apply_fn(params, **{**inputs, "hidden_states": np.zeros((1, 4, 1, 4, 5), np.float32)})
     with pytest.raises(ValueError, match="rope_max_seq_len"):
         apply_fn(params, **{**inputs, "hidden_states": np.zeros((1, 4, 33, 4, 4), np.float32)})
-    with pytest.raises(ValueError, match="timestep"):
-        apply_fn(params, **{**inputs, "timestep": np.zeros((1, 4), np.float32)})
+    with pytest.raises(ValueError, match=r"timestep must have shape \(1,\) or, one per patch token, \(1, 4\)"):
+        apply_fn(params, **{**inputs, "timestep": np.zeros((1, 5), np.float32)})
     with pytest.raises(ValueError, match="encoder_hidden_states"):
         apply_fn(params, **{**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"][..., :8]})
     with pytest.raises(ValueError, match="encoder_hidden_states_image"):

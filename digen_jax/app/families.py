@@ -38,6 +38,7 @@ from digen_jax.models import (
     vae_hunyuan_video,
     vae_wan,
     wan,
+    wan22,
 )
 from digen_jax.models.checkpoints import MODEL_JSON
 from digen_jax.models.conversion import ModelFamily
@@ -57,10 +58,13 @@ class ZooFamily:
     embedding: its prompt-embedding cache layout (`data.embeddings.EMBEDDING_LAYOUTS`).
     flop_formula: its FLOP formula (`flops.FORMULAS`).
     text_dim / pooled_dim: the config fields the conditioning must match.
-    video: latents (C, T', H/8, W/8) and 4k+1 frames; else packed 2x2 tokens.
+    video: latents (C, T', H/s, W/s) and 4k+1 frames (s: the VAE's spatial compression); else
+    packed 2x2 tokens.
     text_prefix: text positions in front of the capped encoder's (SD3: CLIP's 77 before T5's).
     latent_dim: the config field the latents' channels must match (packed tokens' width for image
       families; SD3's `in_channels` count the latent's channels before its 2x2 patching).
+    vae_variants: transformer variants whose VAE is another `vae.variants` entry than the
+    'tiny' / full_vae_variant rule gives (a family whose released models use two VAEs).
     """
 
     title: str  # as the released pipeline folder is usually called
@@ -77,6 +81,7 @@ class ZooFamily:
     video: bool
     text_prefix: int = 0
     latent_dim: str = "in_channels"
+    vae_variants: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -125,6 +130,13 @@ ZOO = {
             embedding=EMBEDDING_LAYOUTS["wan"], flop_formula=flops.FORMULAS["wan"],
             text_dim="text_dim", pooled_dim=None, video=True),
         ZooFamily(
+            title="Wan2.2-TI2V-5B", transformer=wan22.FAMILY, full_variant="ti2v-5b",
+            vae=vae_wan.FAMILY, full_vae_variant="wan2.2", vae_families=("vae_wan",), decode=vae_wan.decode_latents,
+            embedding=EMBEDDING_LAYOUTS["wan22"], flop_formula=flops.FORMULAS["wan22"],
+            text_dim="text_dim", pooled_dim=None, video=True,
+            # T2V-A14B decodes with the Wan2.1 VAE; the tiny TI2V with the tiny Wan2.2 VAE.
+            vae_variants={"t2v-a14b": "wan2.1", "tiny-a14b": "tiny", "tiny": "tiny22"}),
+        ZooFamily(
             title="HunyuanVideo", transformer=hunyuan_video.FAMILY, full_variant="t2v",
             vae=vae_hunyuan_video.FAMILY, full_vae_variant="hunyuan_video", vae_families=("vae_hunyuan_video",),
             decode=vae_hunyuan_video.decode_latents,
@@ -140,7 +152,8 @@ ZOO = {
 }
 # Config keys that shorten a random-weight transformer (block stacks by their config field names).
 DEPTH_KEYS = ("num_layers", "num_single_layers")
-# The VAEs' 8x downsampling, then 2x2 packing or patches: sides are multiples of 16.
+# The VAEs' 8x downsampling, then 2x2 packing or patches: sides are multiples of 16 (of
+# `side_multiple(vae_cfg)` for a VAE that compresses more).
 SIDE_MULTIPLE = 2 * diffusion.VAE_SCALE_FACTOR
 TEMPORAL = 4  # both video VAEs: 4k + 1 frames <-> k + 1 latent frames
 
@@ -175,8 +188,8 @@ def vae_config(config: ml_collections.ConfigDict):
     """The VAE decoder's config without reading any weights; it decodes in `model.dtype`."""
     c, zoo = config.model, ZOO[config.model.family]
     if c.random_init:
-        return dataclasses.replace(zoo.vae.variants["tiny" if c.variant == "tiny" else zoo.full_vae_variant],
-                                   dtype=c.dtype)
+        variant = zoo.vae_variants.get(c.variant) or ("tiny" if c.variant == "tiny" else zoo.full_vae_variant)
+        return dataclasses.replace(zoo.vae.variants[variant], dtype=c.dtype)
     meta = read_model_json(c.vae_checkpoint)
     return FAMILIES[meta["family"]].config_from_diffusers(meta["config"], dtype=c.dtype)
 
@@ -186,8 +199,19 @@ def latent_shape(config: ml_collections.ConfigDict, vae_cfg) -> tuple[int, ...]:
     s, zoo = config.sampling, ZOO[config.model.family]
     channels = vae_cfg.z_dim if isinstance(vae_cfg, vae_wan.WanVAEConfig) else vae_cfg.latent_channels
     if zoo.video:
-        return (channels, (s.num_frames - 1) // TEMPORAL + 1, *diffusion.latent_size(s.height, s.width))
+        latent = diffusion.latent_size(s.height, s.width, vae_scale_factor(vae_cfg))
+        return (channels, (s.num_frames - 1) // TEMPORAL + 1, *latent)
     return (diffusion.packed_seq_len(s.height, s.width), 4 * channels)
+
+
+def vae_scale_factor(vae_cfg) -> int:
+    """The VAE's spatial compression: 8, or the Wan VAE's own (16 for Wan2.2's)."""
+    return vae_cfg.spatial_compression if isinstance(vae_cfg, vae_wan.WanVAEConfig) else diffusion.VAE_SCALE_FACTOR
+
+
+def side_multiple(vae_cfg) -> int:
+    """What image sides must be multiples of: the VAE's compression times the 2x2 packing or patch."""
+    return 2 * vae_scale_factor(vae_cfg)
 
 
 def decoder(family: str, vae_cfg, height: int, width: int):

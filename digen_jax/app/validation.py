@@ -22,7 +22,7 @@ from digen_jax.app.errors import ConfigError
 from digen_jax.app.memory_bound import check_memory
 from digen_jax.app.precision import decoupled_loss, validate_rollout_precision
 from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, model_config, policy, read_model_json,
-                                    latent_shape, vae_config)
+                                    latent_shape, side_multiple, vae_config)
 from digen_jax.app.workload import is_shapes, open_cache, pretrain_recipe, shapes_task
 from digen_jax.models import FAMILIES
 from digen_jax.models.checkpoints import MODEL_JSON
@@ -358,6 +358,16 @@ def _validate_zoo(config) -> None:
         model_cfg, vae_cfg = model_config(config), vae_config(config)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model: {e}") from None
+    try:
+        SamplerSpec(s.sde_type, s.cfg_scale, s.cfg_rescale, s.get("cfg_scale_2"),
+                    getattr(model_cfg, "boundary_timestep", None))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    side = side_multiple(vae_cfg)
+    for key in ("height", "width"):
+        if s[key] % side:
+            raise ConfigError(f"sampling.{key}={s[key]} must be a multiple of {side} for this VAE "
+                              f"({side // 2}x downsampling, then 2x2 patches)")
     shape = latent_shape(config, vae_cfg)
     model_in = getattr(model_cfg, zoo.latent_dim)
     if model_in != (shape[1] if not zoo.video else shape[0]):

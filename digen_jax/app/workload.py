@@ -216,8 +216,9 @@ class ModelZooWorkload(_Workload):
         denoiser = make_denoiser(self.family, self.family.module_cls(self.model_cfg), guidance=s.guidance,
                                  image_grid=image_grid)
         negative = self.task.negative() if s.cfg_scale != 1.0 else None
-        self.sampler = Sampler(denoiser, SamplerSpec(s.sde_type, s.cfg_scale, s.cfg_rescale), ladder.sigmas,
-                               None if negative is None else Conditioning(*negative))
+        spec = SamplerSpec(s.sde_type, s.cfg_scale, s.cfg_rescale, s.get("cfg_scale_2"),
+                           getattr(self.model_cfg, "boundary_timestep", None))
+        self.sampler = Sampler(denoiser, spec, ladder.sigmas, None if negative is None else Conditioning(*negative))
         decode = decoder(c.family, self.vae_cfg, s.height, s.width)
         self._frames_uint8 = jax.jit(
             lambda p, x, frames: _to_uint8_frames(decode(p, x)[:, :, list(frames)]), static_argnums=2)

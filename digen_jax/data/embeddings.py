@@ -63,6 +63,7 @@ EMBEDDING_LAYOUTS = {
     "flux": {"pooled": True, "mask": False, "lengths": False, "negative": None},
     "qwenimage": {"pooled": False, "mask": True, "lengths": True, "negative": " "},
     "wan": {"pooled": False, "mask": False, "lengths": True, "negative": ""},
+    "wan22": {"pooled": False, "mask": False, "lengths": True, "negative": ""},  # Wan2.1's umT5 layout
     "hunyuan_video": {"pooled": True, "mask": True, "lengths": True, "negative": None},
     "sd3": {"pooled": True, "mask": False, "lengths": False, "negative": ""},
 }

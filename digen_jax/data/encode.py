@@ -28,6 +28,7 @@ PIPELINES = {
     "qwenimage": ("QwenImagePipeline", {"text_encoder": "Qwen2_5_VLForConditionalGeneration"},
                   ("tokenizer",), 512, 1024),
     "wan": ("WanPipeline", {"text_encoder": "UMT5EncoderModel"}, ("tokenizer",), 512, None),
+    "wan22": ("WanPipeline", {"text_encoder": "UMT5EncoderModel"}, ("tokenizer",), 512, None),
     "hunyuan_video": ("HunyuanVideoPipeline", {"text_encoder": "LlamaModel", "text_encoder_2": "CLIPTextModel"},
                       ("tokenizer", "tokenizer_2"), 256, None),
     # The cap is T5's; the text the transformer receives is CLIP's 77 tokens longer.
@@ -127,7 +128,7 @@ def encode_batch(pipe, family: str, prompts: Sequence[str], *, max_sequence_leng
             # diffusers returns no mask when every position is real.
             mask = np.ones(text.shape[:2], bool) if mask is None else mask.cpu().numpy().astype(bool)
             return {"text": _numpy(text), "mask": mask, "lengths": mask.sum(1).astype(np.int32)}
-        if family == "wan":
+        if family in ("wan", "wan22"):
             from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
             text, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=max_len,

@@ -27,10 +27,14 @@ axis, the video tokens are split over it from the patch embedding on; self-atten
 Ulysses (all-to-all to head shards and back), cross-attention needs no communication (only its
 queries are video tokens; the text is whole on every device).
 
+Timesteps are per sample, (B,), or per token, (B, S) over the S = T'H'W'/(pt ph pw) patch tokens
+in (t, h, w) order (Wan2.2 TI2V, whose pipeline keeps the conditioning first frame clean with a
+timestep of 0 on its tokens): then the time embedding, the blocks' six modulations and the final
+(shift, scale) are per token, as in diffusers. Per-token modulations hold (B, S, 6, dim) values.
+
 Not ported: the image-conditioning (I2V / FLF2V) branches (`image_dim`,
-`added_kv_proj_dim`, `pos_embed_seq_len`, `encoder_hidden_states_image`) and
-Wan2.2-TI2V's per-token timesteps (2-D `timestep`); configs or inputs that use
-them are rejected.
+`added_kv_proj_dim`, `pos_embed_seq_len`, `encoder_hidden_states_image`); configs or inputs that
+use them are rejected.
 """
 from __future__ import annotations
 
@@ -202,6 +206,7 @@ class WanBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, ctx, timestep_proj, cos, sin):
+        """`timestep_proj` is (B, 1, 6, dim) per sample or (B, S, 6, dim) per token."""
         cfg = self.cfg
         table = self.param(
             "scale_shift_table",
@@ -210,12 +215,12 @@ class WanBlock(nn.Module):
             cfg.kw["param_dtype"],
         )
         # The modulation stays float32 (scale_shift_table is an fp32 module in diffusers).
-        mod = table.astype(jnp.float32) + timestep_proj.astype(jnp.float32)
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (mod[:, i] for i in range(6))
+        mod = table.astype(jnp.float32)[:, None] + timestep_proj.astype(jnp.float32)
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (mod[:, :, i] for i in range(6))
 
-        h = layers.modulate(fp32_layer_norm(x, cfg.eps), shift_a, scale_a).astype(x.dtype)
+        h = _modulate(fp32_layer_norm(x, cfg.eps), shift_a, scale_a).astype(x.dtype)
         attn = WanAttention(cfg, cross=False, name="attn1")(h, None, cos, sin)
-        x = (x.astype(jnp.float32) + attn * gate_a[:, None]).astype(x.dtype)
+        x = (x.astype(jnp.float32) + attn * gate_a).astype(x.dtype)
 
         if cfg.cross_attn_norm:
             ones = nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",))
@@ -230,14 +235,20 @@ class WanBlock(nn.Module):
             h = x
         x = x + WanAttention(cfg, cross=True, name="attn2")(h, ctx, None, None)
 
-        h = layers.modulate(fp32_layer_norm(x, cfg.eps), shift_m, scale_m).astype(x.dtype)
+        h = _modulate(fp32_layer_norm(x, cfg.eps), shift_m, scale_m).astype(x.dtype)
         ff = layers.FeedForward(cfg.ffn_dim, cfg.inner_dim, name="ffn", **cfg.kw)(h)
-        x = (x.astype(jnp.float32) + ff.astype(jnp.float32) * gate_m[:, None]).astype(x.dtype)
+        x = (x.astype(jnp.float32) + ff.astype(jnp.float32) * gate_m).astype(x.dtype)
         return partitioning.shard_tokens(partitioning.constrain(x, ACT)), None
 
 
+def _modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x * (1 + scale) + shift` with (B, 1, D) per-sample or (B, S, D) per-token shift/scale."""
+    return x * (1 + scale) + shift
+
+
 class WanConditioning(nn.Module):
-    """temb = MLP(sinusoid(t)) in float32; timestep_proj = Linear(SiLU(temb)) as (B, 6, dim);
+    """temb = MLP(sinusoid(t)) in float32, (B, S', dim); timestep_proj = Linear(SiLU(temb)) as
+    (B, S', 6, dim), where S' = 1 for a (B,) timestep and S for a per-token (B, S) one;
     text = Linear -> GELU(tanh) -> Linear of the text states."""
 
     cfg: WanConfig
@@ -251,7 +262,9 @@ class WanConditioning(nn.Module):
         time_embedder = layers.MLPEmbedder(
             cfg.inner_dim, name="time_embedder", dtype=jnp.float32, param_dtype=cfg.kw["param_dtype"]
         )
-        temb = time_embedder(layers.timestep_sinusoid(timestep, cfg.freq_dim)).astype(dtype)
+        per_token = timestep.reshape(timestep.shape[0], -1)  # (B, S')
+        sinusoid = layers.timestep_sinusoid(per_token.reshape(-1), cfg.freq_dim)
+        temb = time_embedder(sinusoid).astype(dtype).reshape(*per_token.shape, cfg.inner_dim)
         timestep_proj = layers.logical_dense(6 * cfg.inner_dim, ("embed", "modulation"), name="time_proj", **cfg.kw)(
             nn.silu(temb)
         )
@@ -261,7 +274,7 @@ class WanConditioning(nn.Module):
         text = layers.logical_dense(cfg.inner_dim, ("embed", "embed"), name="text_linear_2", **cfg.kw)(
             nn.gelu(text, approximate=True)
         )
-        return temb, timestep_proj.reshape(-1, 6, cfg.inner_dim), text
+        return temb, timestep_proj.reshape(*per_token.shape, 6, cfg.inner_dim), text
 
 
 class WanTransformer(nn.Module):
@@ -270,7 +283,8 @@ class WanTransformer(nn.Module):
     Args:
       hidden_states: (B, in_channels, T', H', W') video latents; T', H', W' must divide
         by `patch_size` and, after patching, be at most `rope_max_seq_len`.
-      timestep: (B,) raw scheduler timestep in [0, 1000] (not scaled inside).
+      timestep: (B,) raw scheduler timestep in [0, 1000] (not scaled inside), or (B, S) one per
+        patch token (S = T'H'W' / prod(patch_size), tokens in (t, h, w) order).
       encoder_hidden_states: (B, L, text_dim) umT5 states, no mask.
       encoder_hidden_states_image: image conditioning; must be None (text-to-video only).
       attention_kwargs: diffusers' LoRA-scale dict; must be None or empty.
@@ -301,6 +315,8 @@ class WanTransformer(nn.Module):
         patch_embed = layers.PatchEmbed3D(cfg.patch_size, cfg.inner_dim, name="patch_embedding", **cfg.kw)
         x = partitioning.shard_tokens(partitioning.constrain(patch_embed(hidden_states), ACT))
         temb, timestep_proj, ctx = WanConditioning(cfg, name="condition_embedder")(timestep, encoder_hidden_states)
+        if timestep.ndim == 2:  # per-token modulations follow the tokens' split
+            temb, timestep_proj = partitioning.shard_tokens(temb), partitioning.shard_tokens(timestep_proj)
         ctx = partitioning.constrain(ctx, ACT)
 
         if cfg.num_layers:
@@ -314,8 +330,8 @@ class WanTransformer(nn.Module):
             cfg.kw["param_dtype"],
         )
         # Unlike the blocks' tables, the final one is (shift, scale) applied to temb itself.
-        mod = table.astype(jnp.float32) + temb.astype(jnp.float32)[:, None]
-        x = layers.modulate(fp32_layer_norm(x, cfg.eps), mod[:, 0], mod[:, 1]).astype(x.dtype)
+        mod = table.astype(jnp.float32)[:, None] + temb.astype(jnp.float32)[:, :, None]
+        x = _modulate(fp32_layer_norm(x, cfg.eps), mod[:, :, 0], mod[:, :, 1]).astype(x.dtype)
         x = layers.logical_dense(cfg.out_dim, ("embed", "cond"), name="proj_out", **cfg.kw)(x)
 
         # Unpatchify: proj_out channels are (pt, ph, pw, C), channel last.
@@ -345,13 +361,11 @@ def _check_inputs(cfg, hidden_states, timestep, encoder_hidden_states, encoder_h
                 f"hidden_states {axis} = {size} gives {size // patch} patches, "
                 f"more than rope_max_seq_len={cfg.rope_max_seq_len}"
             )
-    if timestep.ndim == 2:
+    tokens = math.prod(size // patch for size, patch in zip(sizes, cfg.patch_size))
+    if timestep.shape not in ((b,), (b, tokens)):
         raise ValueError(
-            f"timestep must have shape ({b},); per-token timesteps (Wan2.2 TI2V) are not supported, "
-            f"got {timestep.shape}"
+            f"timestep must have shape ({b},) or, one per patch token, ({b}, {tokens}); got {timestep.shape}"
         )
-    if timestep.shape != (b,):
-        raise ValueError(f"timestep must have shape ({b},), got {timestep.shape}")
     ehs = encoder_hidden_states
     if ehs.ndim != 3 or ehs.shape[0] != b or ehs.shape[2] != cfg.text_dim:
         raise ValueError(f"encoder_hidden_states must have shape ({b}, L, {cfg.text_dim}), got {ehs.shape}")

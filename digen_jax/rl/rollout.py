@@ -83,17 +83,29 @@ class SamplerSpec:
       With CFG the negative and positive batches run as one forward, [negative, positive].
     cfg_rescale: rescale the guided velocity per token to the norm of the conditional one
       (Qwen-Image's true-CFG norm rescale).
+    cfg_scale_2: a second scale for the steps whose timestep (sigma * 1000) is below
+      `boundary_timestep`, as diffusers' Wan2.2 pipelines guide their low-noise expert
+      (`guidance_scale_2`); None: `cfg_scale` on every step.
     """
 
     sde_type: str = "sde"
     cfg_scale: float = 1.0
     cfg_rescale: bool = False
+    cfg_scale_2: float | None = None
+    boundary_timestep: float | None = None
 
     def __post_init__(self):
         if self.sde_type not in SDE_TYPES:
             raise ValueError(f"sampling.sde_type must be one of {SDE_TYPES}, got {self.sde_type!r}")
         if self.cfg_scale < 1.0:
             raise ValueError(f"sampling.cfg_scale must be >= 1 (1 disables CFG), got {self.cfg_scale}")
+        if self.cfg_scale_2 is not None:
+            if self.boundary_timestep is None:
+                raise ValueError("sampling.cfg_scale_2 guides the low-noise expert of a pair (Wan2.2-A14B); "
+                                 "this model has one transformer: leave it unset")
+            if self.cfg_scale == 1.0 or self.cfg_scale_2 < 1.0:
+                raise ValueError(f"sampling.cfg_scale_2={self.cfg_scale_2} needs true CFG on (sampling.cfg_scale > 1) "
+                                 "and must be >= 1")
 
 
 def guided_velocity(
@@ -108,6 +120,10 @@ def guided_velocity(
     """The post-guidance velocity in float32 (identical in rollout and training)."""
     if spec.cfg_scale == 1.0:
         return denoiser(params, latents, cond, sigma).astype(jnp.float32)
+    scale = spec.cfg_scale
+    if spec.cfg_scale_2 is not None:  # per sample, on the side of the boundary its expert is chosen by
+        high = sigma * 1000.0 >= spec.boundary_timestep
+        scale = jnp.where(high, spec.cfg_scale, spec.cfg_scale_2).reshape(-1, *([1] * (latents.ndim - 1)))
     batch = latents.shape[0]
     neg = jax.tree.map(lambda n, c: jnp.broadcast_to(n, c.shape), negative, cond)
     both = denoiser(
@@ -117,7 +133,7 @@ def guided_velocity(
         jnp.concatenate([sigma, sigma]),
     ).astype(jnp.float32)
     v_neg, v_pos = both[:batch], both[batch:]
-    guided = v_neg + spec.cfg_scale * (v_pos - v_neg)
+    guided = v_neg + scale * (v_pos - v_neg)
     if spec.cfg_rescale:
         norm = lambda v: jnp.linalg.norm(v, axis=-1, keepdims=True)  # noqa: E731
         guided = guided * norm(v_pos) / jnp.maximum(norm(guided), 1e-12)

@@ -31,7 +31,7 @@ WHATS = ("forward", "forward_fp8", "lora_fwd_bwd", "full_fwd_bwd")
 PEER_WHATS = ("forward", "lora_fwd_bwd", "full_fwd_bwd")
 # Text-encoder sequence lengths of the pipelines (docs/models.md section 7; Qwen-Image's is the
 # prompt length, assumed 128).
-DEFAULT_TEXT_LEN = {"flux": 512, "qwenimage": 128, "wan": 512, "hunyuan_video": 256, "sd3": 77 + 256}
+DEFAULT_TEXT_LEN = {"flux": 512, "qwenimage": 128, "wan": 512, "wan22": 512, "hunyuan_video": 256, "sd3": 77 + 256}
 
 
 @dataclasses.dataclass(frozen=True)

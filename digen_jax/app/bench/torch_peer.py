@@ -64,8 +64,9 @@ def _inputs(bench: model.ModelBench, prepared: dict[str, Any], device, dtype) ->
         text_dim = cfg.joint_attention_dim
         hidden = rand(batch, cfg.in_channels, 2 * rows, 2 * cols)
     else:
-        pt = cfg.patch_size[0] if family == "wan" else cfg.patch_size_t
-        text_dim = cfg.text_dim if family == "wan" else cfg.text_embed_dim
+        wan = family in ("wan", "wan22")
+        pt = cfg.patch_size[0] if wan else cfg.patch_size_t
+        text_dim = cfg.text_dim if wan else cfg.text_embed_dim
         hidden = rand(batch, cfg.in_channels, frames * pt, 2 * rows, 2 * cols)
     text = rand(batch, text_len, text_dim)
     sigma = torch.rand(batch, generator=g).to(device, dtype) * 0.9 + 0.05
@@ -79,7 +80,7 @@ def _inputs(bench: model.ModelBench, prepared: dict[str, Any], device, dtype) ->
     if family == "qwenimage":
         return dict(hidden_states=hidden, encoder_hidden_states=text, encoder_hidden_states_mask=None, timestep=sigma,
                     img_shapes=[[(1, rows, cols)]] * batch)
-    if family == "wan":
+    if family in ("wan", "wan22"):  # wan22: TI2V-5B (one transformer)
         return dict(hidden_states=hidden, timestep=sigma * 1000, encoder_hidden_states=text)
     if family == "sd3":
         return dict(hidden_states=hidden, encoder_hidden_states=text,

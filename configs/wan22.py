@@ -1,0 +1,80 @@
+r"""Wan2.2 Flow-GRPO: the Wan2.1 recipe (configs/wan21.py: 480x832, 33 frames, 20 sampling steps,
+the Wan SDE step on every step and steps 0-18 trained, 4 videos per prompt, two updates per batch,
+KL 0.004, clip range 1e-3, lr 1e-4, LoRA 32/64 on attention and MLP, per-group std) on the two
+Wan2.2 text-to-video models, each at its released flow shift and guidance:
+
+* `:ti2v_5b` (default): Wan2.2-TI2V-5B, one 5.0 B transformer on the Wan2.2 VAE (48 latent
+  channels, 16x spatial compression, so sides are multiples of 32), flow shift 5, CFG 5.
+  Text-to-video: every token shares the step's timestep (the per-token timesteps the model
+  takes matter only for image conditioning, which this run does not do).
+* `:t2v_a14b`: Wan2.2-T2V-A14B, two 14.3 B experts of the Wan2.1-14B architecture on the Wan2.1
+  VAE; steps with timestep >= 875 (boundary_ratio 0.875) run the high-noise expert, the rest the
+  low-noise one, in rollout and training alike; LoRA adapts both. Flow shift 12; CFG 4 on the
+  high-noise steps and 3 on the low-noise ones (`sampling.cfg_scale_2`), as released.
+
+Real run (converted weights and an embedding cache, see README "Model-zoo configs"):
+
+    python convert/diffusers_to_orbax.py --model_dir=/ckpt/Wan2.2-TI2V-5B-Diffusers/transformer --family=wan22 \
+        --out=/ckpt/wan22-5b-jax
+    python convert/diffusers_to_orbax.py --model_dir=/ckpt/Wan2.2-TI2V-5B-Diffusers/vae --out=/ckpt/wan22-vae-jax
+    python launch/train.py --config=configs/wan22.py --workdir=/tmp/wan22 \
+        --config.model.checkpoint=/ckpt/wan22-5b-jax --config.model.vae_checkpoint=/ckpt/wan22-vae-jax \
+        --config.data.embedding_cache=/data/wan-prompts
+
+T2V-A14B: convert both experts into one checkpoint (convert/diffusers_to_orbax.py --model_dir_2) and
+use the Wan2.1 VAE (configs/wan21.py's).
+
+Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
+CPU smoke runs of the tiny variants: --config=configs/wan22.py:tiny (TI2V structure, tiny Wan2.2
+VAE), --config=configs/wan22.py:tiny_a14b (the pair of experts, tiny Wan2.1 VAE).
+"""
+import ml_collections
+
+from configs import schema
+from configs.sections import ATTENTION_MLP_TARGETS, tiny_overrides
+
+# The released models: transformer variant, sample_shift and guidance (Wan2.2's configs); A14B
+# guides its low-noise expert with a second scale.
+MODELS = {
+    "ti2v_5b": dict(variant="ti2v-5b", flow_shift=5.0, cfg_scale=5.0),
+    "t2v_a14b": dict(variant="t2v-a14b", flow_shift=12.0, cfg_scale=4.0, cfg_scale_2=3.0),
+}
+SIZES = ("ti2v_5b", "t2v_a14b", "tiny", "tiny_a14b")
+
+
+def get_config(size: str = "ti2v_5b") -> ml_collections.ConfigDict:
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} for configs/wan22.py; one of {SIZES}")
+    released = MODELS["t2v_a14b" if size in ("t2v_a14b", "tiny_a14b") else "ti2v_5b"]
+    c = schema.config("zoo", "video")  # what differs from configs/schema.py's defaults:
+    c.model.family = "wan22"
+    c.model.variant = released["variant"]
+    c.model.vae_decode_batch = 1
+
+    c.sampling.height, c.sampling.width = 480, 832
+    c.sampling.num_steps = 20
+    c.sampling.ladder = "wan"
+    c.sampling.ladder_options = {"flow_shift": released["flow_shift"]}
+    c.sampling.guidance = 0.0  # no embedded guidance
+    c.sampling.cfg_scale = released["cfg_scale"]  # true CFG against the cache's negative prompt
+    if "cfg_scale_2" in released:
+        c.sampling.cfg_scale_2 = released["cfg_scale_2"]
+    c.sampling.sde_type = "wan"  # g = sigma_1 * sigma: no noise-level knob
+    c.sampling.noise_level = 1.0
+
+    c.rl.prompts_per_iteration = 16
+    c.rl.group_size = 4
+    c.rl.std_mode = "group"
+    c.rl.clip_range = 1e-3
+    c.rl.kl_beta = 0.004  # the true KL to the base
+    c.rl.micro_batch_size = 8
+    c.rl.learning_rate = 1e-4
+    c.rl.lora_rank, c.rl.lora_alpha = 32, 64.0
+    c.rl.lora_targets = ATTENTION_MLP_TARGETS["wan22"]  # in both A14B experts alike
+
+    c.reward.frame_stride = 4  # reward = mean over frames 0, 4, ..., 32
+    c.train.image_every = 0  # a preview decodes the videos again
+    if size in ("tiny", "tiny_a14b"):
+        c = tiny_overrides(c, video=True, trained_steps=3)
+        c.model.variant = size.replace("_", "-")
+    return c
