@@ -14,6 +14,9 @@ import tempfile
 import traceback
 from typing import Any, Callable
 
+import flax.linen as nn
+from flax import traverse_util
+
 from digen_jax.app.bench import model
 from digen_jax.app.bench.timing import summary, time_calls
 
@@ -39,10 +42,18 @@ def measure_in_subprocess(worker_argv: Callable[[str], list[str]]) -> dict[str, 
 
 def _lora_names(prepared: dict[str, Any]) -> tuple[re.Pattern, int]:
     """The diffusers Linear modules the JAX LoRA targets adapt, found through the weight-conversion
-    rules, as one pattern over module names; and how many modules it must match."""
+    rules, as one pattern over module names; and how many modules it must match. A stacked rule's
+    `{i}` stands for the checkpoint's block numbers of its stack only (`WeightRule.offset` on), so
+    a target that leaves out one stack's layer (SD3's last block) leaves out its modules too."""
+    fam, cfg = prepared["fam"], prepared["cfg"]
+    shapes = traverse_util.flatten_dict(nn.unbox(fam.abstract_params(cfg)))
+
+    def name_pattern(rule) -> str:
+        blocks = "|".join(str(rule.offset + i) for i in range(shapes[rule.path].shape[0])) if "{i}" in rule.key else ""
+        return re.escape(rule.key.removesuffix(".weight")).replace(re.escape("{i}"), f"(?:{blocks})")
+
     keys = [
-        re.escape(rule.key.removesuffix(".weight")).replace(re.escape("{i}"), r"\d+")
-        for rule in prepared["fam"].weight_rules(prepared["cfg"])
+        name_pattern(rule) for rule in fam.weight_rules(cfg)
         if rule.path[-1] == "kernel" and any(re.search(p, "/".join(rule.path)) for p in prepared["targets"])
     ]
     expected = sum(m.layers for m in prepared["terms"].adapted(prepared["targets"]))
