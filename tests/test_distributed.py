@@ -1225,7 +1225,7 @@ def test_system_bench_runs_as_two_processes(tmp_path, pretrained_cache, two_proc
     )
     out = tmp_path / "system.json"
     port = free_port()
-    args = [sys.executable, os.path.join(REPO_ROOT, "launch", "bench.py"), "--mode=system", f"--config={config_file}",
+    args = [sys.executable, __file__, "launch", "bench.py", "--mode=system", f"--config={config_file}",
             "--modes=gap", "--warmup_iterations=0", "--iterations=1", "--matmul_size=0",
             f"--workdir={tmp_path / 'work'}", f"--out={out}"]
     env = [worker_env(4, **slurm_step_env(pid, port), **compiled_env(two_process_cache)) for pid in range(2)]
@@ -1483,7 +1483,12 @@ def run_train_worker(*argv: str) -> None:
                 os._exit(1)
 
         Executor._train = train_then_stall
-    sys.argv = [os.path.join(REPO_ROOT, "launch", "train.py"), *argv]
+    run_launch_worker("train.py", *argv)
+
+
+def run_launch_worker(script: str, *argv: str) -> None:
+    """One process of `launch/SCRIPT argv`, as a worker of this file (`cache_every_process`)."""
+    sys.argv = [os.path.join(REPO_ROOT, "launch", script), *argv]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 
@@ -1669,5 +1674,7 @@ if __name__ == "__main__":
         run_raise_worker(*sys.argv[2:])
     elif sys.argv[1] == "train":
         run_train_worker(*sys.argv[2:])
+    elif sys.argv[1] == "launch":
+        run_launch_worker(*sys.argv[2:])
     else:
         run_loop_worker(*sys.argv[2:])
