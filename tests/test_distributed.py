@@ -711,9 +711,42 @@ def worker_env(devices: int, **extra: str) -> dict:
 def compiled_env(cache_dir) -> dict:
     """A worker's persistent compilation cache in `cache_dir`, at the tests' matmul precision: the
     2-process launches of this module share one (`two_process_cache`), so the programs one
-    launch's process 0 compiled are loaded by the next (JAX writes process 0's programs only)."""
+    launch compiled are loaded by the next (`cache_every_process`)."""
     return dict(JAX_DEFAULT_MATMUL_PRECISION="highest", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+
+
+class _AsProcess0:
+    """JAX's distributed state as seen by the compilation cache's writer: process 0."""
+
+    process_id = 0
+
+    def __init__(self, state):
+        self._state = state
+
+    def __getattr__(self, name):
+        return getattr(self._state, name)
+
+
+def cache_every_process() -> None:
+    """Let this worker process write its compiled programs to the persistent compilation cache.
+    JAX writes from process 0 only, so process 1's own programs (the train role's, on its
+    devices alone) would be compiled afresh by every launch and by each `loop.train` of one;
+    its cache keys name its devices, so what it writes is loaded only where they are the same."""
+    from jax._src import compiler
+
+    if not hasattr(compiler, "_cache_write") or not hasattr(compiler, "distributed"):
+        return  # another JAX: its launches compile as JAX has them (slower, the same programs)
+    write, real = compiler._cache_write, compiler.distributed
+
+    def write_from_any_process(*args, **kwargs):
+        compiler.distributed = SimpleNamespace(global_state=_AsProcess0(real.global_state))
+        try:
+            write(*args, **kwargs)
+        finally:
+            compiler.distributed = real
+
+    compiler._cache_write = write_from_any_process
 
 
 def slurm_step_env(pid: int, port: int) -> dict:
@@ -844,7 +877,7 @@ def run_loop_worker(workdir: str, cache_dir: str, mode: str) -> None:
         watch_tracers(os.path.dirname(workdir))
         jax.config.update("jax_default_matmul_precision", "highest")  # as in every test process (conftest)
         # The resumed run loads the programs the first one compiled: the test passes the module's
-        # compilation cache (`compiled_env`), which process 0 writes.
+        # compilation cache (`compiled_env`), which every process writes (`cache_every_process`).
         assert jax.config.jax_compilation_cache_dir, "started without compiled_env"
         config.train.checkpoint_every = 1
         stopped = loop_config(cache_dir, mode)
@@ -1192,7 +1225,7 @@ def test_system_bench_runs_as_two_processes(tmp_path, pretrained_cache, two_proc
     )
     out = tmp_path / "system.json"
     port = free_port()
-    args = [sys.executable, os.path.join(REPO_ROOT, "launch", "bench.py"), "--mode=system", f"--config={config_file}",
+    args = [sys.executable, __file__, "launch", "bench.py", "--mode=system", f"--config={config_file}",
             "--modes=gap", "--warmup_iterations=0", "--iterations=1", "--matmul_size=0",
             f"--workdir={tmp_path / 'work'}", f"--out={out}"]
     env = [worker_env(4, **slurm_step_env(pid, port), **compiled_env(two_process_cache)) for pid in range(2)]
@@ -1450,7 +1483,12 @@ def run_train_worker(*argv: str) -> None:
                 os._exit(1)
 
         Executor._train = train_then_stall
-    sys.argv = [os.path.join(REPO_ROOT, "launch", "train.py"), *argv]
+    run_launch_worker("train.py", *argv)
+
+
+def run_launch_worker(script: str, *argv: str) -> None:
+    """One process of `launch/SCRIPT argv`, as a worker of this file (`cache_every_process`)."""
+    sys.argv = [os.path.join(REPO_ROOT, "launch", script), *argv]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 
@@ -1621,6 +1659,7 @@ def test_two_processes_report_on_process_0_only(stopped_runs):
 if __name__ == "__main__":
     # A hung worker prints where every thread waits before the test kills it.
     faulthandler.dump_traceback_later((WORKER_TIMEOUT_S if sys.argv[1] == "transfers" else LOOP_TIMEOUT_S) - 10)
+    cache_every_process()
     if sys.argv[1] == "transfers":
         run_worker(sys.argv[2])
     elif sys.argv[1] == "checkpoint":
@@ -1635,5 +1674,7 @@ if __name__ == "__main__":
         run_raise_worker(*sys.argv[2:])
     elif sys.argv[1] == "train":
         run_train_worker(*sys.argv[2:])
+    elif sys.argv[1] == "launch":
+        run_launch_worker(*sys.argv[2:])
     else:
         run_loop_worker(*sys.argv[2:])
