@@ -21,9 +21,10 @@ def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_colle
             # Devices per sequence group: each sample's tokens split over this many devices of its role
             # (Ulysses attention; video families, heads and tokens divisible by it). 1: no split.
             seq_parallel=1,
-            # Micro-batches the trainer rolls out (tag modes) / the rollout group prefetches with
-            # stale weights (tcss); -1: chosen every iteration from measured costs.
-            tag_microbatches=-1,
+            # Micro-batches the trainer rolls out (tag modes; a fraction splits one micro-batch between
+            # the roles, in pieces of samples) / the rollout group prefetches with stale weights
+            # (tcss); -1: chosen every iteration from measured costs.
+            tag_microbatches=-1.0,
             prefetch_microbatches=-1,
             staleness=1,  # tcss: iterations a prefetched sample's weights may lag (0 turns prefetching off)
             # Keep the optimizer state (Adam moments) in pinned host memory, copied through the train

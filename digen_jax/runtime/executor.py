@@ -28,9 +28,16 @@ iteration's figures (`_figures`), so the main thread issues no cross-process pro
 two plans; evaluation samples, images and checkpoints are read from each process's own copy
 (`to_every_process`) after every lane is drained.
 
+Split micro-batches: the trainer's rollouts count pieces of a micro-batch (`plan.pieces_per_microbatch`:
+runs of samples each role's batch axis divides), so `runtime.tag_microbatches` may be a fraction;
+the micro-batch at the boundary is rolled out in two pieces, one per role, with its samples' own
+keys and conditioning, each piece decoded and scored on its own; its training joins them on the
+train mesh (trajectory rows, then rewards in sample order), so it trains what one rollout of the
+whole micro-batch would give. With several processes the split stays in whole micro-batches.
+
 Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
 split of each iteration is chosen by `plan.choose_split` from the task times measured in
-the previous iteration (with several processes, from process 0's measured costs, broadcast: the
+the previous iteration (a piece's time counted per micro-batch) (with several processes, from process 0's measured costs, broadcast: the
 plan must be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
 measured times travel with each checkpoint, so a resumed run's first split is the one the
 uninterrupted run chose.
@@ -155,6 +162,48 @@ def _finite_parts(state: TrainState) -> dict:
     return parts
 
 
+def _settle_from(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
+    """Give `target` `source`'s result or error once it has one."""
+    def settle(done: concurrent.futures.Future) -> None:
+        error = done.exception() if not done.cancelled() else concurrent.futures.CancelledError()
+        target.set_exception(error) if error is not None else target.set_result(done.result())
+
+    source.add_done_callback(settle)
+
+
+def _concatenated(parts: list[concurrent.futures.Future]) -> concurrent.futures.Future:
+    """A future of the pieces' rewards joined in order, settled when the last piece is scored
+    (the first error, if one fails); no thread waits for it."""
+    joined, lock = concurrent.futures.Future(), threading.Lock()
+
+    def settle(_) -> None:
+        with lock:
+            if joined.done() or not all(p.done() for p in parts):
+                return
+            errors = [p.exception() for p in parts if p.exception() is not None]
+            if errors:
+                joined.set_exception(errors[0])
+            else:
+                joined.set_result(np.concatenate([p.result() for p in parts]))
+
+    for part in parts:
+        part.add_done_callback(settle)
+    return joined
+
+
+_SHARED_FIELDS = frozenset({"noise_levels", "version"})  # trajectory fields common to all its samples
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _joined(pieces: list, mesh):
+    """The pieces of a split micro-batch's trajectory (on the train mesh) as one: the per-sample
+    fields' rows in order, batch-split over `mesh`; the fields common to every sample from the first."""
+    rows = {f.name: jnp.concatenate([getattr(p, f.name) for p in pieces])
+            for f in dataclasses.fields(pieces[0]) if f.name not in _SHARED_FIELDS}
+    rows = {name: jax.lax.with_sharding_constraint(a, mesh_lib.batch_sharding(mesh, a.shape)) for name, a in rows.items()}
+    return dataclasses.replace(pieces[0], **rows)
+
+
 @functools.lru_cache(maxsize=16)
 def _cut_fn(cut, static: int, sharding):
     return jax.jit(lambda units, index: cut(units, index, static), out_shardings=sharding)
@@ -172,7 +221,11 @@ class MicroBatch:
     sample_keys: jax.Array
     noise_levels: np.ndarray  # (N,) the iteration's per-step noise levels
     trained: np.ndarray  # (samples, S) trained step indices
-    rolled_on: str | None = None  # the device group that rolls it out, set when its rollout is planned
+    rolled_on: str | None = None  # the device group that rolls it out (its first piece's), set when planned
+    piece: tuple[int, int, int] | None = None  # a piece's view of its micro-batch (`_piece`): (first, end, grain)
+    # a split micro-batch: each piece's trajectory and future rewards by first piece (`_rollout`)
+    pieces: dict[int, Any] = dataclasses.field(default_factory=dict)
+    piece_rewards: dict[int, concurrent.futures.Future] = dataclasses.field(default_factory=dict)
     version: int | None = None  # the policy version that generated it
     traj: Trajectory | FinalSamples | None = None  # what the algorithm's rollout keeps (Trainer.rollout)
     on_trainer: Trajectory | FinalSamples | None = None  # the trajectory moved to the train mesh ahead of its training
@@ -192,6 +245,7 @@ class Executor:
         self.meshes = mesh_lib.build_role_meshes(rt)
         self._pace_chunks = self.meshes.train.devices.flat[0].platform == "cpu"  # see `_train`
         self.microbatches = rt.micro_batches
+        self.grain = self._grain()
         # Each process times the tasks on its own devices and takes the others' events from their
         # processes (trace.EventExchange); process 0 writes them all to the trace.
         write_trace = rt.trace and jax.process_index() == 0
@@ -204,7 +258,7 @@ class Executor:
         self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
         self.measured: dict[tuple[str, str], list[float]] = {}  # (kind, group) -> recent durations
         self._synced_version = -1  # what the rollout weights hold once the submitted syncs ran
-        self._compiled: set[tuple[str, str]] = set()  # (kind, group) keys whose first task was seen
+        self._compiled: set[tuple[str, str, float]] = set()  # (kind, group, share) whose first task was seen
         self._iteration_start: dict[int, float] = {}
         self._place_weights()
 
@@ -240,6 +294,24 @@ class Executor:
         """`runtime.colocated_sampling`, 'auto' being what the memory plan picks for the run's devices."""
         choice = self.config.runtime.get("colocated_sampling", "auto")
         return self.job.colocated_sampling if choice == "auto" else choice
+
+    def _grain(self) -> int:
+        """Pieces per micro-batch the trainer's rollouts count in (1: whole micro-batches: no TAG,
+        several processes, or no piece both roles' batch axes divide); a fixed
+        `runtime.tag_microbatches` must land on it."""
+        rt, rl = self.config.runtime, self.config.rl
+        grain = 1
+        if self.flags.tag and jax.process_count() == 1:
+            samples = rl.prompts_per_iteration * rl.group_size // self.microbatches
+            grain = plan_lib.pieces_per_microbatch(
+                samples, [self.meshes.for_group(g).shape[mesh_lib.AXIS] for g in ("rollout", "train")])
+        tag = rt.tag_microbatches
+        if self.flags.tag and tag >= 0 and abs(tag * grain - round(tag * grain)) > 1e-9:
+            raise ValueError(
+                f"runtime.tag_microbatches={tag:g} is not a multiple of 1/{grain} micro-batch, the finest split of "
+                f"this run (pieces of samples both roles' batch axes divide{'; several processes: whole' if jax.process_count() > 1 else ''}); "
+                f"use a multiple of {1 / grain:g} or -1 to choose from measured costs")
+        return grain
 
     def _sync(self, task: plan_lib.Task) -> None:
         """Trainer -> rollout weight transfer of `task.version` (asynchronous; only adapters with LoRA)."""
@@ -299,22 +371,44 @@ class Executor:
         dispatched from several threads could interleave differently per device and deadlock,
         so the reward role, which decodes for both groups, takes one dispatch at a time.
         """
+        whole, mb = mb, self._piece(mb, task.piece)
         mesh = self.meshes.for_group(task.group)
         params = self._params_on(task.group, task.version)
         start = self.tracer.now()
         cond, keys = mesh_lib.put_batch((mb.cond, mb.sample_keys), mesh)
         with self.weights.model_mesh(task.group):
-            mb.traj = self.job.trainer.rollout(params, cond, keys, mb.noise_levels, self.job.latent_shape, task.version)
-        mb.version = task.version
-        final, decoder = mb.traj.final, self.weights.decoders.get(task.group)
-        self.tracer.record(task, final, start, sample_ids=mb.sample_ids.tolist())
+            traj = self.job.trainer.rollout(params, cond, keys, mb.noise_levels, self.job.latent_shape, task.version)
+        whole.version = mb.version = task.version
+        final, decoder = traj.final, self.weights.decoders.get(task.group)
+        self.tracer.record(task, final, start, sample_ids=mb.sample_ids.tolist(), **self._piece_args(task))
         if self.meshes.reward is None:
             decoded = self.job.decode(final, decoder)
         else:  # one process (validate_runtime_config): nothing crosses processes here
             with self._reward_dispatch:
                 final, decoder = mesh_lib.put_batch(final, self.meshes.reward), self.weights.decoders.get("reward")
                 decoded = self.job.decode(final, decoder)
-        mb.rewards = self._rewards(mb, decoded)
+        if task.piece is None:
+            whole.traj, whole.rewards = traj, self._rewards(mb, decoded)
+        else:
+            whole.pieces[task.piece[0]] = traj
+            _settle_from(self._rewards(mb, decoded), whole.piece_rewards[task.piece[0]])
+
+    @staticmethod
+    def _piece(mb: MicroBatch, piece: tuple[int, int, int] | None) -> MicroBatch:
+        """`mb`, or the view of its samples of `piece` (first, end, grain) with their own keys."""
+        if piece is None:
+            return mb
+        first, end, grain = piece
+        rows = slice(first * len(mb.sample_ids) // grain, end * len(mb.sample_ids) // grain)
+        return dataclasses.replace(
+            mb, sample_ids=mb.sample_ids[rows], prompt_ids=mb.prompt_ids[rows],
+            cond=jax.tree.map(lambda a: a[rows], mb.cond), sample_keys=mb.sample_keys[rows],
+            trained=mb.trained[rows], piece=piece, pieces={}, piece_rewards={})
+
+    @staticmethod
+    def _piece_args(task: plan_lib.Task) -> dict:
+        """A piece's trace args: its (first, end, grain) pieces of the micro-batch."""
+        return {} if task.piece is None else {"piece": list(task.piece)}
 
     def _rewards(self, mb: MicroBatch, decoded: jax.Array) -> concurrent.futures.Future:
         """The future rewards of `mb` from its `decoded` samples (on the reward threads).
@@ -360,7 +454,7 @@ class Executor:
 
     @staticmethod
     def _reward_task(mb: MicroBatch) -> plan_lib.Task:
-        return plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version)
+        return plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version, piece=mb.piece)
 
     def _score(self, mb: MicroBatch, decoded: jax.Array) -> tuple[np.ndarray, float, float]:
         """Rewards (float32) of a decoded micro-batch, and the start and end of their scoring."""
@@ -372,7 +466,8 @@ class Executor:
             rewards, _ = self.job.reward(pixels, jnp.asarray(mb.prompt_ids))
         rewards = np.asarray(rewards, np.float32)
         end = self.tracer.now()
-        self.tracer.record_done(self._reward_task(mb), start, end, sample_ids=mb.sample_ids.tolist())
+        task = self._reward_task(mb)
+        self.tracer.record_done(task, start, end, sample_ids=mb.sample_ids.tolist(), **self._piece_args(task))
         return rewards, start, end
 
     def _chunks(self, units, per_sample: int) -> list:
@@ -394,11 +489,16 @@ class Executor:
         """`mb`'s trajectory onto the train mesh (`mb.on_trainer`); a move between roles is recorded
         on the link track. Several processes: a dispatched task of its own (`_crossings`)."""
         mesh = self.meshes.train
-        moved_bytes, moving = crossing_bytes(mb.traj, mesh), self.tracer.now()
+        pieces = [mb.pieces[first] for first in sorted(mb.pieces)] or [mb.traj]
+        moved_bytes, moving = sum(crossing_bytes(p, mesh) for p in pieces), self.tracer.now()
         move = plan_lib.Task(TRAJECTORY, "link", mb.iteration, mb.index, mb.version,
                              deps=(("rollout", mb.iteration, mb.index),))
         with self.lanes.crossing(move):
-            mb.on_trainer = mesh_lib.put_batch(mb.traj, mesh)
+            if mb.pieces:  # a split micro-batch: its pieces joined in sample order (one process)
+                mb.on_trainer = mb.traj = _joined(mesh_lib.put_batch(pieces, mesh), mesh)
+                mb.pieces = {}
+            else:
+                mb.on_trainer = mesh_lib.put_batch(mb.traj, mesh)
         if moved_bytes:  # rolled out on another role: the trajectory crossed to the trainer
             self.tracer.record(move, mb.on_trainer, moving, bytes=moved_bytes, sample_ids=mb.sample_ids.tolist())
 
@@ -446,9 +546,9 @@ class Executor:
 
     # ------------------------------------------------------------------ one iteration
     def _fixed_split(self) -> tuple[int | None, int | None]:
-        """(tag, prefetch) as the config fixes them; None where the executor chooses from costs."""
+        """(tag in pieces, prefetch) as the config fixes them; None where the executor chooses from costs."""
         rt = self.config.runtime
-        fixed_tag = rt.tag_microbatches if rt.tag_microbatches >= 0 or not self.flags.tag else None
+        fixed_tag = round(rt.tag_microbatches * self.grain) if rt.tag_microbatches >= 0 else None
         fixed_prefetch = rt.prefetch_microbatches if rt.prefetch_microbatches >= 0 or not self.flags.tcss else None
         if not self.flags.tag:
             fixed_tag = 0
@@ -462,8 +562,8 @@ class Executor:
         return None in self._fixed_split()
 
     def split_for(self, k: int, costs: plan_lib.Costs | None = None) -> tuple[int, int]:
-        """(tag, prefetch) of iteration k: fixed by config, or chosen from measured costs
-        (`costs`, default `_agreed_costs()`)."""
+        """(tag in pieces of `grain`, prefetch) of iteration k: fixed by config, or chosen from
+        measured costs (`costs`, default `_agreed_costs()`)."""
         fixed_tag, fixed_prefetch = self._fixed_split()
         if fixed_tag is not None and fixed_prefetch is not None:
             return fixed_tag, fixed_prefetch
@@ -471,8 +571,9 @@ class Executor:
         if costs is None:
             return fixed_tag or 0, fixed_prefetch or 0
         tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag,
-                                              fixed_prefetch=fixed_prefetch, updates=self.config.rl.num_updates_per_batch)
-        return min(tag, self.microbatches - len(self.carried)), prefetch
+                                              fixed_prefetch=fixed_prefetch, updates=self.config.rl.num_updates_per_batch,
+                                              grain=self.grain)
+        return min(tag, (self.microbatches - len(self.carried)) * self.grain), prefetch
 
     def _agreed_costs(self) -> plan_lib.Costs | None:
         """`measured_costs()`, with several processes process 0's on every one: the split and the
@@ -529,7 +630,7 @@ class Executor:
         carried = len(self.carried)
         plan = plan_lib.plan_iteration(
             self.mode, k, self.microbatches, carried=carried, tag=tag, prefetch=prefetch,
-            updates=self.config.rl.num_updates_per_batch,
+            updates=self.config.rl.num_updates_per_batch, grain=self.grain,
         )
         self._iteration_start[k] = self.tracer.now()
         mbs = {(k, m.index): m for m in self.microbatches_of(k)[carried:]}
@@ -539,7 +640,11 @@ class Executor:
             next_mbs = {(k + 1, m.index): m for m in self.microbatches_of(k + 1)[:prefetch]}
         for t in plan.tasks:  # here, not when it runs: the next plan's moves depend on it (`_crossings`)
             if t.kind == "rollout":
-                (mbs.get((t.iteration, t.index)) or next_mbs[(t.iteration, t.index)]).rolled_on = t.group
+                mb = mbs.get((t.iteration, t.index)) or next_mbs[(t.iteration, t.index)]
+                mb.rolled_on = mb.rolled_on if t.piece and t.piece[0] else t.group
+                if t.piece is not None:  # its rewards: the pieces' joined once every piece is scored
+                    mb.piece_rewards[t.piece[0]] = concurrent.futures.Future()
+                    mb.rewards = _concatenated([mb.piece_rewards[f] for f in sorted(mb.piece_rewards)])
         acc = self._fresh_acc()
         update_metrics, figures = [], {}
         last_update = [t.key for t in plan.tasks if t.kind == "update" and t.iteration == k][-1]
@@ -561,7 +666,7 @@ class Executor:
                 # dependency in another lane means): the sync baseline trains once the whole batch
                 # is scored, also where the rolling lane's dispatch returns before its devices ran
                 # (a process without rollout devices). One group runs its tasks in order anyway.
-                for kind, iteration, index in task.deps if not self.meshes.colocated else ():
+                for kind, iteration, index, *_ in task.deps if not self.meshes.colocated else ():
                     if kind == "reward":
                         mbs[(iteration, index)].rewards.result()
                 self._train(task, mbs[(task.iteration, task.index)], acc)
@@ -593,7 +698,7 @@ class Executor:
             reward_mean=float(np.mean(all_rewards)),
             reward_std=float(np.std(all_rewards)),
             mode=self.mode,
-            tag_microbatches=tag,
+            tag_microbatches=plan.tag_microbatches,
             prefetch_microbatches=prefetch,
             carried_microbatches=carried,
         )
@@ -702,10 +807,12 @@ class Executor:
             if e["args"]["kind"] not in TASK_KINDS:  # transfers the plan does not schedule (trajectory moves)
                 continue
             key = (e["args"]["kind"], e["args"]["group"])
-            if key not in self._compiled:  # the first task of a kind on a group includes compilation
-                self._compiled.add(key)
+            first, end, grain = e["args"].get("piece", (0, 1, 1))
+            share = (end - first) / grain
+            if (*key, share) not in self._compiled:  # the first task of a kind and size on a group includes compilation
+                self._compiled.add((*key, share))
                 continue
-            self.measured.setdefault(key, []).append(e["dur"] / 1e6)
+            self.measured.setdefault(key, []).append(e["dur"] / 1e6 / share)  # per micro-batch
             self.measured[key] = self.measured[key][-2 * self.microbatches :]
         end_of = lambda it: max((e["ts"] + e["dur"]) / 1e6 for e in events if e["args"]["kind"] == "update" and e["args"]["iteration"] == it)  # noqa: E731
         end = end_of(k)

@@ -37,6 +37,7 @@ micro-batch is whole again, its advantages) are the ones either group alone woul
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Mapping, Sequence
 
 MODES = ("colocated", "disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss")
@@ -191,6 +192,17 @@ def plan_iteration(
     after = max(i for i, t in enumerate(ordered) if t.kind == "update" or (t.kind == "rollout" and t.group == "rollout"))
     ordered.insert(after + 1, sync)
     return IterationPlan(k, m_total, tuple(ordered), carried, tag, prefetch, grain)
+
+
+def pieces_per_microbatch(samples: int, batch_axes: Sequence[int]) -> int:
+    """The grain of a split: the most pieces a micro-batch of `samples` is cut into, each piece a
+    run of samples that every role's batch axis (`batch_axes`: its sizes) divides where it
+    divides the micro-batch, so a piece spreads over a role's devices as evenly as the whole."""
+    unit = 1
+    for size in batch_axes:
+        if samples % size == 0:
+            unit = unit * size // math.gcd(unit, size)
+    return samples // unit if samples % unit == 0 else 1
 
 
 def _dispatch_order(tasks: Sequence[Task]) -> tuple[Task, ...]:

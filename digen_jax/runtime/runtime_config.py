@@ -33,14 +33,14 @@ def validate_runtime_config(config, num_devices: int) -> None:
     for key in ("tag_microbatches", "prefetch_microbatches"):
         value = rt[key]
         if value > rt.micro_batches:
-            raise ValueError(f"runtime.{key}={value} exceeds runtime.micro_batches={rt.micro_batches}")
+            raise ValueError(f"runtime.{key}={value:g} exceeds runtime.micro_batches={rt.micro_batches}")
     # The micro-batches prefetched in one iteration are carried into the next, whose trainer
     # rollouts come from the rest (`plan.plan_iteration`); -1 (elastic) is chosen to fit.
     tag = rt.tag_microbatches if flags.tag else 0
     prefetch = rt.prefetch_microbatches if flags.tcss and rt.staleness > 0 else 0
     if tag >= 0 and prefetch >= 0 and tag + prefetch > rt.micro_batches:
         raise ValueError(
-            f"runtime.tag_microbatches={tag} + runtime.prefetch_microbatches={prefetch} exceed runtime.micro_batches="
+            f"runtime.tag_microbatches={tag:g} + runtime.prefetch_microbatches={prefetch} exceed runtime.micro_batches="
             f"{rt.micro_batches}: the next iteration's prefetched micro-batches leave only "
             f"{rt.micro_batches - prefetch} for its trainer rollouts (lower one, or use -1 to choose from measured costs)"
         )

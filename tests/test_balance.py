@@ -1,0 +1,137 @@
+"""The balance between roles: splits that move part of a micro-batch, their plans, runs and resume."""
+import collections
+
+import jax
+import numpy as np
+import pytest
+
+from digen_jax.runtime import plan as plan_lib
+from tests import test_runtime as rt
+
+TAG_MODES = tuple(m for m in plan_lib.MODES if plan_lib.mode_flags(m).tag)
+
+
+# ---------------------------------------------------------------- planner (pure)
+@pytest.mark.parametrize("updates", [1, 2])
+@pytest.mark.parametrize("mode", TAG_MODES)
+def test_a_split_microbatch_is_rolled_out_once_in_pieces_and_trained_once(mode, updates):
+    """Tag 5 of 4 pieces per micro-batch: one micro-batch whole on the trainer, the next split (1
+    piece trainer, 3 rollout group); every sample rolled out once, each micro-batch trained once,
+    after every piece of it was scored; versions as with whole splits."""
+    flags = plan_lib.mode_flags(mode)
+    m_total, grain, prefetch = 4, 4, (1 if flags.tcss else 0)
+    plans, carried = [], 0
+    for k in range(3):
+        plans.append(plan_lib.plan_iteration(mode, k, m_total, carried=carried, tag=5, prefetch=prefetch,
+                                             updates=updates, grain=grain))
+        carried = prefetch
+    covered = collections.Counter()
+    for p in plans:
+        for t in p.of_kind("rollout"):
+            first, end, _ = t.piece or (0, grain, grain)
+            covered.update((t.iteration, t.index, i) for i in range(first, end))
+    assert set(covered.values()) == {1}
+    rolled, trained = rt._rollouts_and_trains(plans)
+    for p in plans[1:]:
+        k, split = p.iteration, p.carried + 1
+        assert all(covered[(k, m, i)] == 1 for m in range(m_total) for i in range(grain))
+        assert all(trained[(k, m)] == 1 for m in range(m_total))
+        pieces = [t for t in p.of_kind("rollout") if t.iteration == k and t.index == split]
+        assert [(t.group, t.piece) for t in pieces] == [("train", (0, 1, 4)), ("rollout", (1, 4, 4))] or \
+            sorted((t.group, t.piece) for t in pieces) == [("rollout", (1, 4, 4)), ("train", (0, 1, 4))]
+        (train,) = [t for t in p.of_kind("train") if t.index == split]
+        assert {("reward", k, split, 0), ("reward", k, split, 1)} <= set(train.deps)
+        assert p.tag_microbatches == 1.25
+    seen = set()
+    for p in plans:  # dependencies point backwards in dispatch order
+        for t in p.tasks:
+            assert all(d in seen or d[1] < p.iteration or d[0] in ("update", "sync") for d in t.deps), t
+            seen.add(t.key)
+    rt._assert_versions_follow_the_updates(plans, updates)
+
+
+def test_pieces_are_runs_of_samples_every_role_s_batch_axis_divides():
+    assert plan_lib.pieces_per_microbatch(8, [1, 1]) == 8
+    assert plan_lib.pieces_per_microbatch(8, [2, 2]) == 4
+    assert plan_lib.pieces_per_microbatch(8, [1, 3]) == 8  # 3 does not divide 8: the train role replicates anyway
+    assert plan_lib.pieces_per_microbatch(12, [2, 3]) == 2
+    assert plan_lib.pieces_per_microbatch(4, [4, 4]) == 1
+
+
+def _costs(rollout_r, rollout_t, train):
+    return plan_lib.Costs(rollout={"rollout": rollout_r, "train": rollout_t, "shared": rollout_r},
+                          reward=0.01, train=train, update=0.1, sync=0.05)
+
+
+def test_a_finer_grain_balances_what_whole_microbatches_cannot():
+    """The 2-GPU FP8 case's shape (trainer rollouts 1.2x the rollout role's, training close to a
+    rollout): with whole micro-batches one more on the trainer overshoots and one fewer leaves
+    the trainer waiting; pieces land between, and the chosen split is the fastest of its grain."""
+    costs = _costs(4.11, 5.04, 3.0)
+    mode, m = plan_lib.BEST_MODE, 4
+    whole = plan_lib.choose_split(mode, m, costs)
+    fine = plan_lib.choose_split(mode, m, costs, grain=8)
+    t_whole = plan_lib.iteration_time(mode, m, costs, tag=whole[0], prefetch=whole[1])
+    t_fine = plan_lib.iteration_time(mode, m, costs, tag=fine[0], prefetch=fine[1], grain=8)
+    assert t_fine < 0.95 * t_whole
+    assert fine[0] % 8, fine  # a split micro-batch
+    every = min(plan_lib.iteration_time(mode, m, costs, tag=t, prefetch=p, grain=8)
+                for p in range(m + 1) for t in range((m - p) * 8 + 1))
+    assert t_fine <= every * 1.02  # within choose_split's tolerance of the exhaustive best
+    # Whole micro-batches stay what they were: grain 1 plans are those of the old unit.
+    assert plan_lib.choose_split(mode, m, costs, grain=1) == whole
+
+
+# ---------------------------------------------------------------- executor on fake devices
+FRACTIONAL = dict(micro_batches=2, tag_microbatches=0.5)  # 8 samples a micro-batch on 4 + 4 devices: pieces of 4
+FRACTIONAL_MODES = ("disagg_sync", "gap+tsp+tag", plan_lib.BEST_MODE)
+
+
+def fractional_config(cache_dir, mode):
+    return rt.runtime_config(cache_dir, mode, **FRACTIONAL)
+
+
+@pytest.fixture(scope="module")
+def fractional_runs(cache_dir, compile_cache, tmp_path_factory):
+    """Two iterations per mode, 2 micro-batches, the trainer rolling out half of one, from one Run;
+    disagg_sync (no trainer rollouts) is the reference."""
+    return rt.run_every_mode(lambda mode: fractional_config(cache_dir, mode), tmp_path_factory.mktemp("balance"),
+                             modes=FRACTIONAL_MODES)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(pretrain_cache_dir):
+    return pretrain_cache_dir
+
+
+@pytest.mark.parametrize("mode", FRACTIONAL_MODES[1:])
+def test_a_fractional_split_keeps_the_trace_invariants(fractional_runs, mode):
+    result = fractional_runs[mode]
+    assert result["executor"].grain == 2
+    rt._assert_every_sample_trained_once_at_bounded_staleness(result, mode)
+    rollouts = [e for e in result["trace"] if e["args"]["kind"] == "rollout"]
+    for k in range(rt.ITERATIONS):
+        assert result["metrics"][k]["tag_microbatches"] == 0.5
+        split = result["executor"].config.runtime.prefetch_microbatches * ("tcss" in mode and k > 0)
+        pieces = sorted((e["args"]["group"], tuple(e["args"]["piece"]), len(e["args"]["sample_ids"]))
+                        for e in rollouts if e["args"]["iteration"] == k and e["args"]["microbatch"] == split)
+        assert pieces == [("rollout", (1, 2, 2), 4), ("train", (0, 1, 2), 4)], (k, pieces)
+    rewards = [e for e in result["trace"] if e["args"]["kind"] == "reward" and "piece" in e["args"]]
+    assert len(rewards) == 2 * rt.ITERATIONS  # each piece scored on its own
+
+
+def test_a_fractional_split_makes_the_same_update_as_disagg_sync(fractional_runs):
+    reference = fractional_runs["disagg_sync"]["after_first"]
+    moved = rt._max_diff(reference, fractional_runs["initial"])
+    assert moved > 1e-5
+    assert rt._max_diff(fractional_runs["gap+tsp+tag"]["after_first"], reference) < 1e-5 * max(moved, 1.0)
+    # The same samples, rewards and advantages: the iteration's mean reward is the same number.
+    for mode in FRACTIONAL_MODES[1:]:
+        assert fractional_runs[mode]["metrics"][0]["reward_mean"] == fractional_runs["disagg_sync"]["metrics"][0]["reward_mean"]
+
+
+def test_a_fixed_split_off_the_grain_is_one_clear_line(fractional_runs, cache_dir):
+    config = fractional_config(cache_dir, "gap+tsp+tag")
+    config.runtime.tag_microbatches = 0.25
+    with pytest.raises(ValueError, match=r"runtime.tag_microbatches=0.25 is not a multiple of 1/2 micro-batch"):
+        rt.Executor(fractional_runs["run"], config=config, log=lambda _: None)
