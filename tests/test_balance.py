@@ -135,3 +135,19 @@ def test_a_fixed_split_off_the_grain_is_one_clear_line(fractional_runs, cache_di
     config.runtime.tag_microbatches = 0.25
     with pytest.raises(ValueError, match=r"runtime.tag_microbatches=0.25 is not a multiple of 1/2 micro-batch"):
         rt.Executor(fractional_runs["run"], config=config, log=lambda _: None)
+
+
+# ---------------------------------------------------------------- kill and resume
+@pytest.fixture(scope="module")
+def fractional_killed(fractional_runs, cache_dir, compile_cache, tmp_path_factory):
+    """Started after `fractional_runs`, whose compiled programs the children load from the cache."""
+    killed = rt.KilledRuns(cache_dir, compile_cache, tmp_path_factory, modes=(plan_lib.BEST_MODE,), **FRACTIONAL)
+    yield killed
+    killed.close()
+
+
+def test_sigkill_with_a_split_microbatch_in_flight_then_resume_matches(fractional_runs, fractional_killed, cache_dir):
+    """Killed in iteration 1's first training, its split micro-batch's pieces dispatched on both
+    roles: the resumed run rolls the pieces out again and ends bit-equal to the uninterrupted one."""
+    rt.assert_sigkill_then_resume_matches(fractional_killed, fractional_runs[plan_lib.BEST_MODE], cache_dir,
+                                          plan_lib.BEST_MODE)
