@@ -35,6 +35,10 @@ def runtime_section(mode: str = "colocated", micro_batches: int = 1) -> ml_colle
             # copy per iteration (sampled under the rollout rules, dropped before training); 'auto'
             # gathers when the memory plan fits the copy. LoRA and unsharded train rules ignore it.
             colocated_sampling="auto",
+            # The train role's own rollouts (tag modes): 'rollout' samples in model.rollout_precision
+            # like the rollout role (FP8: a quantised copy of the weights beside training's),
+            # 'training' in the training precision; 'auto' takes 'rollout' where the memory plan fits it.
+            tag_precision="auto",
             # Refuse a run whose memory plan (launch/simulate.py prints it) does not fit its devices.
             check_memory=True,
             reward_workers=2,  # host threads scoring micro-batches

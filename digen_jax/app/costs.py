@@ -26,6 +26,7 @@ from digen_jax.runtime.memory_plan import MemoryPlan
 from digen_jax.runtime.memory_plan import advice as memory_advice
 from digen_jax.runtime.memory_plan import colocated_sampling as plan_colocated_sampling
 from digen_jax.runtime.memory_plan import memory_plan as plan_memory
+from digen_jax.runtime.memory_plan import tag_precision as plan_tag_precision
 
 
 def sample_flops(config, model_cfg) -> dict[str, int] | None:
@@ -133,6 +134,7 @@ def _memory_terms(config, terms: flops.ModelTerms) -> dict:
         optimizer_state_bytes=4 if state_dtype == "float32" else 0,
         offload_optimizer=bool(rt.get("offload_optimizer", False)),
         colocated_sampling=rt.get("colocated_sampling", "auto"),
+        tag_precision=rt.get("tag_precision", "auto"),
         train_sharded=mesh_lib.shards_weights(tuple(sharding.train_rules)),
         rollout_sharded=mesh_lib.shards_weights(tuple(sharding.rollout_rules)),
         ema=bool(rl.ema),
@@ -178,6 +180,18 @@ def colocated_sampling(config, devices: Sequence[Any]) -> str:
         return "sharded"
     work = dataclasses.replace(iteration_work(config), colocated_sampling="auto")
     return plan_colocated_sampling(work, pools[0], config.runtime.micro_batches, colocated_devices=pools[1])
+
+
+def tag_precision(config, devices: Sequence[Any]) -> str:
+    """What `runtime.tag_precision='auto'` is for a run of `config` on `devices` (its trainer-assisted
+    rollouts' precision): the memory plan's pick (`memory_plan.tag_precision`) for the full mode,
+    or 'rollout' where the plan has no figure (CPU devices, kinds the device table lacks, the
+    shapes task)."""
+    pools = _local_pool(config, devices, plan_lib.BEST_MODE)
+    if pools is None:
+        return "rollout"
+    work = dataclasses.replace(iteration_work(config), tag_precision="auto")
+    return plan_tag_precision(work, pools[0], config.runtime.micro_batches)
 
 
 def _local_pool(config, devices: Sequence[Any], mode: str) -> tuple[Pool, int | None] | None:

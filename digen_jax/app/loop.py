@@ -47,6 +47,7 @@ class Run:
         validate_config(config, one_mode=one_mode)  # one_mode=False: run in several modes (validate_config)
         costs.check_fits(config, jax.devices())  # a run that cannot fit its devices: one line, before any compute
         self.colocated_sampling = costs.colocated_sampling(config, jax.devices())  # 'auto' on these devices
+        self.tag_precision = costs.tag_precision(config, jax.devices())  # 'auto' on these devices
         self.config, self.workdir, self.log = config, workdir, log
         os.makedirs(workdir, exist_ok=True)
         rl = config.rl

@@ -83,6 +83,9 @@ class Job(Protocol):
     # What `runtime.colocated_sampling='auto'` is on the run's devices ('sharded' or 'gathered'):
     # the memory plan's pick (`memory_plan.colocated_sampling`)
     colocated_sampling: str
+    # What `runtime.tag_precision='auto'` is on the run's devices ('rollout' or 'training'): the
+    # memory plan's pick (`memory_plan.tag_precision`)
+    tag_precision: str
 
     @property
     def abstract_params(self) -> Any:
@@ -268,7 +271,8 @@ class Executor:
         self.weights = RoleWeights(self.meshes, self.config.sharding, job.abstract_params, job.trainer,
                                    merge_for_sampling=self.config.rl.lora_merge_for_sampling,
                                    offload_optimizer=bool(self.config.runtime.get("offload_optimizer", False)),
-                                   gathered_sampling=self.colocated_sampling == "gathered")
+                                   gathered_sampling=self.colocated_sampling == "gathered",
+                                   fp8_on_train=self.flags.tag and self.tag_precision == "rollout")
         self.state_sharding = self.weights.state_sharding(job.state)
         job.trainer.pin_state_sharding(self.state_sharding)
         self.state = self.weights.fresh_state(job.state, self.state_sharding)
@@ -294,6 +298,12 @@ class Executor:
         """`runtime.colocated_sampling`, 'auto' being what the memory plan picks for the run's devices."""
         choice = self.config.runtime.get("colocated_sampling", "auto")
         return self.job.colocated_sampling if choice == "auto" else choice
+
+    @property
+    def tag_precision(self) -> str:
+        """`runtime.tag_precision`, 'auto' being what the memory plan picks for the run's devices."""
+        choice = self.config.runtime.get("tag_precision", "auto")
+        return self.job.tag_precision if choice == "auto" else choice
 
     def _grain(self) -> int:
         """Pieces per micro-batch the trainer's rollouts count in (1: whole micro-batches: no TAG,

@@ -7,7 +7,7 @@ import numpy as np
 
 from digen_jax.rl.timesteps import plan_steps
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.memory_plan import COLOCATED_SAMPLING
+from digen_jax.runtime.memory_plan import COLOCATED_SAMPLING, TAG_PRECISION
 
 
 def validate_runtime_config(config, num_devices: int) -> None:
@@ -23,6 +23,9 @@ def validate_runtime_config(config, num_devices: int) -> None:
     if sampling not in COLOCATED_SAMPLING:
         raise ValueError(f"runtime.colocated_sampling={sampling!r} is not one of "
                          f"{', '.join(repr(v) for v in COLOCATED_SAMPLING)}")
+    precision = rt.get("tag_precision", "auto")
+    if precision not in TAG_PRECISION:
+        raise ValueError(f"runtime.tag_precision={precision!r} is not one of {', '.join(repr(v) for v in TAG_PRECISION)}")
     if rt.staleness < 0:
         raise ValueError(f"runtime.staleness must be >= 0, got {rt.staleness}")
     if rl.num_updates_per_batch < 1 or rt.micro_batches % rl.num_updates_per_batch:

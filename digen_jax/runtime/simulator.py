@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.cost_model import Efficiency, IterationWork, Pool, model_costs
-from digen_jax.runtime.memory_plan import MemoryPlan, memory_plan
+from digen_jax.runtime.memory_plan import MemoryPlan, memory_plan, tag_precision
 
 
 # ---------------------------------------------------------------------------------------- simulate
@@ -105,6 +105,11 @@ def predict(mode: str, costs: plan_lib.Costs, *, batch: int, microbatches: int, 
     )
 
 
+def _resolved(w: IterationWork, pool: Pool, microbatches: int, eff: Efficiency) -> IterationWork:
+    """`w` with `tag_precision` as a run on `pool` resolves 'auto' (`memory_plan.tag_precision`)."""
+    return dataclasses.replace(w, tag_precision=tag_precision(w, pool, microbatches, eff))
+
+
 def microbatch_choices(prompts: int, limit: int = 16) -> list[int]:
     """Micro-batch counts the executor accepts (they hold whole groups): divisors of the prompts, <= limit."""
     return [m for m in range(1, min(prompts, limit) + 1) if prompts % m == 0]
@@ -137,11 +142,11 @@ def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | Non
     peak = sum(pool.kind(r).bf16_flops * getattr(pool, f"{r}_devices") for r in ("rollout", "train"))
     best = None
     for m in choices:
-        costs = model_costs(w, pool, mode, m, style=style, eff=eff)
+        costs = model_costs(_resolved(w, pool, m, eff), pool, mode, m, style=style, eff=eff)
         p = predict(mode, costs, batch=w.samples, microbatches=m, devices=pool.total, updates=updates,
                     style=style, flops_per_sample=w.flops_per_sample, peak_flops=peak,
                     dollars_per_hour=pool.dollars_per_hour())
-        p = dataclasses.replace(p, memory=memory_plan(w, pool, mode, m, eff))
+        p = dataclasses.replace(p, memory=memory_plan(_resolved(w, pool, m, eff), pool, mode, m, eff))
         if best is None or (p.fits, p.samples_per_s) > (best.fits, best.samples_per_s * (1 + 1e-9)):
             best = p
     return best
