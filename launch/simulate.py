@@ -91,7 +91,7 @@ def table(predictions: list[simulator.Prediction]) -> str:
         per_dollar = f"{p.samples_per_dollar:.0f}" if p.samples_per_dollar else "-"
         lines.append(
             f"| {name} | {p.samples_per_s:.3f} | {p.samples_per_s_per_device:.4f} | {speedup} | {bubble} | "
-            f"{p.tag} / {p.prefetch} | {p.microbatches} | {mfu} | {per_dollar} |"
+            f"{p.tag:g} / {p.prefetch} | {p.microbatches} | {mfu} | {per_dollar} |"
         )
     return "\n".join(lines)
 

@@ -245,8 +245,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
     Every iteration goes through the runtime executor in `config.runtime.mode` (colocated by
     default); its figures (samples/s, bubbles, staleness, sync time) are read one iteration late.
     Expected faults (a workdir in use, a checkpoint of another config or unreadable, a full disk,
-    a failed save) raise `RunStopped` with a message.
+    a failed save) raise `RunStopped` with a message. `runtime.mode='auto'` is resolved first, on
+    this run's devices (`costs.choose_mode`), and the choice logged.
     """
+    if config.runtime.mode == costs.AUTO_MODE:
+        log(costs.choose_mode(config, "local", jax.devices()))
     validate_config(config)
     # Several processes share the workdir; process 0 writes the metrics, trace and TensorBoard files.
     writes_files = jax.process_index() == 0

@@ -57,7 +57,7 @@ class ModeFlags:
 
 def mode_flags(mode: str) -> ModeFlags:
     if mode not in MODES:
-        raise ValueError(f"runtime.mode={mode!r} is unknown; known: {list(MODES)}")
+        raise ValueError(f"runtime.mode={mode!r} is unknown; known: {list(MODES)}, or 'auto' (launch/train.py chooses one)")
     return ModeFlags(
         colocated=mode == "colocated",
         pipelined=mode.startswith("gap"),
@@ -368,8 +368,8 @@ def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int |
     Whole micro-batches are tried first; then, for the prefetches within `tolerance` there, the
     pieces within one micro-batch either side of their best whole share (an iteration's time
     falls, then rises, as the trainer takes more of the rollouts: its best lies next to the
-    best whole share), so a fine grain adds about 2 * grain schedules per prefetch, not
-    microbatches * grain."""
+    best whole share), in steps of about an eighth of a micro-batch and then one piece around
+    the best step, so a fine grain adds some 20 schedules per prefetch, not microbatches * grain."""
     flags = mode_flags(mode)
     if not flags.tag:
         fixed_tag = 0
@@ -389,9 +389,11 @@ def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int |
     if fixed_tag is None and grain > 1:
         fastest = min(predicted.values())
         for prefetch in {p for (_, p), t in predicted.items() if t <= fastest * (1 + tolerance)}:
-            best = min((t, tag) for (tag, p), t in predicted.items() if p == prefetch)[1]
-            for tag in range(best - grain + 1, best + grain):
-                predict(tag, prefetch)
+            step = max(1, grain // 8)
+            for span, stride in ((grain - 1, step), (step - 1, 1)):
+                best = min((t, tag) for (tag, p), t in predicted.items() if p == prefetch)[1]
+                for tag in range(best - span, best + span + 1, stride):
+                    predict(tag, prefetch)
     fastest = min(predicted.values())
     good = [split for split, t in predicted.items() if t <= fastest * (1 + tolerance)]
     return min(good, key=lambda split: (split[0] / grain + split[1], split[1], split[0]))
