@@ -151,3 +151,82 @@ def test_sigkill_with_a_split_microbatch_in_flight_then_resume_matches(fractiona
     roles: the resumed run rolls the pieces out again and ends bit-equal to the uninterrupted one."""
     rt.assert_sigkill_then_resume_matches(fractional_killed, fractional_runs[plan_lib.BEST_MODE], cache_dir,
                                           plan_lib.BEST_MODE)
+
+
+# ---------------------------------------------------------------- the mode chosen, and the simulator's split
+def _zoo_config(precision="fp8"):
+    from configs import qwenimage
+
+    c = qwenimage.get_config()
+    c.model.rollout_precision = precision
+    c.rl.update(prompts_per_iteration=8, group_size=4)  # the measured reference setting: 32 images
+    return c
+
+
+def test_the_simulator_predicts_a_split_microbatch_where_it_balances_the_roles():
+    """Qwen-Image-20B, 32 images on 1 + 1 H200s with FP8 rollouts (both roles sampling FP8): the
+    full mode's best split moves part of a micro-batch, and beats the best whole split."""
+    from digen_jax.app import costs
+    from digen_jax.runtime import cost_model, simulator
+
+    w = costs.iteration_work(_zoo_config())
+    pool = cost_model.Pool.parse("h200:2")
+    p = simulator.simulate(w, pool, plan_lib.BEST_MODE, microbatches=4)
+    assert p.tag != int(p.tag) and p.fits, p.tag
+    whole = simulator.predict(plan_lib.BEST_MODE, p.costs, batch=w.samples, microbatches=4, devices=2)
+    assert whole.tag == int(whole.tag) and p.samples_per_s > whole.samples_per_s
+    # The trainer's own rollouts sample FP8 where its memory fits the copy: priced at the rollout role's speed.
+    assert p.costs.rollout["train"] == pytest.approx(p.costs.rollout["rollout"], rel=0.05)
+
+
+def test_auto_mode_chooses_the_fastest_predicted_mode_and_reports_the_runners_up(cache_dir):
+    from digen_jax.app import costs
+    from digen_jax.app.errors import ConfigError
+    from digen_jax.runtime import cost_model, simulator
+
+    config = _zoo_config()
+    config.runtime.mode = "auto"
+    line = costs.choose_mode(config, "h200:8", jax.devices())
+    ranked = simulator.choose_mode(costs.iteration_work(config), cost_model.Pool.parse("h200:8"), allowed=costs._runs(config))
+    best = ranked[0]
+    assert config.runtime.mode == best.prediction.mode and config.runtime.micro_batches == best.microbatches
+    assert (config.runtime.rollout_devices, config.runtime.train_devices) == (best.rollout_devices, best.train_devices)
+    assert config.runtime.tag_microbatches == -1 and config.runtime.prefetch_microbatches == -1  # settles from measured costs
+    assert "\n" not in line and line.startswith("runtime.mode='auto' on 8xH200 SXM") and best.prediction.mode in line
+    assert f"{best.prediction.samples_per_s:.3f} samples/s" in line
+    runners = line.split("runners-up: ")[1].split("; ")
+    assert sorted(r.split(" ")[0] for r in runners) == sorted(set(plan_lib.MODES) - {best.prediction.mode})
+    assert [s.prediction.samples_per_s for s in ranked] == sorted((s.prediction.samples_per_s for s in ranked), reverse=True)
+    # Colocated competes like any mode: alone with the sync baseline it wins, with the shared group's sizing.
+    (colo, sync) = simulator.choose_mode(costs.iteration_work(_zoo_config()), cost_model.Pool.parse("h200:2"),
+                                         modes=(plan_lib.COLOCATED, plan_lib.SYNC_BASELINE))
+    assert colo.prediction.mode == plan_lib.COLOCATED and colo.runtime_overrides()["mode"] == plan_lib.COLOCATED
+    # What the simulator cannot price is one line naming the key.
+    tiny_config = rt.runtime_config(cache_dir, "colocated")
+    tiny_config.runtime.mode = "auto"
+    with pytest.raises(ConfigError, match=r"^runtime.mode='auto' is chosen from the simulator's predictions, which fail here: "
+                                          r"the simulator needs a model-zoo config") as e:
+        costs.choose_mode(tiny_config, "h200:8", jax.devices())
+    assert "\n" not in str(e.value)
+
+
+def test_the_launcher_resolves_auto_and_prints_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = subprocess.run(
+        [sys.executable, "launch/train.py", "--config=configs/qwenimage.py", "--config.runtime.mode=auto", "--autosize=h200:2",
+         "--config.model.rollout_precision=fp8", "--config.rl.prompts_per_iteration=8", "--config.rl.group_size=4",
+         "--print_config"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    (chosen,) = [line for line in lines if line.startswith("runtime.mode='auto'")]
+    mode = [line for line in lines if line.startswith("runtime.mode = ")][0].split(" = ")[1].strip("'")
+    assert mode in plan_lib.MODES and f": {mode} (" in chosen and "runners-up: " in chosen
+    bad = subprocess.run([sys.executable, "launch/train.py", "--config=configs/tiny.py", "--config.runtime.mode=auto",
+                          f"--workdir={tmp_path}"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "runtime.mode='auto'" in bad.stderr and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
