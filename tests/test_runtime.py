@@ -783,7 +783,7 @@ def test_fixed_splits_pass_validation_iff_every_iteration_plans(cache_dir, mode,
                                     staleness=staleness)
             executor = Executor.__new__(Executor)  # split_for's rule without devices or a run
             executor.config, executor.mode, executor.flags = config, mode, plan_lib.mode_flags(mode)
-            executor.microbatches, executor.carried = 4, []
+            executor.microbatches, executor.carried, executor.grain = 4, [], 1
             tag_k, prefetch_k = executor.split_for(1)
             try:
                 for carried in (0, prefetch_k):
