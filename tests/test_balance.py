@@ -130,11 +130,17 @@ def test_a_fractional_split_makes_the_same_update_as_disagg_sync(fractional_runs
         assert fractional_runs[mode]["metrics"][0]["reward_mean"] == fractional_runs["disagg_sync"]["metrics"][0]["reward_mean"]
 
 
-def test_a_fixed_split_off_the_grain_is_one_clear_line(fractional_runs, cache_dir):
+def test_a_fixed_split_off_the_grain_is_one_clear_line(cache_dir):
+    """Before any compute: a fixed fraction the pieces cannot make names the key and the grain."""
+    from digen_jax.app.errors import ConfigError
+    from digen_jax.app.validation import validate_config
+
     config = fractional_config(cache_dir, "gap+tsp+tag")
+    validate_config(config)
     config.runtime.tag_microbatches = 0.25
-    with pytest.raises(ValueError, match=r"runtime.tag_microbatches=0.25 is not a multiple of 1/2 micro-batch"):
-        rt.Executor(fractional_runs["run"], config=config, log=lambda _: None)
+    with pytest.raises(ConfigError, match=r"^runtime.tag_microbatches=0.25 is not a multiple of 1/2 micro-batch") as e:
+        validate_config(config)
+    assert "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------- kill and resume

@@ -67,7 +67,7 @@ from digen_jax.runtime.transfer import crossing_bytes, to_every_process, whole_o
 from digen_jax.runtime import dispatch as dispatch_lib
 from digen_jax.runtime.dispatch import Lanes
 from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, EventExchange, Tracer, iteration_summary
-from digen_jax.runtime.runtime_config import validate_runtime_config
+from digen_jax.runtime.runtime_config import split_grain, validate_runtime_config
 from digen_jax.runtime.weight_sync import RoleWeights
 
 
@@ -248,7 +248,7 @@ class Executor:
         self.meshes = mesh_lib.build_role_meshes(rt)
         self._pace_chunks = self.meshes.train.devices.flat[0].platform == "cpu"  # see `_train`
         self.microbatches = rt.micro_batches
-        self.grain = self._grain()
+        self.grain = split_grain(self.config, self.meshes)  # pieces per micro-batch of the trainer's rollouts
         # Each process times the tasks on its own devices and takes the others' events from their
         # processes (trace.EventExchange); process 0 writes them all to the trace.
         write_trace = rt.trace and jax.process_index() == 0
@@ -304,24 +304,6 @@ class Executor:
         """`runtime.tag_precision`, 'auto' being what the memory plan picks for the run's devices."""
         choice = self.config.runtime.get("tag_precision", "auto")
         return self.job.tag_precision if choice == "auto" else choice
-
-    def _grain(self) -> int:
-        """Pieces per micro-batch the trainer's rollouts count in (1: whole micro-batches: no TAG,
-        several processes, or no piece both roles' batch axes divide); a fixed
-        `runtime.tag_microbatches` must land on it."""
-        rt, rl = self.config.runtime, self.config.rl
-        grain = 1
-        if self.flags.tag and jax.process_count() == 1:
-            samples = rl.prompts_per_iteration * rl.group_size // self.microbatches
-            grain = plan_lib.pieces_per_microbatch(
-                samples, [self.meshes.for_group(g).shape[mesh_lib.AXIS] for g in ("rollout", "train")])
-        tag = rt.tag_microbatches
-        if self.flags.tag and tag >= 0 and abs(tag * grain - round(tag * grain)) > 1e-9:
-            raise ValueError(
-                f"runtime.tag_microbatches={tag:g} is not a multiple of 1/{grain} micro-batch, the finest split of "
-                f"this run (pieces of samples both roles' batch axes divide{'; several processes: whole' if jax.process_count() > 1 else ''}); "
-                f"use a multiple of {1 / grain:g} or -1 to choose from measured costs")
-        return grain
 
     def _sync(self, task: plan_lib.Task) -> None:
         """Trainer -> rollout weight transfer of `task.version` (asynchronous; only adapters with LoRA)."""
@@ -652,9 +634,11 @@ class Executor:
             if t.kind == "rollout":
                 mb = mbs.get((t.iteration, t.index)) or next_mbs[(t.iteration, t.index)]
                 mb.rolled_on = mb.rolled_on if t.piece and t.piece[0] else t.group
-                if t.piece is not None:  # its rewards: the pieces' joined once every piece is scored
+                if t.piece is not None:
                     mb.piece_rewards[t.piece[0]] = concurrent.futures.Future()
-                    mb.rewards = _concatenated([mb.piece_rewards[f] for f in sorted(mb.piece_rewards)])
+        for mb in mbs.values():  # a split one's rewards: its pieces' joined once every piece is scored
+            if mb.piece_rewards:
+                mb.rewards = _concatenated([mb.piece_rewards[f] for f in sorted(mb.piece_rewards)])
         acc = self._fresh_acc()
         update_metrics, figures = [], {}
         last_update = [t.key for t in plan.tasks if t.kind == "update" and t.iteration == k][-1]

@@ -8,6 +8,26 @@ import numpy as np
 from digen_jax.rl.timesteps import plan_steps
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.memory_plan import COLOCATED_SAMPLING, TAG_PRECISION
+from digen_jax.runtime.mesh import AXIS
+
+
+def split_grain(config, meshes) -> int:
+    """Pieces per micro-batch the trainer's rollouts count in on the role meshes `meshes`
+    (`plan.pieces_per_microbatch`; 1: whole micro-batches, without TAG or with several
+    processes); a ValueError naming the key when a fixed `runtime.tag_microbatches` is off it."""
+    rt, rl = config.runtime, config.rl
+    flags = plan_lib.mode_flags(rt.mode)
+    grain = 1
+    if flags.tag and jax.process_count() == 1:
+        samples = rl.prompts_per_iteration * rl.group_size // rt.micro_batches
+        grain = plan_lib.pieces_per_microbatch(samples, [meshes.for_group(g).shape[AXIS] for g in ("rollout", "train")])
+    tag = rt.tag_microbatches
+    if flags.tag and tag >= 0 and abs(tag * grain - round(tag * grain)) > 1e-9:
+        raise ValueError(
+            f"runtime.tag_microbatches={tag:g} is not a multiple of 1/{grain} micro-batch, the finest split of this run "
+            f"({'several processes split whole micro-batches' if jax.process_count() > 1 else 'pieces of samples every role batch axis divides'}); "
+            f"use a multiple of {1 / grain:g}, or -1 to choose from measured costs")
+    return grain
 
 
 def validate_runtime_config(config, num_devices: int) -> None:
