@@ -37,8 +37,8 @@ whole micro-batch would give. With several processes the split stays in whole mi
 
 Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
 split of each iteration is chosen by `plan.choose_split` from the task times measured in
-the previous iteration (a piece's time counted per micro-batch) (with several processes, from process 0's measured costs, broadcast: the
-plan must be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
+the previous iteration (a piece's time counted per micro-batch; with several processes, from
+process 0's measured costs, broadcast: the plan must be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
 measured times travel with each checkpoint, so a resumed run's first split is the one the
 uninterrupted run chose.
 """
@@ -483,8 +483,9 @@ class Executor:
         mesh = self.meshes.train
         pieces = [mb.pieces[first] for first in sorted(mb.pieces)] or [mb.traj]
         moved_bytes, moving = sum(crossing_bytes(p, mesh) for p in pieces), self.tracer.now()
+        rollouts = tuple(("rollout", mb.iteration, mb.index, first) for first in sorted(mb.pieces))
         move = plan_lib.Task(TRAJECTORY, "link", mb.iteration, mb.index, mb.version,
-                             deps=(("rollout", mb.iteration, mb.index),))
+                             deps=rollouts or (("rollout", mb.iteration, mb.index),))
         with self.lanes.crossing(move):
             if mb.pieces:  # a split micro-batch: its pieces joined in sample order (one process)
                 mb.on_trainer = mb.traj = _joined(mesh_lib.put_batch(pieces, mesh), mesh)
