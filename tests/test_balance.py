@@ -2,7 +2,6 @@
 import collections
 
 import jax
-import numpy as np
 import pytest
 
 from digen_jax.runtime import plan as plan_lib
