@@ -81,6 +81,23 @@ def test_a_finer_grain_balances_what_whole_microbatches_cannot():
     assert plan_lib.choose_split(mode, m, costs, grain=1) == whole
 
 
+def test_the_split_in_use_stays_while_it_is_within_tolerance():
+    """Measured costs move a little every iteration: the split in use is kept while predicted
+    within tolerance of the best (no work moved back and forth, no new piece size compiled), and
+    left once it is not."""
+    costs = _costs(1.0, 1.0, 1.0)  # balanced roles: several splits within tolerance
+    mode, m, grain = plan_lib.BEST_MODE, 4, 8
+    best = plan_lib.choose_split(mode, m, costs, grain=grain)
+    times = {(tag, p): plan_lib.iteration_time(mode, m, costs, tag=tag, prefetch=p, grain=grain)
+             for p in range(m + 1) for tag in range((m - p) * grain + 1)}
+    t_best = min(times.values())
+    near = next(split for split, t in times.items() if split != best and t <= t_best * 1.02)
+    assert plan_lib.choose_split(mode, m, costs, grain=grain, keep=near) == near
+    far = (2 * grain, 0)
+    assert plan_lib.iteration_time(mode, m, costs, tag=far[0], prefetch=far[1], grain=grain) > t_best * 1.02
+    assert plan_lib.choose_split(mode, m, costs, grain=grain, keep=far) == best
+
+
 # ---------------------------------------------------------------- executor on fake devices
 FRACTIONAL = dict(micro_batches=2, tag_microbatches=0.5)  # 8 samples a micro-batch on 4 + 4 devices: pieces of 4
 FRACTIONAL_MODES = ("disagg_sync", "gap+tsp+tag", plan_lib.BEST_MODE)

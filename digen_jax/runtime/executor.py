@@ -36,11 +36,12 @@ train mesh (trajectory rows, then rewards in sample order), so it trains what on
 whole micro-batch would give. With several processes the split stays in whole micro-batches.
 
 Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
-split of each iteration is chosen by `plan.choose_split` from the task times measured in
+split of each iteration is chosen by `plan.choose_split` (keeping the last one while it is
+predicted within its tolerance of the best) from the task times measured in
 the previous iteration (a piece's time counted per micro-batch; with several processes, from
 process 0's measured costs, broadcast: the plan must be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
-measured times travel with each checkpoint, so a resumed run's first split is the one the
-uninterrupted run chose.
+measured times and the last split travel with each checkpoint, so a resumed run's first split is
+the one the uninterrupted run chose.
 """
 from __future__ import annotations
 
@@ -261,6 +262,7 @@ class Executor:
         self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
         self.measured: dict[tuple[str, str], list[float]] = {}  # (kind, group) -> recent durations
         self._synced_version = -1  # what the rollout weights hold once the submitted syncs ran
+        self.split: tuple[int, int] | None = None  # the last iteration's (tag in pieces, prefetch)
         self._compiled: set[tuple[str, str, float]] = set()  # (kind, group, share) whose first task was seen
         self._iteration_start: dict[int, float] = {}
         self._place_weights()
@@ -565,7 +567,7 @@ class Executor:
             return fixed_tag or 0, fixed_prefetch or 0
         tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag,
                                               fixed_prefetch=fixed_prefetch, updates=self.config.rl.num_updates_per_batch,
-                                              grain=self.grain)
+                                              grain=self.grain, keep=self.split)
         return min(tag, (self.microbatches - len(self.carried)) * self.grain), prefetch
 
     def _agreed_costs(self) -> plan_lib.Costs | None:
@@ -619,7 +621,7 @@ class Executor:
         """Dispatch iteration k; returns its plan and metrics (device arrays or futures: read them
         later, with `read_figures`)."""
         costs = self._agreed_costs() if self.elastic_split or jax.process_count() > 1 else None
-        tag, prefetch = self.split_for(k, costs)
+        tag, prefetch = self.split = self.split_for(k, costs)
         carried = len(self.carried)
         plan = plan_lib.plan_iteration(
             self.mode, k, self.microbatches, carried=carried, tag=tag, prefetch=prefetch,
@@ -844,10 +846,11 @@ class Executor:
         """Whether the weights, optimizer state and EMA of the live state are free of NaN and inf."""
         return jax.device_get(to_every_process(_finite_parts(self.state)))
 
-    def resume(self, step: int, state: TrainState, carried: dict, measured: list) -> None:
+    def resume(self, step: int, state: TrainState, carried: dict, measured: list,
+               split: tuple[int, int] | None = None) -> None:
         """Continue after iteration `step` from a restored `state` (placed on `state_sharding`), the
-        prefetched micro-batches `carried` (as `carried_snapshot` gave them) and the task costs
-        measured so far (`[kind, group, durations]` rows)."""
+        prefetched micro-batches `carried` (as `carried_snapshot` gave them), the task costs
+        measured so far (`[kind, group, durations]` rows) and the split of iteration `step - 1`."""
         self.state = state
         self.carried = []
         for mb in self.microbatches_of(step)[: len(carried)]:
@@ -862,6 +865,7 @@ class Executor:
         self.weights.rollout_version = self._synced_version = -1
         self.weights.release_gathered()
         self.measured = {(kind, group): list(values) for kind, group, values in measured}
+        self.split = None if split is None else (int(split[0]), int(split[1]))
         self.tracer.resume(step, kept={(step, m.index) for m in self.carried})
 
     def drain(self) -> None:

@@ -359,11 +359,13 @@ def iteration_time(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, 
 
 
 def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int | None = None, fixed_prefetch: int | None = None,
-                 updates: int = 1, grain: int = 1, tolerance: float = 0.02) -> tuple[int, int]:
+                 updates: int = 1, grain: int = 1, tolerance: float = 0.02,
+                 keep: tuple[int, int] | None = None) -> tuple[int, int]:
     """(tag, prefetch) with the least trainer rollout and staleness among the splits predicted
     within `tolerance` of the fastest: gains smaller than the noise of measured costs are not
     worth moving work or training on stale samples. `tag` (and `fixed_tag`) counts pieces,
-    `grain` to a micro-batch.
+    `grain` to a micro-batch. `keep` (the split in use) stays while it is within `tolerance`:
+    the costs' noise moves no work back and forth, and each new piece size compiles its rollout.
 
     Whole micro-batches are tried first; then, for the prefetches within `tolerance` there, the
     pieces within one micro-batch either side of their best whole share (an iteration's time
@@ -395,6 +397,10 @@ def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int |
                 for tag in range(best - span, best + span + 1, stride):
                     predict(tag, prefetch)
     fastest = min(predicted.values())
+    if keep is not None and (fixed_tag is None or keep[0] == fixed_tag) and keep[1] in prefetches:
+        predict(*keep)
+        if predicted.get(keep, math.inf) <= fastest * (1 + tolerance):
+            return keep
     good = [split for split, t in predicted.items() if t <= fastest * (1 + tolerance)]
     return min(good, key=lambda split: (split[0] / grain + split[1], split[1], split[0]))
 
