@@ -166,14 +166,17 @@ KEYS: dict[str, Key] = {
                                "iteration 0)"),
     "train.start_over": Key(False, "move all the workdir holds to WORKDIR/previous_runs/N/ and start at iteration 0"),
     # ------------------------------------------------------------------ runtime (docs/design.md sections 2 and 4)
-    "runtime.mode": Key("colocated", "the schedule mode (docs/design.md)",
-                        ("colocated", "disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss")),
+    "runtime.mode": Key("colocated", "the schedule mode (docs/design.md); 'auto': the one the cost model predicts "
+                                     "fastest, chosen before the run",
+                        ("colocated", "disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss", "auto")),
     "runtime.micro_batches": Key(4, "micro-batches (whole prompt groups) per iteration"),
     "runtime.rollout_devices": Key(0, "rollout devices of a disaggregated mode; 0: an even split"),
     "runtime.train_devices": Key(0, "train devices (0: the rest); colocated, > 0 uses only the first train_devices"),
     "runtime.reward_devices": Key(0, "devices that decode and score (0: where the rollout ran)"),
     "runtime.seq_parallel": Key(1, "devices per sequence group: each sample's tokens split over them (Ulysses)"),
-    "runtime.tag_microbatches": Key(-1, "micro-batches the trainer rolls out (tag modes); -1: from measured costs"),
+    "runtime.tag_microbatches": Key(-1.0, "micro-batches the trainer rolls out (tag modes; a fraction splits one "
+                                          "micro-batch between the roles, in pieces of samples); -1: from measured "
+                                          "costs"),
     "runtime.prefetch_microbatches": Key(-1, "micro-batches prefetched with stale weights (tcss); -1: from measured "
                                              "costs"),
     "runtime.staleness": Key(1, "tcss: iterations a prefetched sample's weights may lag (0: no prefetching)"),
@@ -181,6 +184,10 @@ KEYS: dict[str, Key] = {
     "runtime.colocated_sampling": Key("auto", "colocated full fine-tuning with FSDP: sample from the 'sharded' weights "
                                               "or a 'gathered' copy; 'auto': gathered where it fits",
                                       ("auto", "sharded", "gathered")),
+    "runtime.tag_precision": Key("auto", "the train role's own rollouts (tag modes): 'rollout' samples in "
+                                         "model.rollout_precision (FP8: a quantised copy beside training's weights), "
+                                         "'training' in the training precision; 'auto': 'rollout' where the memory "
+                                         "plan fits it", ("auto", "rollout", "training")),
     "runtime.check_memory": Key(True, "refuse a run whose memory plan does not fit its devices"),
     "runtime.reward_workers": Key(2, "host threads scoring micro-batches"),
     "runtime.trace": Key(True, "write WORKDIR/trace.json (Chrome trace)"),

@@ -115,8 +115,8 @@ def tables(grid: Grid) -> str:
     for (model, bed), row in grid.cells.items():
         sync, full, auto = row[SYNC], row[FULL], grid.autosized[(model, bed)]
         bub = lambda p: ", ".join(f"{g} {f:.0%}" for g, f in p.bubble_frac.items())  # noqa: E731
-        out.append(f"| {model} | {bed} | {bub(sync)} | {bub(full)} | {full.tag}/{full.prefetch}/{full.microbatches} | "
-                   f"{auto.rollout_devices}/{auto.train_devices}, {auto.tag}/{auto.prefetch}/{auto.microbatches} |")
+        out.append(f"| {model} | {bed} | {bub(sync)} | {bub(full)} | {full.tag:g}/{full.prefetch}/{full.microbatches} | "
+                   f"{auto.rollout_devices}/{auto.train_devices}, {auto.tag:g}/{auto.prefetch}/{auto.microbatches} |")
     out += ["", "**Cost efficiency** (samples per dollar; $/GPU-hour from configs/paper/testbeds.py)\n",
             "| model | testbed | $/h | " + " | ".join(names) + " |", "|---|---|---:|" + "---:|" * len(names)]
     for (model, bed), row in grid.cells.items():

@@ -44,7 +44,8 @@ _HOSTS = flags.DEFINE_integer("devices_per_host", 8, "Devices per host (role gro
 _XBW = flags.DEFINE_float("cross_host_gbps", 200.0, "Network bandwidth between hosts, Gb/s per GPU.")
 _PRICE = flags.DEFINE_multi_string("price", [], "KIND=DOLLARS per device-hour, repeatable (overrides the device table).")
 _EFF = flags.DEFINE_multi_string("efficiency", [], "NAME=VALUE overriding cost_model.Efficiency (e.g. rollout=0.45), repeatable.")
-_AUTOSIZE = flags.DEFINE_boolean("autosize", False, "Also search role sizes, micro-batches and TAG share for the full mode.")
+_AUTOSIZE = flags.DEFINE_boolean("autosize", False, "Also search role sizes, micro-batches and TAG share for the full mode, "
+                                  "and rank every mode at its best sizing (what runtime.mode=auto runs).")
 _JSON = flags.DEFINE_string("json", None, "Also write the predictions to this JSON file.")
 
 
@@ -91,7 +92,7 @@ def table(predictions: list[simulator.Prediction]) -> str:
         per_dollar = f"{p.samples_per_dollar:.0f}" if p.samples_per_dollar else "-"
         lines.append(
             f"| {name} | {p.samples_per_s:.3f} | {p.samples_per_s_per_device:.4f} | {speedup} | {bubble} | "
-            f"{p.tag} / {p.prefetch} | {p.microbatches} | {mfu} | {per_dollar} |"
+            f"{p.tag:g} / {p.prefetch} | {p.microbatches} | {mfu} | {per_dollar} |"
         )
     return "\n".join(lines)
 
@@ -147,6 +148,13 @@ def main(argv):
             f"no split fits: {sizing.prediction.memory.over().role} role over its memory"
         print(f"\nautosize ({plan_lib.BEST_MODE}): {sizing.runtime_overrides()} -> {speed}")
         out["autosize"] = {**sizing.runtime_overrides(), "samples_per_s": sizing.prediction.samples_per_s}
+        try:
+            ranked = simulator.choose_mode(work, pool, eff=eff)
+        except ValueError as e:
+            raise app.UsageError(str(e)) from None
+        print(costs.mode_line(pool, ranked))
+        out["auto"] = [{**s.runtime_overrides(), "samples_per_s": s.prediction.samples_per_s, "fits": s.prediction.fits}
+                       for s in ranked]
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(out, f, indent=1)

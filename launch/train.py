@@ -19,7 +19,9 @@ to make each), or run on random weights and embeddings for throughput:
 
 `--autosize=h100:8` (a pool as `launch/simulate.py --pool` takes it) or `--autosize=local` (this
 run's devices) lets the simulator choose runtime.rollout_devices, train_devices and
-micro_batches for the configured disaggregated runtime.mode before training starts.
+micro_batches for the configured disaggregated runtime.mode before training starts; with
+`--config.runtime.mode=auto` it chooses the mode too, colocated included (on this run's devices
+without --autosize), and prints what it chose and the predicted speed of the runners-up.
 
 Any config key can be overridden as `--config.a.b=value`; `--print_config` lists every key
 (`a.b = value`, after the overrides and --autosize) and exits without training. Writes
@@ -51,7 +53,7 @@ from digen_jax import cli, xla_flags
 from digen_jax.rewards.remote import RemoteRewardError
 from digen_jax.app.errors import ConfigError, RunStopped
 from digen_jax.app.loop import train
-from digen_jax.app import console, precision, report
+from digen_jax.app import console, costs, precision, report
 from digen_jax.app.validation import validate_config
 from digen_jax.runtime.multihost import initialize
 from digen_jax.runtime.peer_watchdog import await_verdict, end_after_failure, watching
@@ -69,8 +71,8 @@ _PRINT_CONFIG = flags.DEFINE_bool(
 _AUTOSIZE = flags.DEFINE_string(
     "autosize", None,
     "Let the simulator choose runtime.rollout_devices, train_devices and micro_batches for the configured "
-    "disaggregated runtime.mode: a pool spec such as 'h100:8' (launch/simulate.py --pool), or 'local' for "
-    "this run's devices (their kind and count).",
+    "disaggregated runtime.mode (with runtime.mode=auto, the mode too): a pool spec such as 'h100:8' "
+    "(launch/simulate.py --pool), or 'local' for this run's devices (their kind and count).",
 )
 _TRACEBACK = flags.DEFINE_bool(
     "traceback", False,
@@ -81,10 +83,6 @@ _TRACEBACK = flags.DEFINE_bool(
 
 def autosize_line(config, spec: str) -> str:
     """--autosize: size `config`'s roles in place; a line saying what was chosen."""
-    import jax
-
-    from digen_jax.app import costs
-
     try:
         pool, sizing = costs.size_config(config, spec, jax.devices())
     except ValueError as e:
@@ -119,7 +117,9 @@ def main(argv):
         if initialize(_CONFIG.value).num_processes > 1:  # multi-process runs join before any JAX work
             console.quiet(jax.process_index())  # process 0 reports; the others print their errors
     try:
-        if _AUTOSIZE.value:
+        if _CONFIG.value.runtime.mode == costs.AUTO_MODE:
+            print(costs.choose_mode(_CONFIG.value, _AUTOSIZE.value or "local", jax.devices()), flush=True)
+        elif _AUTOSIZE.value:
             print(autosize_line(_CONFIG.value, _AUTOSIZE.value), flush=True)
         if _PRINT_CONFIG.value:
             notes = {"model.rollout_precision": precision.rollout_precision_note(_CONFIG.value)}

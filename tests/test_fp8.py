@@ -212,15 +212,17 @@ def test_lora_grpo_with_fp8_rollouts_on_their_own_role(pretrain_cache_dir, tmp_p
         assert row["is_truncated_frac"] == 0 and abs(row["is_weight_mean"] - 1) < 0.05, row
 
 
-@pytest.mark.parametrize("mode", ["colocated", "gap+tsp+tag"])
-def test_train_role_samples_in_fp8_only_where_it_is_the_rollout_role(mode):
-    """The rollout role always samples with the FP8 tree; the train role does only when colocated
-    (it is the rollout role then). Disaggregated, its trainer-assisted rollouts keep the training
-    precision rather than hold a quantised copy of the base beside the one training reads."""
+@pytest.mark.parametrize("mode, fp8_on_train", [("colocated", False), ("gap+tsp+tag", False), ("gap+tsp+tag", True)])
+def test_train_role_samples_in_fp8_where_it_is_the_rollout_role_or_asked_to(mode, fp8_on_train):
+    """The rollout role always samples with the FP8 tree; the train role does when colocated (it
+    is the rollout role then) or, disaggregated, with `fp8_on_train` (`runtime.tag_precision`
+    'rollout'); otherwise its trainer-assisted rollouts keep the training precision rather than
+    hold a quantised copy of the base beside the one training reads."""
     runtime = ml_collections.ConfigDict(dict(mode=mode, rollout_devices=4, train_devices=4, reward_devices=0))
     trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(lora_scale=None, rollout_precision="fp8", lora_base_precision="bf16"), frozen=None)
     weights = weight_sync.RoleWeights(mesh_lib.build_role_meshes(runtime), tiny.get_config().sharding,
-                                      flux.FAMILY.abstract_params(CFG), trainer, merge_for_sampling=False)
+                                      flux.FAMILY.abstract_params(CFG), trainer, merge_for_sampling=False,
+                                      fp8_on_train=fp8_on_train)
     params = jax.device_put(make_params(), weights.sharding["train"])  # as the trainer holds them (FSDP)
 
     def kernels(tree):
@@ -241,7 +243,7 @@ def test_train_role_samples_in_fp8_only_where_it_is_the_rollout_role(mode):
     assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
                for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(there)))
     on_train = kernels(weights.on_train(params))
-    assert (fp8.QUANTIZED in on_train) == (mode == "colocated")
+    assert (fp8.QUANTIZED in on_train) == (mode == "colocated" or fp8_on_train)
 
 
 def test_gathered_colocated_sampling_quantises_then_gathers():

@@ -783,7 +783,7 @@ def test_fixed_splits_pass_validation_iff_every_iteration_plans(cache_dir, mode,
                                     staleness=staleness)
             executor = Executor.__new__(Executor)  # split_for's rule without devices or a run
             executor.config, executor.mode, executor.flags = config, mode, plan_lib.mode_flags(mode)
-            executor.microbatches, executor.carried = 4, []
+            executor.microbatches, executor.carried, executor.grain = 4, [], 1
             tag_k, prefetch_k = executor.split_for(1)
             try:
                 for carried in (0, prefetch_k):
@@ -807,6 +807,7 @@ def test_fixed_splits_pass_validation_iff_every_iteration_plans(cache_dir, mode,
 # precision), loaded from the session's compilation cache (conftest.py).
 KILLED_IN = ITERATIONS - 1
 _KILLED_RUN = """
+import json
 import os
 import sys
 from digen_jax.app import loop
@@ -826,13 +827,14 @@ def train_then_stall(self, task, mb, acc):
         os._exit(1)
 
 Executor._train = train_then_stall
-loop.train(kill_config(sys.argv[1], sys.argv[2]), sys.argv[3], log=lambda m: print(m, flush=True))
+loop.train(kill_config(sys.argv[1], sys.argv[2], **json.loads(sys.argv[4])), sys.argv[3], log=lambda m: print(m, flush=True))
 """
 
 
-def kill_config(cache_dir, mode):
-    """The `runs` fixture's config of `mode` as a training run checkpointing every iteration."""
-    config = runtime_config(cache_dir, mode)
+def kill_config(cache_dir, mode, **runtime):
+    """The `runs` fixture's config of `mode` (with `runtime` overrides) as a training run
+    checkpointing every iteration."""
+    config = runtime_config(cache_dir, mode, **runtime)
     config.train.iterations = ITERATIONS
     config.train.checkpoint_every = 1
     return config
@@ -842,8 +844,9 @@ class KilledRuns:
     """One killed training process per mode. Each is started a mode ahead, so that it runs on
     the second core while the previous mode resumes in the test process."""
 
-    def __init__(self, cache_dir, compile_cache, workdirs):
-        self.cache_dir, self.workdirs = cache_dir, workdirs
+    def __init__(self, cache_dir, compile_cache, workdirs, modes=plan_lib.MODES, **runtime):
+        """`runtime`: overrides of every run's `runtime` section; `modes`: the order they run in."""
+        self.cache_dir, self.workdirs, self.modes, self.runtime = cache_dir, workdirs, modes, runtime
         self.env = dict(
             os.environ,  # conftest.py's XLA flags: 8 devices
             JAX_PLATFORMS="cpu",
@@ -860,7 +863,7 @@ class KilledRuns:
             workdir = self.workdirs.mktemp(mode.replace("+", "_"))
             root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             proc = subprocess.Popen(
-                [sys.executable, "-c", _KILLED_RUN, str(self.cache_dir), mode, str(workdir)],
+                [sys.executable, "-c", _KILLED_RUN, str(self.cache_dir), mode, str(workdir), json.dumps(self.runtime)],
                 cwd=root, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             self.procs[mode] = (proc, workdir)
@@ -869,7 +872,7 @@ class KilledRuns:
     def kill(self, mode):
         """SIGKILL `mode`'s run once it stalls mid-iteration (and its checkpoint is written); its workdir."""
         proc, workdir = self.start(mode)
-        following = plan_lib.MODES[plan_lib.MODES.index(mode) + 1 :]
+        following = self.modes[self.modes.index(mode) + 1 :]
         if following:
             self.start(following[0])
         watchdog = threading.Timer(240, proc.kill)  # a child that never stalls must not hang the suite
@@ -906,6 +909,14 @@ def killed_runs(runs, cache_dir, compile_cache, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", plan_lib.MODES)
 def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(runs, killed_runs, cache_dir, mode):
+    assert_sigkill_then_resume_matches(killed_runs, runs[mode], cache_dir, mode)
+
+
+def assert_sigkill_then_resume_matches(killed_runs, uninterrupted, cache_dir, mode):
+    """`killed_runs`' run of `mode`, killed mid-iteration and resumed, against `uninterrupted` (a
+    `run_every_mode` result of the same config): the same metrics and bit-equal weights, and a
+    trace that holds every sample generated and trained once."""
+    config = kill_config(cache_dir, mode, **killed_runs.runtime)
     workdir = killed_runs.kill(mode)
     assert not (workdir / "checkpoints" / str(ITERATIONS)).exists(), "the run finished before it was killed"
     killed_rows = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
@@ -913,11 +924,10 @@ def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(runs, ki
     killed_end = max(e["ts"] + e["dur"] for e in read_trace(workdir / "trace.json"))
 
     logs = []
-    resumed = loop.train(kill_config(cache_dir, mode), str(workdir), log=logs.append)
+    resumed = loop.train(config, str(workdir), log=logs.append)
     assert any(f"resumed from checkpoint {KILLED_IN}" in line for line in logs), logs
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(1, ITERATIONS + 1))
-    uninterrupted = runs[mode]
     for row, metrics in zip(rows, uninterrupted["metrics"]):
         assert row["reward_mean"] == metrics["reward_mean"] and row["loss"] == float(metrics["loss"]), row["step"]
     final = jax.device_get(uninterrupted["executor"].state.trainable)
@@ -928,7 +938,7 @@ def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(runs, ki
     assert marker["args"]["resumed_from"] == KILLED_IN and marker["ts"] >= killed_end
     events = read_trace(workdir / "trace.json")  # without the killed run's events the resume superseded
     resumed_events = [e for e in events if e["ts"] >= marker["ts"]]
-    prefetch = runtime_config(cache_dir, mode).runtime.prefetch_microbatches
+    prefetch = config.runtime.prefetch_microbatches
     # Of the killed run's tasks past the checkpoint only what the checkpoint holds still counts:
     # the prefetched micro-batches' rollouts and rewards, and the sync of the checkpointed update.
     for e in events:
@@ -939,7 +949,8 @@ def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(runs, ki
     # The whole trace says which version generated and which update trained every sample, once.
     generated = collections.Counter(sid for e in events if e["args"]["kind"] == "rollout" for sid in e["args"]["sample_ids"])
     trained_all = collections.Counter(sid for e in events if e["args"]["kind"] == "train" for sid in e["args"]["sample_ids"])
-    batch, per_microbatch = 16, 4
+    batch = config.rl.prompts_per_iteration * config.rl.group_size
+    per_microbatch = batch // config.runtime.micro_batches
     assert set(generated.values()) == {1} and set(trained_all.values()) == {1}
     assert sorted(trained_all) == list(range(ITERATIONS * batch))
     # The resumed process trained the killed iteration's samples once each, and took the ones

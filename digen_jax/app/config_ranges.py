@@ -97,7 +97,7 @@ RANGES: tuple[Range, ...] = (
     _ints("model.arch.pooled_projection_dim", 1),
     _ints("runtime.reward_workers", 1),
     _ints("runtime.seq_parallel", 1, why="devices per sequence group; 1: each sample's tokens on one device"),
-    _ints("runtime.tag_microbatches", -1, why="-1: chosen every iteration from measured costs"),
+    Range("runtime.tag_microbatches", -1.0, INF, why="-1: chosen every iteration from measured costs; a fraction splits a micro-batch"),
     _ints("runtime.prefetch_microbatches", -1, why="-1: chosen every iteration from measured costs"),
     _positive("runtime.peer_timeout_s", why="seconds until a silent process stops a multi-process run"),
 )

@@ -1,5 +1,6 @@
 """What a config costs: exact FLOPs of one RL sample, the `IterationWork` the cost model prices,
-and role sizes for a run from the simulator (launch/train.py --autosize).
+and role sizes for a run from the simulator (launch/train.py --autosize), or its mode too
+(`runtime.mode='auto'`).
 
 The runtime's cost model and simulator (`digen_jax.runtime.cost_model`, `.simulator`) take plain
 `IterationWork` values; this module reads them off a model-zoo config and its model zoo entry.
@@ -26,6 +27,7 @@ from digen_jax.runtime.memory_plan import MemoryPlan
 from digen_jax.runtime.memory_plan import advice as memory_advice
 from digen_jax.runtime.memory_plan import colocated_sampling as plan_colocated_sampling
 from digen_jax.runtime.memory_plan import memory_plan as plan_memory
+from digen_jax.runtime.memory_plan import tag_precision as plan_tag_precision
 
 
 def sample_flops(config, model_cfg) -> dict[str, int] | None:
@@ -134,6 +136,7 @@ def _memory_terms(config, terms: flops.ModelTerms) -> dict:
         optimizer_state_bytes=4 if state_dtype == "float32" else 0,
         offload_optimizer=bool(rt.get("offload_optimizer", False)),
         colocated_sampling=rt.get("colocated_sampling", "auto"),
+        tag_precision=rt.get("tag_precision", "auto"),
         train_sharded=mesh_lib.shards_weights(tuple(sharding.train_rules)),
         rollout_sharded=mesh_lib.shards_weights(tuple(sharding.rollout_rules)),
         ema=bool(rl.ema),
@@ -181,6 +184,18 @@ def colocated_sampling(config, devices: Sequence[Any]) -> str:
     return plan_colocated_sampling(work, pools[0], config.runtime.micro_batches, colocated_devices=pools[1])
 
 
+def tag_precision(config, devices: Sequence[Any]) -> str:
+    """What `runtime.tag_precision='auto'` is for a run of `config` on `devices` (its trainer-assisted
+    rollouts' precision): the memory plan's pick (`memory_plan.tag_precision`) for the full mode,
+    or 'rollout' where the plan has no figure (CPU devices, kinds the device table lacks, the
+    shapes task)."""
+    pools = _local_pool(config, devices, plan_lib.BEST_MODE)
+    if pools is None:
+        return "rollout"
+    work = dataclasses.replace(iteration_work(config), tag_precision="auto")
+    return plan_tag_precision(work, pools[0], config.runtime.micro_batches)
+
+
 def _local_pool(config, devices: Sequence[Any], mode: str) -> tuple[Pool, int | None] | None:
     """The `Pool` of a run of `config` in `mode` on `devices` and its colocated device count
     (None when disaggregated); None where the memory plan has no figure for them."""
@@ -218,6 +233,66 @@ def _model_config(config):
     return dataclasses.replace(variants[config.model.variant], **families.depth_overrides(config.model))
 
 
+AUTO_MODE = "auto"  # runtime.mode: chosen by `choose_mode`
+
+
+def _pool(spec: str, devices: Sequence[Any]) -> Pool:
+    """The pool `spec` names (`Pool.parse`), or for 'local' `devices` (their kind and count); it must
+    have as many devices as the run."""
+    if spec == "local":
+        spec = f"{local_kind(devices[0].device_kind)}:{len(devices)}"
+    pool = Pool.parse(spec)
+    if pool.total != len(devices):
+        raise ValueError(f"the pool {spec!r} has {pool.total} devices, this run {len(devices)}")
+    return pool
+
+
+def _runs(config):
+    """Whether a run of `config` accepts `m` micro-batches (`validate_runtime_config`'s rules)."""
+    rl = config.rl
+    units = rl.prompts_per_iteration * rl.group_size * _trained_steps(config)
+    return lambda m: rl.prompts_per_iteration % m == 0 and (units // m) % rl.micro_batch_size == 0
+
+
+def choose_mode(config, spec: str, devices: Sequence[Any]) -> str:
+    """`runtime.mode='auto'`: the mode, role sizes and micro-batch count the simulator predicts
+    fastest for `config` on the pool `spec` names ('local': `devices`), colocated included,
+    applied to `config` in place; the split (trainer rollouts, prefetch) stays elastic, chosen
+    every iteration from measured costs. Returns one line: what was chosen, its predicted speed
+    and the runners-up's. A ConfigError (one line) where the simulator cannot price the run."""
+    try:
+        pool = _pool(spec, devices)
+        ranked = simulator.choose_mode(iteration_work(config), pool, allowed=_runs(config))
+    except ValueError as e:
+        raise ConfigError(f"runtime.mode='auto' is chosen from the simulator's predictions, which fail here: {e} "
+                          "(launch/train.py --autosize=KIND:N names a pool), or set runtime.mode") from None
+    best = ranked[0]
+    rt = config.runtime
+    rt.mode = best.prediction.mode
+    rt.micro_batches = best.microbatches
+    rt.rollout_devices, rt.train_devices = (0, 0) if rt.mode == plan_lib.COLOCATED else (best.rollout_devices, best.train_devices)
+    rt.tag_microbatches, rt.prefetch_microbatches = -1, -1
+    return mode_line(pool, ranked)
+
+
+def mode_line(pool: Pool, ranked: Sequence[simulator.Sizing]) -> str:
+    """What `choose_mode` chose and the runners-up, predicted samples/s (and against the choice)."""
+    best = ranked[0].prediction
+
+    def sizing(s: simulator.Sizing) -> str:
+        p = s.prediction
+        roles = "" if p.mode == plan_lib.COLOCATED else f"{s.rollout_devices}+{s.train_devices} devices, "
+        split = f", predicted split tag={s.tag:g} prefetch={s.prefetch}" if plan_lib.mode_flags(p.mode).tag else ""
+        return f"{p.mode} ({roles}{s.microbatches} micro-batches{split})"
+
+    runners = "; ".join(
+        f"{s.prediction.mode} {s.prediction.samples_per_s:.3f} ({s.prediction.samples_per_s / best.samples_per_s:.2f}x)"
+        + ("" if s.prediction.fits else " does not fit") for s in ranked[1:])
+    fits = "" if best.fits else " (no mode fits the memory plan: the fastest is run)"
+    return (f"runtime.mode='auto' on {pool.describe()}: {sizing(ranked[0])} at {best.samples_per_s:.3f} samples/s "
+            f"predicted{fits}; runners-up: {runners or 'none'}")
+
+
 def size_config(config, spec: str, devices: Sequence[Any]) -> tuple[Pool, simulator.Sizing]:
     """`simulator.autosize` for `config`'s `runtime.mode`, applied to `config` in place: role sizes
     and micro-batch count. The TAG share and prefetch stay as configured (-1: chosen every iteration
@@ -228,12 +303,8 @@ def size_config(config, spec: str, devices: Sequence[Any]) -> tuple[Pool, simula
     """
     if plan_lib.mode_flags(config.runtime.mode).colocated:
         raise ValueError("it sizes the roles of a disaggregated runtime.mode; 'colocated' has one group")
-    if spec == "local":
-        spec = f"{local_kind(devices[0].device_kind)}:{len(devices)}"
-    pool = Pool.parse(spec)
-    if pool.total != len(devices):
-        raise ValueError(f"the pool {spec!r} has {pool.total} devices, this run {len(devices)}")
-    sizing = simulator.autosize(iteration_work(config), pool, mode=config.runtime.mode)
+    pool = _pool(spec, devices)
+    sizing = simulator.autosize(iteration_work(config), pool, mode=config.runtime.mode, allowed=_runs(config))
     overrides = sizing.runtime_overrides()
     for key in ("rollout_devices", "train_devices", "micro_batches"):
         config.runtime[key] = overrides[key]

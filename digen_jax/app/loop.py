@@ -49,6 +49,7 @@ class Run:
         validate_config(config, one_mode=one_mode)  # one_mode=False: run in several modes (validate_config)
         costs.check_fits(config, jax.devices())  # a run that cannot fit its devices: one line, before any compute
         self.colocated_sampling = costs.colocated_sampling(config, jax.devices())  # 'auto' on these devices
+        self.tag_precision = costs.tag_precision(config, jax.devices())  # 'auto' on these devices
         self.config, self.workdir, self.log = config, workdir, log
         os.makedirs(workdir, exist_ok=True)
         rl = config.rl
@@ -247,8 +248,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
     Every iteration goes through the runtime executor in `config.runtime.mode` (colocated by
     default); its figures (samples/s, bubbles, staleness, sync time) are read one iteration late.
     Expected faults (a workdir in use, a checkpoint of another config or unreadable, a full disk,
-    a failed save) raise `RunStopped` with a message.
+    a failed save) raise `RunStopped` with a message. `runtime.mode='auto'` is resolved first, on
+    this run's devices (`costs.choose_mode`), and the choice logged.
     """
+    if config.runtime.mode == costs.AUTO_MODE:
+        log(costs.choose_mode(config, "local", jax.devices()))
     validate_config(config)
     # Several processes share the workdir; process 0 writes the metrics, trace and TensorBoard files.
     writes_files = jax.process_index() == 0

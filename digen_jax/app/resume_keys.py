@@ -36,7 +36,7 @@ NOTED = (
     "rl",
     "runtime.mode", "runtime.micro_batches", "runtime.rollout_devices", "runtime.train_devices",
     "runtime.reward_devices", "runtime.seq_parallel", "runtime.tag_microbatches", "runtime.prefetch_microbatches",
-    "runtime.staleness",
+    "runtime.staleness", "runtime.tag_precision",
 )
 FREE = (
     "model.remat_policy",  # recomputes the same activations

@@ -270,6 +270,7 @@ def save(executor, manager: ocp.CheckpointManager, iterations_done: int, config:
         "fingerprint": fingerprint(config),
         # The task costs measured so far: a resumed run chooses its elastic splits as this one would.
         "measured": [[kind, group, values] for (kind, group), values in executor.measured.items()],
+        "split": None if executor.split is None else list(executor.split),  # the last (tag in pieces, prefetch)
         # The noted keys' values: a resume names those it changes (digen_jax/app/resume_keys.py).
         "settings": resume_keys.settings(config),
         # Verified when the checkpoint is read back: data corrupted on disk is not trusted.
@@ -354,7 +355,7 @@ def _load(executor, manager: ocp.CheckpointManager, step: int) -> tuple:
 def _resume(executor, step: int, state, carried: dict, meta: dict) -> tuple[int, dict]:
     """Continue `executor` from checkpoint `step`: (step, the noted keys the config changes)."""
     version = int(jax.device_get(to_every_process(state.version)))  # one scalar, read by every process
-    executor.resume(step, state, carried, meta.get("measured", []))
+    executor.resume(step, state, carried, meta.get("measured", []), meta.get("split"))
     executor.log(f"resumed from checkpoint {step} (policy version {version}, {len(executor.carried)} prefetched "
                  "micro-batches)")
     changed = resume_keys.changes(meta.get("settings"), executor.job.config)

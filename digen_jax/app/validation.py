@@ -36,7 +36,7 @@ from digen_jax.rl.timesteps import plan_steps, validate_nft_timesteps, validate_
 from digen_jax.rl.trainer import ALGORITHMS, ONPOLICY_ANCHORS
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.runtime_config import validate_runtime_config
+from digen_jax.runtime.runtime_config import split_grain, validate_runtime_config
 
 
 def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = True, one_mode: bool = True) -> None:
@@ -91,7 +91,8 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
                           f"{run_checkpoints.ON_CORRUPT}")
     try:
         validate_runtime_config(config, len(jax.devices()))
-        mesh_lib.build_role_meshes(config.runtime)  # role sizes against the hosts' devices (no compute)
+        meshes = mesh_lib.build_role_meshes(config.runtime)  # role sizes against the hosts' devices (no compute)
+        split_grain(config, meshes)  # a fixed fractional split on the pieces the meshes allow
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if one_mode:

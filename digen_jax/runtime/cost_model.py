@@ -274,11 +274,12 @@ class IterationWork:
     unit_forwards: int = 1
     # numerics of the rollout role's forwards (`model.rollout_precision`): 'fp8' runs them
     # `Efficiency.fp8_rollout_speedup` times faster from weights of one byte; the train role's own
-    # rollouts (trainer-assisted generation) stay in the training precision
+    # rollouts (trainer-assisted generation) too where `tag_precision` is 'rollout'
     rollout_precision: str = "bf16"
     # `model.lora_base_precision`: 'fp8' holds the LoRA base only in e4m3 (one byte per weight),
     # and the train role's own rollouts then sample in FP8 as well
     lora_base_precision: str = "bf16"
+    tag_precision: str = "auto"  # runtime.tag_precision ('auto': the memory plan resolves it, `memory_plan.tag_precision`)
     # What the memory plan (runtime/memory_plan.py) reads besides the sizes above.
     optimizer_state_bytes: int = 0  # bytes per Adam moment element; 0: param_bytes ('param')
     offload_optimizer: bool = False  # runtime.offload_optimizer: the moments in host memory
@@ -436,7 +437,8 @@ def model_costs(w: IterationWork, pool: Pool, mode: str, microbatches: int, *, s
     return plan_lib.Costs(
         rollout={
             "rollout": rollout_mb_s(w, samples, r_kind, r_n, eff, fp8=fp8),
-            "train": rollout_mb_s(w, samples, t_kind, t_n, eff, sharded_in=pool, fp8=w.lora_base_precision == "fp8"),
+            "train": rollout_mb_s(w, samples, t_kind, t_n, eff, sharded_in=pool,
+                                  fp8=fp8 and (w.tag_precision == "rollout" or w.lora_base_precision == "fp8")),
         },
         reward=reward_mb_s(w, samples, r_kind, r_n, eff),
         train=train_mb_s(w, samples, t_kind, t_n, pool, eff, tsp=flags.tsp),

@@ -52,8 +52,8 @@ def lane(task: Task) -> str:
 def producer(key: TaskKey) -> TaskKey:
     """The dispatched task whose outputs satisfy a dependency on `key`: a reward is ready to
     wait for once its rollout has been dispatched (the rollout hands it to the reward threads)."""
-    kind, iteration, index = key
-    return ("rollout", iteration, index) if kind == "reward" else key
+    kind, *rest = key
+    return ("rollout", *rest) if kind == "reward" else key
 
 
 @dataclasses.dataclass(frozen=True)

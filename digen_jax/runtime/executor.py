@@ -28,12 +28,20 @@ iteration's figures (`_figures`), so the main thread issues no cross-process pro
 two plans; evaluation samples, images and checkpoints are read from each process's own copy
 (`to_every_process`) after every lane is drained.
 
+Split micro-batches: the trainer's rollouts count pieces of a micro-batch (`plan.pieces_per_microbatch`:
+runs of samples each role's batch axis divides), so `runtime.tag_microbatches` may be a fraction;
+the micro-batch at the boundary is rolled out in two pieces, one per role, with its samples' own
+keys and conditioning, each piece decoded and scored on its own; its training joins them on the
+train mesh (trajectory rows, then rewards in sample order), so it trains what one rollout of the
+whole micro-batch would give. With several processes the split stays in whole micro-batches.
+
 Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
-split of each iteration is chosen by `plan.choose_split` from the task times measured in
-the previous iteration (with several processes, from process 0's measured costs, broadcast: the
-plan must be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
-measured times travel with each checkpoint, so a resumed run's first split is the one the
-uninterrupted run chose.
+split of each iteration is chosen by `plan.choose_split` (keeping the last one while it is
+predicted within its tolerance of the best) from the task times measured in
+the previous iteration (a piece's time counted per micro-batch; with several processes, from
+process 0's measured costs, broadcast: the plan must be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
+measured times and the last split travel with each checkpoint, so a resumed run's first split is
+the one the uninterrupted run chose.
 """
 from __future__ import annotations
 
@@ -60,7 +68,7 @@ from digen_jax.runtime.transfer import crossing_bytes, to_every_process, whole_o
 from digen_jax.runtime import dispatch as dispatch_lib
 from digen_jax.runtime.dispatch import Lanes
 from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, EventExchange, Tracer, iteration_summary
-from digen_jax.runtime.runtime_config import validate_runtime_config
+from digen_jax.runtime.runtime_config import split_grain, validate_runtime_config
 from digen_jax.runtime.weight_sync import RoleWeights
 
 
@@ -76,6 +84,9 @@ class Job(Protocol):
     # What `runtime.colocated_sampling='auto'` is on the run's devices ('sharded' or 'gathered'):
     # the memory plan's pick (`memory_plan.colocated_sampling`)
     colocated_sampling: str
+    # What `runtime.tag_precision='auto'` is on the run's devices ('rollout' or 'training'): the
+    # memory plan's pick (`memory_plan.tag_precision`)
+    tag_precision: str
 
     @property
     def abstract_params(self) -> Any:
@@ -155,6 +166,48 @@ def _finite_parts(state: TrainState) -> dict:
     return parts
 
 
+def _settle_from(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
+    """Give `target` `source`'s result or error once it has one."""
+    def settle(done: concurrent.futures.Future) -> None:
+        error = done.exception() if not done.cancelled() else concurrent.futures.CancelledError()
+        target.set_exception(error) if error is not None else target.set_result(done.result())
+
+    source.add_done_callback(settle)
+
+
+def _concatenated(parts: list[concurrent.futures.Future]) -> concurrent.futures.Future:
+    """A future of the pieces' rewards joined in order, settled when the last piece is scored
+    (the first error, if one fails); no thread waits for it."""
+    joined, lock = concurrent.futures.Future(), threading.Lock()
+
+    def settle(_) -> None:
+        with lock:
+            if joined.done() or not all(p.done() for p in parts):
+                return
+            errors = [p.exception() for p in parts if p.exception() is not None]
+            if errors:
+                joined.set_exception(errors[0])
+            else:
+                joined.set_result(np.concatenate([p.result() for p in parts]))
+
+    for part in parts:
+        part.add_done_callback(settle)
+    return joined
+
+
+_SHARED_FIELDS = frozenset({"noise_levels", "version"})  # trajectory fields common to all its samples
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _joined(pieces: list, mesh):
+    """The pieces of a split micro-batch's trajectory (on the train mesh) as one: the per-sample
+    fields' rows in order, batch-split over `mesh`; the fields common to every sample from the first."""
+    rows = {f.name: jnp.concatenate([getattr(p, f.name) for p in pieces])
+            for f in dataclasses.fields(pieces[0]) if f.name not in _SHARED_FIELDS}
+    rows = {name: jax.lax.with_sharding_constraint(a, mesh_lib.batch_sharding(mesh, a.shape)) for name, a in rows.items()}
+    return dataclasses.replace(pieces[0], **rows)
+
+
 @functools.lru_cache(maxsize=16)
 def _cut_fn(cut, static: int, sharding):
     return jax.jit(lambda units, index: cut(units, index, static), out_shardings=sharding)
@@ -172,7 +225,11 @@ class MicroBatch:
     sample_keys: jax.Array
     noise_levels: np.ndarray  # (N,) the iteration's per-step noise levels
     trained: np.ndarray  # (samples, S) trained step indices
-    rolled_on: str | None = None  # the device group that rolls it out, set when its rollout is planned
+    rolled_on: str | None = None  # the device group that rolls it out (its first piece's), set when planned
+    piece: tuple[int, int, int] | None = None  # a piece's view of its micro-batch (`_piece`): (first, end, grain)
+    # a split micro-batch: each piece's trajectory and future rewards by first piece (`_rollout`)
+    pieces: dict[int, Any] = dataclasses.field(default_factory=dict)
+    piece_rewards: dict[int, concurrent.futures.Future] = dataclasses.field(default_factory=dict)
     version: int | None = None  # the policy version that generated it
     traj: Trajectory | FinalSamples | None = None  # what the algorithm's rollout keeps (Trainer.rollout)
     on_trainer: Trajectory | FinalSamples | None = None  # the trajectory moved to the train mesh ahead of its training
@@ -193,6 +250,7 @@ class Executor:
         self.meshes = mesh_lib.build_role_meshes(rt)
         self._pace_chunks = self.meshes.train.devices.flat[0].platform == "cpu"  # see `_train`
         self.microbatches = rt.micro_batches
+        self.grain = split_grain(self.config, self.meshes)  # pieces per micro-batch of the trainer's rollouts
         # Each process times the tasks on its own devices and takes the others' events from their
         # processes (trace.EventExchange); process 0 writes them all to the trace.
         write_trace = rt.trace and jax.process_index() == 0
@@ -211,7 +269,8 @@ class Executor:
         self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
         self.measured: dict[tuple[str, str], list[float]] = {}  # (kind, group) -> recent durations
         self._synced_version = -1  # what the rollout weights hold once the submitted syncs ran
-        self._compiled: set[tuple[str, str]] = set()  # (kind, group) keys whose first task was seen
+        self.split: tuple[int, int] | None = None  # the last iteration's (tag in pieces, prefetch)
+        self._compiled: set[tuple[str, str, float]] = set()  # (kind, group, share) whose first task was seen
         self._iteration_start: dict[int, float] = {}
         self._place_weights()
 
@@ -221,7 +280,8 @@ class Executor:
         self.weights = RoleWeights(self.meshes, self.config.sharding, job.abstract_params, job.trainer,
                                    merge_for_sampling=self.config.rl.lora_merge_for_sampling,
                                    offload_optimizer=bool(self.config.runtime.get("offload_optimizer", False)),
-                                   gathered_sampling=self.colocated_sampling == "gathered")
+                                   gathered_sampling=self.colocated_sampling == "gathered",
+                                   fp8_on_train=self.flags.tag and self.tag_precision == "rollout")
         self.state_sharding = self.weights.state_sharding(job.state)
         job.trainer.pin_state_sharding(self.state_sharding)
         self.state = self.weights.fresh_state(job.state, self.state_sharding)
@@ -247,6 +307,12 @@ class Executor:
         """`runtime.colocated_sampling`, 'auto' being what the memory plan picks for the run's devices."""
         choice = self.config.runtime.get("colocated_sampling", "auto")
         return self.job.colocated_sampling if choice == "auto" else choice
+
+    @property
+    def tag_precision(self) -> str:
+        """`runtime.tag_precision`, 'auto' being what the memory plan picks for the run's devices."""
+        choice = self.config.runtime.get("tag_precision", "auto")
+        return self.job.tag_precision if choice == "auto" else choice
 
     def _sync(self, task: plan_lib.Task) -> None:
         """Trainer -> rollout weight transfer of `task.version` (asynchronous; only adapters with LoRA)."""
@@ -306,22 +372,44 @@ class Executor:
         dispatched from several threads could interleave differently per device and deadlock,
         so the reward role, which decodes for both groups, takes one dispatch at a time.
         """
+        whole, mb = mb, self._piece(mb, task.piece)
         mesh = self.meshes.for_group(task.group)
         params = self._params_on(task.group, task.version)
         start = self.tracer.now()
         cond, keys = mesh_lib.put_batch((mb.cond, mb.sample_keys), mesh)
         with self.weights.model_mesh(task.group):
-            mb.traj = self.job.trainer.rollout(params, cond, keys, mb.noise_levels, self.job.latent_shape, task.version)
-        mb.version = task.version
-        final, decoder = mb.traj.final, self.weights.decoders.get(task.group)
-        self.tracer.record(task, final, start, sample_ids=mb.sample_ids.tolist())
+            traj = self.job.trainer.rollout(params, cond, keys, mb.noise_levels, self.job.latent_shape, task.version)
+        whole.version = mb.version = task.version
+        final, decoder = traj.final, self.weights.decoders.get(task.group)
+        self.tracer.record(task, final, start, sample_ids=mb.sample_ids.tolist(), **self._piece_args(task))
         if self.meshes.reward is None:
             decoded = self.job.decode(final, decoder)
         else:  # one process (validate_runtime_config): nothing crosses processes here
             with self._reward_dispatch:
                 final, decoder = mesh_lib.put_batch(final, self.meshes.reward), self.weights.decoders.get("reward")
                 decoded = self.job.decode(final, decoder)
-        mb.rewards = self._rewards(mb, decoded)
+        if task.piece is None:
+            whole.traj, whole.rewards = traj, self._rewards(mb, decoded)
+        else:
+            whole.pieces[task.piece[0]] = traj
+            _settle_from(self._rewards(mb, decoded), whole.piece_rewards[task.piece[0]])
+
+    @staticmethod
+    def _piece(mb: MicroBatch, piece: tuple[int, int, int] | None) -> MicroBatch:
+        """`mb`, or the view of its samples of `piece` (first, end, grain) with their own keys."""
+        if piece is None:
+            return mb
+        first, end, grain = piece
+        rows = slice(first * len(mb.sample_ids) // grain, end * len(mb.sample_ids) // grain)
+        return dataclasses.replace(
+            mb, sample_ids=mb.sample_ids[rows], prompt_ids=mb.prompt_ids[rows],
+            cond=jax.tree.map(lambda a: a[rows], mb.cond), sample_keys=mb.sample_keys[rows],
+            trained=mb.trained[rows], piece=piece, pieces={}, piece_rewards={})
+
+    @staticmethod
+    def _piece_args(task: plan_lib.Task) -> dict:
+        """A piece's trace args: its (first, end, grain) pieces of the micro-batch."""
+        return {} if task.piece is None else {"piece": list(task.piece)}
 
     def _rewards(self, mb: MicroBatch, decoded: jax.Array) -> concurrent.futures.Future:
         """The future rewards of `mb` from its `decoded` samples (on the reward threads).
@@ -368,7 +456,7 @@ class Executor:
 
     @staticmethod
     def _reward_task(mb: MicroBatch) -> plan_lib.Task:
-        return plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version)
+        return plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version, piece=mb.piece)
 
     def _score(self, mb: MicroBatch, decoded: jax.Array) -> tuple[np.ndarray, float, float]:
         """Reward rows (1 + K, B) float32 of a decoded micro-batch (`MicroBatch.rewards`), and the
@@ -381,7 +469,8 @@ class Executor:
             total, per_reward = self.job.reward(pixels, jnp.asarray(mb.prompt_ids))
         rewards = np.stack([total] + [per_reward[n] for n in self.reward_names]).astype(np.float32)
         end = self.tracer.now()
-        self.tracer.record_done(self._reward_task(mb), start, end, sample_ids=mb.sample_ids.tolist())
+        task = self._reward_task(mb)
+        self.tracer.record_done(task, start, end, sample_ids=mb.sample_ids.tolist(), **self._piece_args(task))
         return rewards, start, end
 
     def _chunks(self, units, per_sample: int) -> list:
@@ -403,11 +492,17 @@ class Executor:
         """`mb`'s trajectory onto the train mesh (`mb.on_trainer`); a move between roles is recorded
         on the link track. Several processes: a dispatched task of its own (`_crossings`)."""
         mesh = self.meshes.train
-        moved_bytes, moving = crossing_bytes(mb.traj, mesh), self.tracer.now()
+        pieces = [mb.pieces[first] for first in sorted(mb.pieces)] or [mb.traj]
+        moved_bytes, moving = sum(crossing_bytes(p, mesh) for p in pieces), self.tracer.now()
+        rollouts = tuple(("rollout", mb.iteration, mb.index, first) for first in sorted(mb.pieces))
         move = plan_lib.Task(TRAJECTORY, "link", mb.iteration, mb.index, mb.version,
-                             deps=(("rollout", mb.iteration, mb.index),))
+                             deps=rollouts or (("rollout", mb.iteration, mb.index),))
         with self.lanes.crossing(move):
-            mb.on_trainer = mesh_lib.put_batch(mb.traj, mesh)
+            if mb.pieces:  # a split micro-batch: its pieces joined in sample order (one process)
+                mb.on_trainer = mb.traj = _joined(mesh_lib.put_batch(pieces, mesh), mesh)
+                mb.pieces = {}
+            else:
+                mb.on_trainer = mesh_lib.put_batch(mb.traj, mesh)
         if moved_bytes:  # rolled out on another role: the trajectory crossed to the trainer
             self.tracer.record(move, mb.on_trainer, moving, bytes=moved_bytes, sample_ids=mb.sample_ids.tolist())
 
@@ -460,9 +555,9 @@ class Executor:
 
     # ------------------------------------------------------------------ one iteration
     def _fixed_split(self) -> tuple[int | None, int | None]:
-        """(tag, prefetch) as the config fixes them; None where the executor chooses from costs."""
+        """(tag in pieces, prefetch) as the config fixes them; None where the executor chooses from costs."""
         rt = self.config.runtime
-        fixed_tag = rt.tag_microbatches if rt.tag_microbatches >= 0 or not self.flags.tag else None
+        fixed_tag = round(rt.tag_microbatches * self.grain) if rt.tag_microbatches >= 0 else None
         fixed_prefetch = rt.prefetch_microbatches if rt.prefetch_microbatches >= 0 or not self.flags.tcss else None
         if not self.flags.tag:
             fixed_tag = 0
@@ -476,8 +571,8 @@ class Executor:
         return None in self._fixed_split()
 
     def split_for(self, k: int, costs: plan_lib.Costs | None = None) -> tuple[int, int]:
-        """(tag, prefetch) of iteration k: fixed by config, or chosen from measured costs
-        (`costs`, default `_agreed_costs()`)."""
+        """(tag in pieces of `grain`, prefetch) of iteration k: fixed by config, or chosen from
+        measured costs (`costs`, default `_agreed_costs()`)."""
         fixed_tag, fixed_prefetch = self._fixed_split()
         if fixed_tag is not None and fixed_prefetch is not None:
             return fixed_tag, fixed_prefetch
@@ -485,8 +580,9 @@ class Executor:
         if costs is None:
             return fixed_tag or 0, fixed_prefetch or 0
         tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag,
-                                              fixed_prefetch=fixed_prefetch, updates=self.config.rl.num_updates_per_batch)
-        return min(tag, self.microbatches - len(self.carried)), prefetch
+                                              fixed_prefetch=fixed_prefetch, updates=self.config.rl.num_updates_per_batch,
+                                              grain=self.grain, keep=self.split)
+        return min(tag, (self.microbatches - len(self.carried)) * self.grain), prefetch
 
     def _agreed_costs(self) -> plan_lib.Costs | None:
         """`measured_costs()`, with several processes process 0's on every one: the split and the
@@ -539,11 +635,11 @@ class Executor:
         """Dispatch iteration k; returns its plan and metrics (device arrays or futures: read them
         later, with `read_figures`)."""
         costs = self._agreed_costs() if self.elastic_split or jax.process_count() > 1 else None
-        tag, prefetch = self.split_for(k, costs)
+        tag, prefetch = self.split = self.split_for(k, costs)
         carried = len(self.carried)
         plan = plan_lib.plan_iteration(
             self.mode, k, self.microbatches, carried=carried, tag=tag, prefetch=prefetch,
-            updates=self.config.rl.num_updates_per_batch,
+            updates=self.config.rl.num_updates_per_batch, grain=self.grain,
         )
         self._iteration_start[k] = self.tracer.now()
         mbs = {(k, m.index): m for m in self.microbatches_of(k)[carried:]}
@@ -553,7 +649,13 @@ class Executor:
             next_mbs = {(k + 1, m.index): m for m in self.microbatches_of(k + 1)[:prefetch]}
         for t in plan.tasks:  # here, not when it runs: the next plan's moves depend on it (`_crossings`)
             if t.kind == "rollout":
-                (mbs.get((t.iteration, t.index)) or next_mbs[(t.iteration, t.index)]).rolled_on = t.group
+                mb = mbs.get((t.iteration, t.index)) or next_mbs[(t.iteration, t.index)]
+                mb.rolled_on = mb.rolled_on if t.piece and t.piece[0] else t.group
+                if t.piece is not None:
+                    mb.piece_rewards[t.piece[0]] = concurrent.futures.Future()
+        for mb in mbs.values():  # a split one's rewards: its pieces' joined once every piece is scored
+            if mb.piece_rewards:
+                mb.rewards = _concatenated([mb.piece_rewards[f] for f in sorted(mb.piece_rewards)])
         acc = self._fresh_acc()
         update_metrics, figures = [], {}
         last_update = [t.key for t in plan.tasks if t.kind == "update" and t.iteration == k][-1]
@@ -575,7 +677,7 @@ class Executor:
                 # dependency in another lane means): the sync baseline trains once the whole batch
                 # is scored, also where the rolling lane's dispatch returns before its devices ran
                 # (a process without rollout devices). One group runs its tasks in order anyway.
-                for kind, iteration, index in task.deps if not self.meshes.colocated else ():
+                for kind, iteration, index, *_ in task.deps if not self.meshes.colocated else ():
                     if kind == "reward":
                         mbs[(iteration, index)].rewards.result()
                 self._train(task, mbs[(task.iteration, task.index)], acc)
@@ -608,7 +710,7 @@ class Executor:
             reward_mean=float(np.mean(rows[0])),
             reward_std=float(np.std(rows[0])),
             mode=self.mode,
-            tag_microbatches=tag,
+            tag_microbatches=plan.tag_microbatches,
             prefetch_microbatches=prefetch,
             carried_microbatches=carried,
         )
@@ -717,10 +819,12 @@ class Executor:
             if e["args"]["kind"] not in TASK_KINDS:  # transfers the plan does not schedule (trajectory moves)
                 continue
             key = (e["args"]["kind"], e["args"]["group"])
-            if key not in self._compiled:  # the first task of a kind on a group includes compilation
-                self._compiled.add(key)
+            first, end, grain = e["args"].get("piece", (0, 1, 1))
+            share = (end - first) / grain
+            if (*key, share) not in self._compiled:  # the first task of a kind and size on a group includes compilation
+                self._compiled.add((*key, share))
                 continue
-            self.measured.setdefault(key, []).append(e["dur"] / 1e6)
+            self.measured.setdefault(key, []).append(e["dur"] / 1e6 / share)  # per micro-batch
             self.measured[key] = self.measured[key][-2 * self.microbatches :]
         end_of = lambda it: max((e["ts"] + e["dur"]) / 1e6 for e in events if e["args"]["kind"] == "update" and e["args"]["iteration"] == it)  # noqa: E731
         end = end_of(k)
@@ -757,10 +861,11 @@ class Executor:
         """Whether the weights, optimizer state and EMA of the live state are free of NaN and inf."""
         return jax.device_get(to_every_process(_finite_parts(self.state)))
 
-    def resume(self, step: int, state: TrainState, carried: dict, measured: list) -> None:
+    def resume(self, step: int, state: TrainState, carried: dict, measured: list,
+               split: tuple[int, int] | None = None) -> None:
         """Continue after iteration `step` from a restored `state` (placed on `state_sharding`), the
-        prefetched micro-batches `carried` (as `carried_snapshot` gave them) and the task costs
-        measured so far (`[kind, group, durations]` rows)."""
+        prefetched micro-batches `carried` (as `carried_snapshot` gave them), the task costs
+        measured so far (`[kind, group, durations]` rows) and the split of iteration `step - 1`."""
         self.state = state
         self.carried = []
         for mb in self.microbatches_of(step)[: len(carried)]:
@@ -778,6 +883,7 @@ class Executor:
         self.weights.rollout_version = self._synced_version = -1
         self.weights.release_gathered()
         self.measured = {(kind, group): list(values) for kind, group, values in measured}
+        self.split = None if split is None else (int(split[0]), int(split[1]))
         self.tracer.resume(step, kept={(step, m.index) for m in self.carried})
 
     def drain(self) -> None:

@@ -13,7 +13,8 @@ For an iteration's work (`cost_model.IterationWork`) on a pool (`cost_model.Pool
   the update program still brings them through the devices, so the update phase counts them;
 * copies: the frozen reference of full fine-tuning with `rl.kl_beta > 0`, the EMA, DiffusionNFT's
   old policy, each sharded like the trainable weights;
-* rollout copy: the colocated FP8 quantised copy of the weights sampling reads;
+* rollout copy: the FP8 quantised copy of the weights sampling reads on the train role (colocated,
+  or disaggregated trainer-assisted rollouts in the rollout precision, `runtime.tag_precision`);
 * colocated sampling (`runtime.colocated_sampling`, full fine-tuning with FSDP train rules):
   'sharded' samples from the sharded weights, gathering each layer at every step; 'gathered'
   holds one whole copy of the sampling weights (bf16, or e4m3 with FP8 rollouts) while the
@@ -43,6 +44,10 @@ from digen_jax.runtime.cost_model import GIB, Efficiency, IterationWork, Pool
 
 # `runtime.colocated_sampling` values (module docstring).
 COLOCATED_SAMPLING = ("auto", "sharded", "gathered")
+# runtime.tag_precision: what the train role's own rollouts (trainer-assisted generation) sample
+# in: the rollout role's precision (with FP8 rollouts a quantised copy of the weights beside the
+# ones training reads), the training precision, or 'auto': the rollout's where the train role fits the copy.
+TAG_PRECISION = ("auto", "rollout", "training")
 
 # The rollout's recompute factor of one block: its matmul outputs, and the inputs and outputs of
 # the elementwise work between them, live at once.
@@ -162,7 +167,8 @@ def memory_plan(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff:
                            gathered=choice == "gathered")
         return MemoryPlan(mode, (role,), colocated_sampling=choice)
     r_kind, t_kind = pool.kind("rollout"), pool.kind("train")
-    train = _train_role(w, "train", pool.train_devices, t_kind.hbm_bytes * eff.usable_hbm, pool, samples, colocated=False)
+    train = _train_role(w, "train", pool.train_devices, t_kind.hbm_bytes * eff.usable_hbm, pool, samples, colocated=False,
+                        fp8_rollouts=flags.tag and w.tag_precision == "rollout")
     return MemoryPlan(mode, (_rollout_role(w, pool.rollout_devices, r_kind.hbm_bytes * eff.usable_hbm, samples), train))
 
 
@@ -181,13 +187,25 @@ def colocated_sampling(w: IterationWork, pool: Pool, microbatches: int, eff: Eff
     return "gathered" if fits else "sharded"
 
 
+def tag_precision(w: IterationWork, pool: Pool, microbatches: int, eff: Efficiency = Efficiency()) -> str:
+    """What the train role's own rollouts sample in (`runtime.tag_precision`, resolved): as
+    configured, or for 'auto' 'rollout' where the rollout precision is the training one or the
+    train role of the full mode fits the quantised copy beside training, else 'training'."""
+    if w.tag_precision != "auto":
+        return w.tag_precision
+    if w.rollout_precision != "fp8":
+        return "rollout"
+    with_copy = dataclasses.replace(w, tag_precision="rollout")
+    return "rollout" if memory_plan(with_copy, pool, plan_lib.BEST_MODE, microbatches, eff).fits else "training"
+
+
 def _shard(w: IterationWork, devices: int, pool: Pool, sharded: bool) -> int:
     """Devices one copy is split over: the role's devices inside a host (hybrid sharding), or 1."""
     return min(devices, pool.devices_per_host) if sharded else 1
 
 
 def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool, samples: int, *,
-                colocated: bool, gathered: bool = False) -> RoleMemory:
+                colocated: bool, gathered: bool = False, fp8_rollouts: bool = False) -> RoleMemory:
     shard = _shard(w, n, pool, w.train_sharded)
     pb = w.param_bytes
     trainable = w.trainable * pb / shard
@@ -196,7 +214,7 @@ def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool
     gradients = trainable  # the update's running sum
     moments = 2 * w.trainable * w.optimizer_bytes / shard
     copies = trainable * (int(w.ema) + int(w.old_policy)) + (w.params * pb / shard if w.kl_reference and not w.lora else 0.0)
-    fp8 = colocated and w.rollout_precision == "fp8"
+    fp8 = (colocated or fp8_rollouts) and w.rollout_precision == "fp8"
     # e4m3: one byte per weight, sharded like the weights; gathered, the whole copy is sampling's;
     # an FP8 LoRA base is itself the copy the rollouts read
     rollout_copy = w.params / shard if fp8 and not gathered and not fp8_base else 0.0

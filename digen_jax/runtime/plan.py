@@ -23,13 +23,21 @@ Modes (docs/design.md section 4):
   gap                 training of micro-batch m starts as soon as m is scored.
   gap+tsp             as gap; training units are flattened over samples x steps and sharded
                       over every trainer device (an executor/cost difference, same task list).
-  gap+tsp+tag         the trainer also rolls out `tag` micro-batches at the head of the iteration.
+  gap+tsp+tag         the trainer also rolls out `tag` pieces at the head of the iteration.
   gap+tsp+tag+tcss    rollout generates the next iteration's first `prefetch` micro-batches with
                       the current weights while the trainer finishes (one iteration stale).
+
+Pieces: the trainer's share of the rollouts is counted in pieces, `grain` to a micro-batch (1:
+whole micro-batches). When `tag` is not a multiple of `grain` the micro-batch at the boundary is
+split: its first pieces are rolled out by the trainer (after its whole ones), the rest by the
+rollout group (before its whole ones), each piece scored on its own; its training waits for both.
+A piece covers consecutive samples and keeps their noise keys, so the samples (and, once the
+micro-batch is whole again, its advantages) are the ones either group alone would make.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Mapping, Sequence
 
 MODES = ("colocated", "disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss")
@@ -49,7 +57,7 @@ class ModeFlags:
 
 def mode_flags(mode: str) -> ModeFlags:
     if mode not in MODES:
-        raise ValueError(f"runtime.mode={mode!r} is unknown; known: {list(MODES)}")
+        raise ValueError(f"runtime.mode={mode!r} is unknown; known: {list(MODES)}, or 'auto' (launch/train.py chooses one)")
     return ModeFlags(
         colocated=mode == "colocated",
         pipelined=mode.startswith("gap"),
@@ -83,10 +91,19 @@ class Task:
     version: int  # weights used (rollout, train), produced (update), carried (sync)
     sample_version: int | None = None  # train: the version that generated the micro-batch
     deps: tuple[TaskKey, ...] = ()
+    # rollout/reward of part of a micro-batch: its pieces (first, end) of `grain`; None: all of it
+    piece: tuple[int, int, int] | None = None  # (first, end, grain)
 
     @property
     def key(self) -> TaskKey:
-        return (self.kind, self.iteration, self.index)
+        """(kind, iteration, index), and a piece's first piece index when it covers part of one."""
+        base = (self.kind, self.iteration, self.index)
+        return base if self.piece is None else (*base, self.piece[0])
+
+    @property
+    def share(self) -> float:
+        """The part of its micro-batch the task covers (1.0: all of it)."""
+        return 1.0 if self.piece is None else (self.piece[1] - self.piece[0]) / self.piece[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,27 +112,37 @@ class IterationPlan:
     microbatches: int
     tasks: tuple[Task, ...]  # in dispatch order (a topological order)
     carried: int  # micro-batches of this iteration generated during the previous one
-    tag: int  # micro-batches the trainer rolls out
+    tag: int  # pieces the trainer rolls out (`grain` to a micro-batch)
     prefetch: int  # micro-batches of the next iteration generated with this iteration's weights
+    grain: int = 1  # pieces per micro-batch
+
+    @property
+    def tag_microbatches(self) -> float:
+        """The trainer's rollouts in micro-batches (fractional when a micro-batch is split)."""
+        return self.tag / self.grain
 
     def of_kind(self, kind: str) -> list[Task]:
         return [t for t in self.tasks if t.kind == kind]
 
 
 def plan_iteration(
-    mode: str, iteration: int, microbatches: int, *, carried: int = 0, tag: int = 0, prefetch: int = 0, updates: int = 1
+    mode: str, iteration: int, microbatches: int, *, carried: int = 0, tag: int = 0, prefetch: int = 0, updates: int = 1,
+    grain: int = 1,
 ) -> IterationPlan:
-    """The task list of `iteration`; `carried` micro-batches were prefetched by the last one."""
+    """The task list of `iteration`; `carried` micro-batches were prefetched by the last one; the
+    trainer rolls out `tag` pieces, `grain` to a micro-batch."""
     flags = mode_flags(mode)
     k, m_total = iteration, microbatches
     if m_total < 1:
         raise ValueError(f"runtime.micro_batches must be >= 1, got {m_total}")
+    if grain < 1:
+        raise ValueError(f"the pieces per micro-batch must be >= 1, got {grain}")
     if updates < 1 or m_total % updates:
         raise ValueError(f"rl.num_updates_per_batch={updates} must divide runtime.micro_batches={m_total}")
     if (tag and not flags.tag) or (prefetch and not flags.tcss) or (carried and not flags.tcss):
         raise ValueError(f"runtime.mode={mode!r} has no trainer rollouts / prefetch (tag={tag}, prefetch={prefetch})")
-    if not (0 <= carried <= m_total and 0 <= tag <= m_total - carried and 0 <= prefetch <= m_total):
-        raise ValueError(f"bad split of {m_total} micro-batches: carried={carried}, tag={tag}, prefetch={prefetch}")
+    if not (0 <= carried <= m_total and 0 <= tag <= (m_total - carried) * grain and 0 <= prefetch <= m_total):
+        raise ValueError(f"bad split of {m_total} micro-batches: carried={carried}, tag={tag}/{grain}, prefetch={prefetch}")
     if flags.colocated:
         return _plan_colocated(k, m_total, updates)
 
@@ -123,18 +150,28 @@ def plan_iteration(
     weights_on_rollout = (("sync", k, 0),) if k > 0 else ()
     weights_on_train = (("update", k - 1, updates - 1),) if k > 0 else ()
     tasks: list[Task] = []
-    # The trainer's rollouts first: their rewards must not queue behind the rollout group's.
-    tag_mbs = range(carried, carried + tag)
-    for m in tag_mbs:
+    # The trainer's rollouts first: their rewards must not queue behind the rollout group's. A
+    # split micro-batch is the trainer's last rollout and the rollout group's first.
+    whole, part = divmod(tag, grain)
+    split = carried + whole if part else None
+    for m in range(carried, carried + whole):
         tasks.append(Task("rollout", "train", k, m, start, deps=weights_on_train))
-    rollout_mbs = range(carried + tag, m_total)
-    for m in rollout_mbs:
+    if split is not None:
+        tasks.append(Task("rollout", "train", k, split, start, deps=weights_on_train, piece=(0, part, grain)))
+        tasks.append(Task("rollout", "rollout", k, split, start, deps=weights_on_rollout, piece=(part, grain, grain)))
+    for m in range(carried + whole + (split is not None), m_total):
         tasks.append(Task("rollout", "rollout", k, m, start, deps=weights_on_rollout))
     for m in range(prefetch):
         tasks.append(Task("rollout", "rollout", k + 1, m, start, deps=weights_on_rollout))
+    rewards: dict[int, tuple[TaskKey, ...]] = {}
     for t in list(tasks):
-        tasks.append(Task("reward", "reward", t.iteration, t.index, t.version, deps=(t.key,)))
-    all_rewards = tuple(("reward", k, m) for m in range(m_total))
+        reward = Task("reward", "reward", t.iteration, t.index, t.version, deps=(t.key,), piece=t.piece)
+        tasks.append(reward)
+        if t.iteration == k:
+            rewards[t.index] = rewards.get(t.index, ()) + (reward.key,)
+    for m in range(carried):  # carried: rolled out and scored in the iteration before
+        rewards[m] = (("reward", k, m),)
+    all_rewards = tuple(key for m in range(m_total) for key in rewards[m])
     # The trainer takes the micro-batches in index order: the carried ones (rolled out with the
     # previous iteration's weights), then its own rollouts', then the rollout group's. The sync
     # of this iteration's weights reads the trainer's weights when it is dispatched, behind the
@@ -143,7 +180,7 @@ def plan_iteration(
     tasks += _training(
         k, "train", start, m_total, updates, previous=weights_on_train, first_update_deps=weights_on_rollout,
         sample_version=lambda m: start - updates if m < carried else start,
-        reward_deps=lambda m: (("reward", k, m),) if flags.pipelined else all_rewards,
+        reward_deps=lambda m: rewards[m] if flags.pipelined else all_rewards,
     )
     # One sync per iteration, after its last update: the next iteration's rollouts sample the
     # weights at its head, like a colocated run's (docs/design.md section 4).
@@ -154,7 +191,18 @@ def plan_iteration(
     ordered = list(_dispatch_order(tasks))
     after = max(i for i, t in enumerate(ordered) if t.kind == "update" or (t.kind == "rollout" and t.group == "rollout"))
     ordered.insert(after + 1, sync)
-    return IterationPlan(k, m_total, tuple(ordered), carried, tag, prefetch)
+    return IterationPlan(k, m_total, tuple(ordered), carried, tag, prefetch, grain)
+
+
+def pieces_per_microbatch(samples: int, batch_axes: Sequence[int]) -> int:
+    """The grain of a split: the most pieces a micro-batch of `samples` is cut into, each piece a
+    run of samples that every role's batch axis (`batch_axes`: its sizes) divides where it
+    divides the micro-batch, so a piece spreads over a role's devices as evenly as the whole."""
+    unit = 1
+    for size in batch_axes:
+        if samples % size == 0:
+            unit = unit * size // math.gcd(unit, size)
+    return samples // unit if samples % unit == 0 else 1
 
 
 def _dispatch_order(tasks: Sequence[Task]) -> tuple[Task, ...]:
@@ -217,8 +265,10 @@ class Costs:
 
     def of(self, task: Task) -> float:
         if task.kind == "rollout":
-            return self.rollout[task.group]
-        return {"reward": self.reward, "train": self.train, "update": self.update, "sync": self.sync}[task.kind]
+            return self.rollout[task.group] * task.share
+        if task.kind == "reward":
+            return self.reward * task.share
+        return {"train": self.train, "update": self.update, "sync": self.sync}[task.kind]
 
 
 NOMINAL_COSTS = Costs(rollout={"rollout": 1.0, "train": 1.0, "shared": 1.0}, reward=0.1, train=0.5, update=0.1, sync=0.05)
@@ -268,7 +318,7 @@ class SteadyState:
 
 
 def steady_state(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, prefetch: int = 0, updates: int = 1,
-                 min_iterations: int = 6, max_iterations: int = 64) -> SteadyState:
+                 grain: int = 1, min_iterations: int = 6, max_iterations: int = 64) -> SteadyState:
     """Iterations with the same split, scheduled until the interval between their last updates
     repeats (the first starts with its carried micro-batches already done).
 
@@ -283,7 +333,8 @@ def steady_state(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, pr
     last = updates - 1
     ends: list[float] = []
     for k in range(1, max_iterations + 1):
-        plan = plan_iteration(mode, k, microbatches, carried=prefetch, tag=tag, prefetch=prefetch, updates=updates)
+        plan = plan_iteration(mode, k, microbatches, carried=prefetch, tag=tag, prefetch=prefetch, updates=updates,
+                              grain=grain)
         _schedule_into(timeline, free, plan, costs)
         ends.append(timeline.end[("update", k, last)])
         if k < min_iterations:
@@ -301,30 +352,57 @@ def steady_state(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, pr
     return SteadyState(timeline, len(ends), window, period, (window[1] - window[0]) / period)
 
 
-def iteration_time(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, prefetch: int = 0, updates: int = 1) -> float:
-    """Steady-state seconds per iteration (`steady_state`)."""
-    return steady_state(mode, microbatches, costs, tag=tag, prefetch=prefetch, updates=updates).iteration_s
+def iteration_time(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, prefetch: int = 0, updates: int = 1,
+                   grain: int = 1) -> float:
+    """Steady-state seconds per iteration (`steady_state`); `tag` in pieces, `grain` to a micro-batch."""
+    return steady_state(mode, microbatches, costs, tag=tag, prefetch=prefetch, updates=updates, grain=grain).iteration_s
 
 
 def choose_split(mode: str, microbatches: int, costs: Costs, *, fixed_tag: int | None = None, fixed_prefetch: int | None = None,
-                 updates: int = 1, tolerance: float = 0.02) -> tuple[int, int]:
+                 updates: int = 1, grain: int = 1, tolerance: float = 0.02,
+                 keep: tuple[int, int] | None = None) -> tuple[int, int]:
     """(tag, prefetch) with the least trainer rollout and staleness among the splits predicted
     within `tolerance` of the fastest: gains smaller than the noise of measured costs are not
-    worth moving work or training on stale samples."""
+    worth moving work or training on stale samples. `tag` (and `fixed_tag`) counts pieces,
+    `grain` to a micro-batch. `keep` (the split in use) stays while it is within `tolerance`:
+    the costs' noise moves no work back and forth, and each new piece size compiles its rollout.
+
+    Whole micro-batches are tried first; then, for the prefetches within `tolerance` there, the
+    pieces within one micro-batch either side of their best whole share (an iteration's time
+    falls, then rises, as the trainer takes more of the rollouts: its best lies next to the
+    best whole share), in steps of about an eighth of a micro-batch and then one piece around
+    the best step, so a fine grain adds some 20 schedules per prefetch, not microbatches * grain."""
     flags = mode_flags(mode)
-    tags = [fixed_tag] if fixed_tag is not None else (range(microbatches + 1) if flags.tag else [0])
+    if not flags.tag:
+        fixed_tag = 0
     prefetches = [fixed_prefetch] if fixed_prefetch is not None else (range(microbatches + 1) if flags.tcss else [0])
-    predicted = {
-        (tag, prefetch): iteration_time(mode, microbatches, costs, tag=tag, prefetch=prefetch, updates=updates)
-        for prefetch in prefetches
-        for tag in tags
-        if tag <= microbatches - prefetch
-    }
+    predicted: dict[tuple[int, int], float] = {}
+
+    def predict(tag: int, prefetch: int) -> None:
+        if (tag, prefetch) not in predicted and 0 <= tag <= (microbatches - prefetch) * grain:
+            predicted[(tag, prefetch)] = iteration_time(mode, microbatches, costs, tag=tag, prefetch=prefetch,
+                                                        updates=updates, grain=grain)
+
+    for prefetch in prefetches:
+        for tag in [fixed_tag] if fixed_tag is not None else range(0, (microbatches - prefetch) * grain + 1, grain):
+            predict(tag, prefetch)
     if not predicted:
         raise ValueError(f"no valid split of {microbatches} micro-batches for tag={fixed_tag}, prefetch={fixed_prefetch}")
+    if fixed_tag is None and grain > 1:
+        fastest = min(predicted.values())
+        for prefetch in {p for (_, p), t in predicted.items() if t <= fastest * (1 + tolerance)}:
+            step = max(1, grain // 8)
+            for span, stride in ((grain - 1, step), (step - 1, 1)):
+                best = min((t, tag) for (tag, p), t in predicted.items() if p == prefetch)[1]
+                for tag in range(best - span, best + span + 1, stride):
+                    predict(tag, prefetch)
     fastest = min(predicted.values())
+    if keep is not None and (fixed_tag is None or keep[0] == fixed_tag) and keep[1] in prefetches:
+        predict(*keep)
+        if predicted.get(keep, math.inf) <= fastest * (1 + tolerance):
+            return keep
     good = [split for split, t in predicted.items() if t <= fastest * (1 + tolerance)]
-    return min(good, key=lambda split: (split[0] + split[1], split[1], split[0]))
+    return min(good, key=lambda split: (split[0] / grain + split[1], split[1], split[0]))
 
 
 def busy_fractions(timeline: Timeline, keys: Iterable[TaskKey], window: tuple[float, float]) -> dict[str, float]:

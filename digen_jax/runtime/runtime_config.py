@@ -7,7 +7,27 @@ import numpy as np
 
 from digen_jax.rl.timesteps import plan_steps
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.memory_plan import COLOCATED_SAMPLING
+from digen_jax.runtime.memory_plan import COLOCATED_SAMPLING, TAG_PRECISION
+from digen_jax.runtime.mesh import AXIS
+
+
+def split_grain(config, meshes) -> int:
+    """Pieces per micro-batch the trainer's rollouts count in on the role meshes `meshes`
+    (`plan.pieces_per_microbatch`; 1: whole micro-batches, without TAG or with several
+    processes); a ValueError naming the key when a fixed `runtime.tag_microbatches` is off it."""
+    rt, rl = config.runtime, config.rl
+    flags = plan_lib.mode_flags(rt.mode)
+    grain = 1
+    if flags.tag and jax.process_count() == 1:
+        samples = rl.prompts_per_iteration * rl.group_size // rt.micro_batches
+        grain = plan_lib.pieces_per_microbatch(samples, [meshes.for_group(g).shape[AXIS] for g in ("rollout", "train")])
+    tag = rt.tag_microbatches
+    if flags.tag and tag >= 0 and abs(tag * grain - round(tag * grain)) > 1e-9:
+        raise ValueError(
+            f"runtime.tag_microbatches={tag:g} is not a multiple of 1/{grain} micro-batch, the finest split of this run "
+            f"({'several processes split whole micro-batches' if jax.process_count() > 1 else 'pieces of samples every role batch axis divides'}); "
+            f"use a multiple of {1 / grain:g}, or -1 to choose from measured costs")
+    return grain
 
 
 def validate_runtime_config(config, num_devices: int) -> None:
@@ -23,6 +43,9 @@ def validate_runtime_config(config, num_devices: int) -> None:
     if sampling not in COLOCATED_SAMPLING:
         raise ValueError(f"runtime.colocated_sampling={sampling!r} is not one of "
                          f"{', '.join(repr(v) for v in COLOCATED_SAMPLING)}")
+    precision = rt.get("tag_precision", "auto")
+    if precision not in TAG_PRECISION:
+        raise ValueError(f"runtime.tag_precision={precision!r} is not one of {', '.join(repr(v) for v in TAG_PRECISION)}")
     if rt.staleness < 0:
         raise ValueError(f"runtime.staleness must be >= 0, got {rt.staleness}")
     if rl.num_updates_per_batch < 1 or rt.micro_batches % rl.num_updates_per_batch:
@@ -33,14 +56,14 @@ def validate_runtime_config(config, num_devices: int) -> None:
     for key in ("tag_microbatches", "prefetch_microbatches"):
         value = rt[key]
         if value > rt.micro_batches:
-            raise ValueError(f"runtime.{key}={value} exceeds runtime.micro_batches={rt.micro_batches}")
+            raise ValueError(f"runtime.{key}={value:g} exceeds runtime.micro_batches={rt.micro_batches}")
     # The micro-batches prefetched in one iteration are carried into the next, whose trainer
     # rollouts come from the rest (`plan.plan_iteration`); -1 (elastic) is chosen to fit.
     tag = rt.tag_microbatches if flags.tag else 0
     prefetch = rt.prefetch_microbatches if flags.tcss and rt.staleness > 0 else 0
     if tag >= 0 and prefetch >= 0 and tag + prefetch > rt.micro_batches:
         raise ValueError(
-            f"runtime.tag_microbatches={tag} + runtime.prefetch_microbatches={prefetch} exceed runtime.micro_batches="
+            f"runtime.tag_microbatches={tag:g} + runtime.prefetch_microbatches={prefetch} exceed runtime.micro_batches="
             f"{rt.micro_batches}: the next iteration's prefetched micro-batches leave only "
             f"{rt.micro_batches - prefetch} for its trainer rollouts (lower one, or use -1 to choose from measured costs)"
         )

@@ -10,17 +10,20 @@ waiting on dependencies), so a prediction differs from a run only by its task co
 * a measured profile (`predict_from_profile`): the per-task means a system bench run recorded.
 
 On top of them: `predict` (one mode in steady state), `simulate` (a mode at its best
-micro-batch count) and `autosize` (role sizes, micro-batches and TAG share).
+micro-batch count), `autosize` (role sizes, micro-batches and TAG share) and `choose_mode`
+(every mode, colocated included, each at its best sizing: what `runtime.mode='auto'` runs).
+The TAG share counts pieces of a micro-batch as the executor does (`plan.pieces_per_microbatch`
+of the roles' device counts), so a prediction may split a micro-batch between the roles.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.cost_model import Efficiency, IterationWork, Pool, model_costs
-from digen_jax.runtime.memory_plan import MemoryPlan, memory_plan
+from digen_jax.runtime.memory_plan import MemoryPlan, memory_plan, tag_precision
 
 
 # ---------------------------------------------------------------------------------------- simulate
@@ -31,7 +34,7 @@ class Prediction:
     mode: str
     style: str | None
     microbatches: int
-    tag: int
+    tag: float  # micro-batches the trainer rolls out (a fraction: one split between the roles)
     prefetch: int
     iteration_s: float
     samples_per_s: float
@@ -72,19 +75,20 @@ class Prediction:
 
 
 def predict(mode: str, costs: plan_lib.Costs, *, batch: int, microbatches: int, devices: int, updates: int = 1,
-            tag: int | None = None, prefetch: int | None = None, style: str | None = None,
+            tag: int | None = None, prefetch: int | None = None, grain: int = 1, style: str | None = None,
             flops_per_sample: float | None = None, peak_flops: float | None = None,
             dollars_per_hour: float | None = None) -> Prediction:
     """`mode` with `costs` in steady state (`plan.steady_state`): throughput, bubbles, timeline.
 
     The (tag, prefetch) split is chosen by `plan.choose_split` (as the elastic executor does
-    from measured costs) unless given.
+    from measured costs) unless given; `tag` counts pieces, `grain` to a micro-batch.
     """
     flags = plan_lib.mode_flags(mode)
+    grain = grain if flags.tag else 1
     if tag is None or prefetch is None:
         tag, prefetch = plan_lib.choose_split(mode, microbatches, costs, fixed_tag=tag, fixed_prefetch=prefetch,
-                                              updates=updates)
-    steady = plan_lib.steady_state(mode, microbatches, costs, tag=tag, prefetch=prefetch, updates=updates)
+                                              updates=updates, grain=grain)
+    steady = plan_lib.steady_state(mode, microbatches, costs, tag=tag, prefetch=prefetch, updates=updates, grain=grain)
     timeline, (start, end) = steady.timeline, steady.window
     timed = range(steady.iterations - steady.period + 1, steady.iterations + 1)
     groups = ("shared",) if flags.colocated else ("rollout", "train")
@@ -98,11 +102,16 @@ def predict(mode: str, costs: plan_lib.Costs, *, batch: int, microbatches: int, 
     rate = batch / steady.iteration_s
     mfu = rate * flops_per_sample / peak_flops if flops_per_sample and peak_flops else None
     return Prediction(
-        mode=mode, style=style if flags.colocated else None, microbatches=microbatches, tag=tag, prefetch=prefetch,
+        mode=mode, style=style if flags.colocated else None, microbatches=microbatches, tag=tag / grain, prefetch=prefetch,
         iteration_s=steady.iteration_s, samples_per_s=rate, devices=devices,
         bubble_frac={g: 1.0 - busy.get(g, 0.0) for g in groups}, costs=costs, timeline=tasks,
         mfu=mfu, dollars_per_hour=dollars_per_hour,
     )
+
+
+def _resolved(w: IterationWork, pool: Pool, microbatches: int, eff: Efficiency) -> IterationWork:
+    """`w` with `tag_precision` as a run on `pool` resolves 'auto' (`memory_plan.tag_precision`)."""
+    return dataclasses.replace(w, tag_precision=tag_precision(w, pool, microbatches, eff))
 
 
 def microbatch_choices(prompts: int, limit: int = 16) -> list[int]:
@@ -111,11 +120,12 @@ def microbatch_choices(prompts: int, limit: int = 16) -> list[int]:
 
 
 def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | None = None, style: str = "fsdp_sampling",
-             eff: Efficiency = Efficiency(), max_microbatches: int = 16) -> Prediction:
+             eff: Efficiency = Efficiency(), max_microbatches: int = 16,
+             allowed: Callable[[int], bool] = lambda m: True) -> Prediction:
     """Predict `mode` of the iteration work `w` on `pool`.
 
     `microbatches`: fixed, or None for the best of `microbatch_choices` (each mode at its own
-    best pipeline depth) among those whose memory plan fits. Returns a `Prediction` (samples/s,
+    best pipeline depth; those `allowed` says a run accepts) among those whose memory plan fits. Returns a `Prediction` (samples/s,
     per device, bubble fraction per device group, MFU against the datasheet peaks, $/hour, the
     timed iteration's timeline, the memory plan); when no choice fits, `Prediction.fits` is
     False and its speed is no prediction.
@@ -130,18 +140,20 @@ def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | Non
         raise ValueError(f"rl.num_updates_per_batch={updates} must divide rl.prompts_per_iteration={w.prompts} "
                          "(each update trains whole micro-batches of whole groups)")
     choices = [microbatches] if microbatches else [
-        m for m in microbatch_choices(w.prompts, max_microbatches) if m % updates == 0] or [w.prompts]
+        m for m in microbatch_choices(w.prompts, max_microbatches) if m % updates == 0 and allowed(m)] or [w.prompts]
     if flags.colocated and not microbatches:
         # the shared group does everything in turn: more micro-batches than updates only add calls
         choices = [min(choices)]
     peak = sum(pool.kind(r).bf16_flops * getattr(pool, f"{r}_devices") for r in ("rollout", "train"))
     best = None
     for m in choices:
-        costs = model_costs(w, pool, mode, m, style=style, eff=eff)
-        p = predict(mode, costs, batch=w.samples, microbatches=m, devices=pool.total, updates=updates,
+        costs = model_costs(_resolved(w, pool, m, eff), pool, mode, m, style=style, eff=eff)
+        grain = plan_lib.pieces_per_microbatch(
+            w.samples // m, [max(getattr(pool, f"{r}_devices") // w.seq_parallel, 1) for r in ("rollout", "train")])
+        p = predict(mode, costs, batch=w.samples, microbatches=m, devices=pool.total, updates=updates, grain=grain,
                     style=style, flops_per_sample=w.flops_per_sample, peak_flops=peak,
                     dollars_per_hour=pool.dollars_per_hour())
-        p = dataclasses.replace(p, memory=memory_plan(w, pool, mode, m, eff))
+        p = dataclasses.replace(p, memory=memory_plan(_resolved(w, pool, m, eff), pool, mode, m, eff))
         if best is None or (p.fits, p.samples_per_s) > (best.fits, best.samples_per_s * (1 + 1e-9)):
             best = p
     return best
@@ -152,16 +164,17 @@ def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | Non
 class Sizing:
     """A searched configuration: role sizes, micro-batches and the split they predict best."""
 
-    rollout_devices: int
+    rollout_devices: int  # colocated: 0 (every device shares the one group)
     train_devices: int
     microbatches: int
-    tag: int
+    tag: float
     prefetch: int
     prediction: Prediction
 
     def runtime_overrides(self) -> dict:
         """The `runtime` config keys that reproduce this sizing."""
         return {
+            "mode": self.prediction.mode,
             "rollout_devices": self.rollout_devices,
             "train_devices": self.train_devices,
             "micro_batches": self.microbatches,
@@ -171,7 +184,7 @@ class Sizing:
 
 
 def autosize(w: IterationWork, pool: Pool, *, mode: str = plan_lib.BEST_MODE, eff: Efficiency = Efficiency(),
-             max_microbatches: int = 16, role_step: int = 1) -> Sizing:
+             max_microbatches: int = 16, role_step: int = 1, allowed: Callable[[int], bool] = lambda m: True) -> Sizing:
     """Search role sizes, micro-batch count and TAG share (and prefetch) for the best predicted throughput.
 
     A homogeneous pool's devices are re-split between rollout and trainer (every split in
@@ -190,7 +203,7 @@ def autosize(w: IterationWork, pool: Pool, *, mode: str = plan_lib.BEST_MODE, ef
     best = None
     for candidate in splits:
         try:
-            p = simulate(w, candidate, mode, eff=eff, max_microbatches=max_microbatches)
+            p = simulate(w, candidate, mode, eff=eff, max_microbatches=max_microbatches, allowed=allowed)
         except ValueError:  # e.g. weights that do not fit this role size
             continue
         if best is None or (p.fits, p.samples_per_s) > (best[1].fits, best[1].samples_per_s * (1 + 1e-9)):
@@ -199,6 +212,37 @@ def autosize(w: IterationWork, pool: Pool, *, mode: str = plan_lib.BEST_MODE, ef
         raise ValueError(f"no role split of {pool.describe()} can run {mode}")
     chosen, p = best
     return Sizing(chosen.rollout_devices, chosen.train_devices, p.microbatches, p.tag, p.prefetch, p)
+
+
+def choose_mode(w: IterationWork, pool: Pool, *, modes: Sequence[str] = plan_lib.MODES, eff: Efficiency = Efficiency(),
+                max_microbatches: int = 16, role_step: int = 1, allowed: Callable[[int], bool] = lambda m: True) -> list[Sizing]:
+    """Every mode of `modes` on `pool`'s devices at its best sizing (`autosize`; colocated at its
+    best micro-batch count on all of them), best first: those whose memory plan fits, by
+    predicted samples/s (`runtime.mode='auto'` runs the first). Modes that cannot run the pool
+    (weights that fit no role split) are left out; a ValueError when none can. `allowed`: the
+    micro-batch counts a run accepts."""
+    ranked = []
+    for mode in modes:
+        try:
+            if plan_lib.mode_flags(mode).colocated:
+                # The shared group does everything in turn: its best count is searched all the same,
+                # since a count the memory plan fits may not be the smallest.
+                best = None
+                for m in [c for c in microbatch_choices(w.prompts, max_microbatches) if c % w.updates == 0 and allowed(c)]:
+                    p = simulate(w, pool, mode, microbatches=m, eff=eff)
+                    if best is None or (p.fits, p.samples_per_s) > (best.fits, best.samples_per_s * (1 + 1e-9)):
+                        best = p
+                if best is None:
+                    continue
+                ranked.append(Sizing(0, pool.total, best.microbatches, 0, 0, best))
+            else:
+                ranked.append(autosize(w, pool, mode=mode, eff=eff, max_microbatches=max_microbatches, role_step=role_step,
+                                       allowed=allowed))
+        except ValueError:
+            continue
+    if not ranked:
+        raise ValueError(f"no mode can run on {pool.describe()}")
+    return sorted(ranked, key=lambda s: (not s.prediction.fits, -s.prediction.samples_per_s))
 
 
 # ---------------------------------------------------------------------------------------- profiles
@@ -237,8 +281,9 @@ def predict_from_profile(record: Mapping[str, Any]) -> dict[str, float]:
             raise ValueError(f"bench record mode {name!r} lacks {e}") from None
         split = _recorded_split(r.get("splits"))
         tag, prefetch = split if split else (None, None)
+        grain = 1 if tag is None else next(g for g in range(1, 65) if abs(tag * g - round(tag * g)) < 1e-9 or g == 64)
         p = predict(mode, costs, batch=batch, microbatches=microbatches, devices=int(r.get("devices", 1)),
-                    updates=updates, tag=tag, prefetch=prefetch)
+                    updates=updates, tag=None if tag is None else round(tag * grain), prefetch=prefetch, grain=grain)
         out[name] = p.samples_per_s
     return out
 
@@ -251,11 +296,12 @@ def _record_batch(record: Mapping[str, Any]) -> tuple[int, int]:
     return int(batch), int(rl.get("num_updates_per_batch", 1))
 
 
-def _recorded_split(splits: Sequence[Mapping[str, int]] | None) -> tuple[int, int] | None:
+def _recorded_split(splits: Sequence[Mapping[str, float]] | None) -> tuple[float, int] | None:
+    """The (tag in micro-batches, a fraction where one was split; prefetch) the splits hold most."""
     if not splits:
         return None
-    counts: dict[tuple[int, int], int] = {}
+    counts: dict[tuple[float, int], int] = {}
     for s in splits:
-        key = (int(s.get("tag", 0)), int(s.get("prefetch", 0)))
+        key = (float(s.get("tag", 0)), int(s.get("prefetch", 0)))
         counts[key] = counts.get(key, 0) + 1
     return max(counts, key=lambda k: (counts[k], -k[0], -k[1]))

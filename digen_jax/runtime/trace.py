@@ -69,7 +69,7 @@ _exchanges = itertools.count()  # this process's tracers of a multi-process run,
 
 
 def _key(task: Task) -> tuple:
-    return (task.kind, task.iteration, task.index)
+    return task.key
 
 
 class EventExchange:
@@ -328,7 +328,8 @@ class Tracer:
     @staticmethod
     def _event(task: Task, start: float, end: float, args: dict) -> dict:
         return {
-            "name": f"{task.kind} it{task.iteration} mb{task.index}",
+            "name": f"{task.kind} it{task.iteration} mb{task.index}"
+                    + ("" if task.piece is None else " pieces {}-{}/{}".format(*task.piece)),
             "ph": "X",
             "pid": 0,
             "tid": _THREAD_IDS[task.group],

@@ -19,11 +19,12 @@ applied factored on top (the config validation rejects merging them); full fine-
 quantises the trainable weights each time sampling weights are made from them: at every sync on
 the train role, before they cross, so only the e4m3 tree moves (and alike before a colocated
 gathered copy is placed).
-The train role's own rollouts of a disaggregated run (trainer-assisted generation) stay in the
-training precision (`RoleWeights.on_train`). With `model.lora_base_precision='fp8'` the frozen
-base is quantised where it is placed on the train role and its bf16 form dropped: training,
-colocated rollouts and trainer-assisted ones all read that one e4m3 copy, and the rollout role
-receives it as it is.
+The train role's own rollouts of a disaggregated run (trainer-assisted generation) sample in the
+rollout precision where `fp8_on_train` (`runtime.tag_precision` resolved to 'rollout': the same
+numerics and speed as the rollout role's), else in the training precision (`RoleWeights.on_train`).
+With `model.lora_base_precision='fp8'` the frozen base is quantised where it is placed on the
+train role and its bf16 form dropped: training, colocated rollouts and trainer-assisted ones all
+read that one e4m3 copy, and the rollout role receives it as it is.
 
 Several processes: every process builds the same frozen base and decoder weights (same
 checkpoint, seed and pretraining cache), so each places its own copy on its own devices of
@@ -50,14 +51,16 @@ class RoleWeights:
     """The weights of every role of one run, and the sync that carries a version to rollout."""
 
     def __init__(self, meshes: mesh_lib.RoleMeshes, rules, abstract_params: Any, trainer: Trainer,
-                 merge_for_sampling: bool, offload_optimizer: bool = False, gathered_sampling: bool = False):
+                 merge_for_sampling: bool, offload_optimizer: bool = False, gathered_sampling: bool = False,
+                 fp8_on_train: bool = False):
         """`abstract_params`: the model's boxed abstract parameters (their logical axes name the
         shardings); `rules`: the config's `sharding` section; `offload_optimizer`
         (`runtime.offload_optimizer`): the optimizer state lives in pinned host memory;
         `gathered_sampling` (`runtime.colocated_sampling` resolved to 'gathered'): colocated full
         fine-tuning with FSDP train rules samples from one gathered copy per version (module
-        docstring); elsewhere it changes nothing."""
-        self.meshes, self.trainer = meshes, trainer
+        docstring); elsewhere it changes nothing; `fp8_on_train`: a disaggregated train role's own
+        rollouts sample in the rollout precision too (`on_train`)."""
+        self.meshes, self.trainer, self.fp8_on_train = meshes, trainer, fp8_on_train
         self.offload_optimizer = offload_optimizer
         self.merge_for_sampling = merge_for_sampling
         self.lora_scale = trainer.cfg.lora_scale
@@ -81,7 +84,7 @@ class RoleWeights:
                                                                          self._fp8_paths)
                                    for role in ("train", "rollout")} if self.fp8_base else None
         self._fp8_sharding = None  # `_fp8_rollout_sharding`, made once
-        self._frozen_fp8_on_train = None  # colocated FP8 LoRA sampling: the frozen base quantised once
+        self._frozen_fp8_on_train = None  # FP8 LoRA sampling on the train role: the frozen base quantised once
         self.frozen_on_rollout = None
         self.decoders: dict[str, Any] = {}
         self.rollout_params = None
@@ -227,14 +230,15 @@ class RoleWeights:
         """Sampling weights of `trainable` on the train role.
 
         Colocated, that role is the rollout role too and samples in `model.rollout_precision`.
-        Disaggregated, the train role's own rollouts (trainer-assisted generation) sample in the
-        training precision: FP8 there would hold a quantised copy of the base beside the one
-        training reads (Qwen-Image-20B: 20 GB on top of 41 GB, which ran an 80 GB card out of
-        memory with training's activations). Each rollout records the log-probabilities of the
-        numerics it ran, so the decoupled loss weighs both kinds correctly. Over an FP8 LoRA base
+        Disaggregated, the train role's own rollouts (trainer-assisted generation) sample in it
+        with `fp8_on_train`, else in the training precision: FP8 there holds a quantised copy of
+        the base beside the one training reads (Qwen-Image-20B: 20 GB on top of 41 GB, which ran an
+        80 GB card out of memory with training's activations; the memory plan decides,
+        `memory_plan.tag_precision`). Each rollout records the log-probabilities of the numerics
+        it ran, so the decoupled loss weighs both kinds correctly. Over an FP8 LoRA base
         (`fp8_base`) every role samples in FP8 from the one base training reads.
         """
-        fp8 = self.meshes.colocated or self.fp8_base
+        fp8 = self.meshes.colocated or self.fp8_on_train or self.fp8_base
         frozen = self.trainer.frozen
         if fp8 and self._quantize is not None and self.lora_scale is not None and not self.fp8_base:
             if self._frozen_fp8_on_train is None:

@@ -199,7 +199,7 @@ def run_modes(
             "dispatch_frac": {g: statistics.mean(t["dispatch_frac"][g] for t in timings) for g in groups},
             "sync_s": statistics.mean(t["sync_s"] for t in timings),
             "staleness_max": max(t["staleness_max"] for t in timings),
-            "splits": [{"tag": p.tag, "prefetch": p.prefetch, "carried": p.carried} for p in plans[warmup:]],
+            "splits": [{"tag": p.tag_microbatches, "prefetch": p.prefetch, "carried": p.carried} for p in plans[warmup:]],
             "trace": os.path.basename(trace_path),
             "micro_batches": mode_config.runtime.micro_batches,
             "colocated_sampling": executor.colocated_sampling if mode == plan_lib.COLOCATED else None,

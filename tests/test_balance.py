@@ -1,0 +1,254 @@
+"""The balance between roles: splits that move part of a micro-batch, their plans, runs and resume."""
+import collections
+
+import jax
+import pytest
+
+from digen_jax.runtime import plan as plan_lib
+from tests import test_runtime as rt
+
+TAG_MODES = tuple(m for m in plan_lib.MODES if plan_lib.mode_flags(m).tag)
+
+
+# ---------------------------------------------------------------- planner (pure)
+@pytest.mark.parametrize("updates", [1, 2])
+@pytest.mark.parametrize("mode", TAG_MODES)
+def test_a_split_microbatch_is_rolled_out_once_in_pieces_and_trained_once(mode, updates):
+    """Tag 5 of 4 pieces per micro-batch: one micro-batch whole on the trainer, the next split (1
+    piece trainer, 3 rollout group); every sample rolled out once, each micro-batch trained once,
+    after every piece of it was scored; versions as with whole splits."""
+    flags = plan_lib.mode_flags(mode)
+    m_total, grain, prefetch = 4, 4, (1 if flags.tcss else 0)
+    plans, carried = [], 0
+    for k in range(3):
+        plans.append(plan_lib.plan_iteration(mode, k, m_total, carried=carried, tag=5, prefetch=prefetch,
+                                             updates=updates, grain=grain))
+        carried = prefetch
+    covered = collections.Counter()
+    for p in plans:
+        for t in p.of_kind("rollout"):
+            first, end, _ = t.piece or (0, grain, grain)
+            covered.update((t.iteration, t.index, i) for i in range(first, end))
+    assert set(covered.values()) == {1}
+    rolled, trained = rt._rollouts_and_trains(plans)
+    for p in plans[1:]:
+        k, split = p.iteration, p.carried + 1
+        assert all(covered[(k, m, i)] == 1 for m in range(m_total) for i in range(grain))
+        assert all(trained[(k, m)] == 1 for m in range(m_total))
+        pieces = [t for t in p.of_kind("rollout") if t.iteration == k and t.index == split]
+        assert [(t.group, t.piece) for t in pieces] == [("train", (0, 1, 4)), ("rollout", (1, 4, 4))] or \
+            sorted((t.group, t.piece) for t in pieces) == [("rollout", (1, 4, 4)), ("train", (0, 1, 4))]
+        (train,) = [t for t in p.of_kind("train") if t.index == split]
+        assert {("reward", k, split, 0), ("reward", k, split, 1)} <= set(train.deps)
+        assert p.tag_microbatches == 1.25
+    seen = set()
+    for p in plans:  # dependencies point backwards in dispatch order
+        for t in p.tasks:
+            assert all(d in seen or d[1] < p.iteration or d[0] in ("update", "sync") for d in t.deps), t
+            seen.add(t.key)
+    rt._assert_versions_follow_the_updates(plans, updates)
+
+
+def test_pieces_are_runs_of_samples_every_role_s_batch_axis_divides():
+    assert plan_lib.pieces_per_microbatch(8, [1, 1]) == 8
+    assert plan_lib.pieces_per_microbatch(8, [2, 2]) == 4
+    assert plan_lib.pieces_per_microbatch(8, [1, 3]) == 8  # 3 does not divide 8: the train role replicates anyway
+    assert plan_lib.pieces_per_microbatch(12, [2, 3]) == 2
+    assert plan_lib.pieces_per_microbatch(4, [4, 4]) == 1
+
+
+def _costs(rollout_r, rollout_t, train):
+    return plan_lib.Costs(rollout={"rollout": rollout_r, "train": rollout_t, "shared": rollout_r},
+                          reward=0.01, train=train, update=0.1, sync=0.05)
+
+
+def test_a_finer_grain_balances_what_whole_microbatches_cannot():
+    """The 2-GPU FP8 case's shape (trainer rollouts 1.2x the rollout role's, training close to a
+    rollout): with whole micro-batches one more on the trainer overshoots and one fewer leaves
+    the trainer waiting; pieces land between, and the chosen split is the fastest of its grain."""
+    costs = _costs(4.11, 5.04, 3.0)
+    mode, m = plan_lib.BEST_MODE, 4
+    whole = plan_lib.choose_split(mode, m, costs)
+    fine = plan_lib.choose_split(mode, m, costs, grain=8)
+    t_whole = plan_lib.iteration_time(mode, m, costs, tag=whole[0], prefetch=whole[1])
+    t_fine = plan_lib.iteration_time(mode, m, costs, tag=fine[0], prefetch=fine[1], grain=8)
+    assert t_fine < 0.95 * t_whole
+    assert fine[0] % 8, fine  # a split micro-batch
+    every = min(plan_lib.iteration_time(mode, m, costs, tag=t, prefetch=p, grain=8)
+                for p in range(m + 1) for t in range((m - p) * 8 + 1))
+    assert t_fine <= every * 1.02  # within choose_split's tolerance of the exhaustive best
+    # Whole micro-batches stay what they were: grain 1 plans are those of the old unit.
+    assert plan_lib.choose_split(mode, m, costs, grain=1) == whole
+
+
+def test_the_split_in_use_stays_while_it_is_within_tolerance():
+    """Measured costs move a little every iteration: the split in use is kept while predicted
+    within tolerance of the best (no work moved back and forth, no new piece size compiled), and
+    left once it is not."""
+    costs = _costs(1.0, 1.0, 1.0)  # balanced roles: several splits within tolerance
+    mode, m, grain = plan_lib.BEST_MODE, 4, 8
+    best = plan_lib.choose_split(mode, m, costs, grain=grain)
+    times = {(tag, p): plan_lib.iteration_time(mode, m, costs, tag=tag, prefetch=p, grain=grain)
+             for p in range(m + 1) for tag in range((m - p) * grain + 1)}
+    t_best = min(times.values())
+    near = next(split for split, t in times.items() if split != best and t <= t_best * 1.02)
+    assert plan_lib.choose_split(mode, m, costs, grain=grain, keep=near) == near
+    far = (2 * grain, 0)
+    assert plan_lib.iteration_time(mode, m, costs, tag=far[0], prefetch=far[1], grain=grain) > t_best * 1.02
+    assert plan_lib.choose_split(mode, m, costs, grain=grain, keep=far) == best
+
+
+# ---------------------------------------------------------------- executor on fake devices
+FRACTIONAL = dict(micro_batches=2, tag_microbatches=0.5)  # 8 samples a micro-batch on 4 + 4 devices: pieces of 4
+FRACTIONAL_MODES = ("disagg_sync", "gap+tsp+tag", plan_lib.BEST_MODE)
+
+
+def fractional_config(cache_dir, mode):
+    return rt.runtime_config(cache_dir, mode, **FRACTIONAL)
+
+
+@pytest.fixture(scope="module")
+def fractional_runs(cache_dir, compile_cache, tmp_path_factory):
+    """Two iterations per mode, 2 micro-batches, the trainer rolling out half of one, from one Run;
+    disagg_sync (no trainer rollouts) is the reference."""
+    return rt.run_every_mode(lambda mode: fractional_config(cache_dir, mode), tmp_path_factory.mktemp("balance"),
+                             modes=FRACTIONAL_MODES)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(pretrain_cache_dir):
+    return pretrain_cache_dir
+
+
+@pytest.mark.parametrize("mode", FRACTIONAL_MODES[1:])
+def test_a_fractional_split_keeps_the_trace_invariants(fractional_runs, mode):
+    result = fractional_runs[mode]
+    assert result["executor"].grain == 2
+    rt._assert_every_sample_trained_once_at_bounded_staleness(result, mode)
+    rollouts = [e for e in result["trace"] if e["args"]["kind"] == "rollout"]
+    for k in range(rt.ITERATIONS):
+        assert result["metrics"][k]["tag_microbatches"] == 0.5
+        split = result["executor"].config.runtime.prefetch_microbatches * ("tcss" in mode and k > 0)
+        pieces = sorted((e["args"]["group"], tuple(e["args"]["piece"]), len(e["args"]["sample_ids"]))
+                        for e in rollouts if e["args"]["iteration"] == k and e["args"]["microbatch"] == split)
+        assert pieces == [("rollout", (1, 2, 2), 4), ("train", (0, 1, 2), 4)], (k, pieces)
+    rewards = [e for e in result["trace"] if e["args"]["kind"] == "reward" and "piece" in e["args"]]
+    assert len(rewards) == 2 * rt.ITERATIONS  # each piece scored on its own
+
+
+def test_a_fractional_split_makes_the_same_update_as_disagg_sync(fractional_runs):
+    reference = fractional_runs["disagg_sync"]["after_first"]
+    moved = rt._max_diff(reference, fractional_runs["initial"])
+    assert moved > 1e-5
+    assert rt._max_diff(fractional_runs["gap+tsp+tag"]["after_first"], reference) < 1e-5 * max(moved, 1.0)
+    # The same samples, rewards and advantages: the iteration's mean reward is the same number.
+    for mode in FRACTIONAL_MODES[1:]:
+        assert fractional_runs[mode]["metrics"][0]["reward_mean"] == fractional_runs["disagg_sync"]["metrics"][0]["reward_mean"]
+
+
+def test_a_fixed_split_off_the_grain_is_one_clear_line(cache_dir):
+    """Before any compute: a fixed fraction the pieces cannot make names the key and the grain."""
+    from digen_jax.app.errors import ConfigError
+    from digen_jax.app.validation import validate_config
+
+    config = fractional_config(cache_dir, "gap+tsp+tag")
+    validate_config(config)
+    config.runtime.tag_microbatches = 0.25
+    with pytest.raises(ConfigError, match=r"^runtime.tag_microbatches=0.25 is not a multiple of 1/2 micro-batch") as e:
+        validate_config(config)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- kill and resume
+@pytest.fixture(scope="module")
+def fractional_killed(fractional_runs, cache_dir, compile_cache, tmp_path_factory):
+    """Started after `fractional_runs`, whose compiled programs the children load from the cache."""
+    killed = rt.KilledRuns(cache_dir, compile_cache, tmp_path_factory, modes=(plan_lib.BEST_MODE,), **FRACTIONAL)
+    yield killed
+    killed.close()
+
+
+def test_sigkill_with_a_split_microbatch_in_flight_then_resume_matches(fractional_runs, fractional_killed, cache_dir):
+    """Killed in iteration 1's first training, its split micro-batch's pieces dispatched on both
+    roles: the resumed run rolls the pieces out again and ends bit-equal to the uninterrupted one."""
+    rt.assert_sigkill_then_resume_matches(fractional_killed, fractional_runs[plan_lib.BEST_MODE], cache_dir,
+                                          plan_lib.BEST_MODE)
+
+
+# ---------------------------------------------------------------- the mode chosen, and the simulator's split
+def _zoo_config(precision="fp8"):
+    from configs import qwenimage
+
+    c = qwenimage.get_config()
+    c.model.rollout_precision = precision
+    c.rl.update(prompts_per_iteration=8, group_size=4)  # the measured reference setting: 32 images
+    return c
+
+
+def test_the_simulator_predicts_a_split_microbatch_where_it_balances_the_roles():
+    """Qwen-Image-20B, 32 images on 1 + 1 H200s with FP8 rollouts (both roles sampling FP8): the
+    full mode's best split moves part of a micro-batch, and beats the best whole split."""
+    from digen_jax.app import costs
+    from digen_jax.runtime import cost_model, simulator
+
+    w = costs.iteration_work(_zoo_config())
+    pool = cost_model.Pool.parse("h200:2")
+    p = simulator.simulate(w, pool, plan_lib.BEST_MODE, microbatches=4)
+    assert p.tag != int(p.tag) and p.fits, p.tag
+    whole = simulator.predict(plan_lib.BEST_MODE, p.costs, batch=w.samples, microbatches=4, devices=2)
+    assert whole.tag == int(whole.tag) and p.samples_per_s > whole.samples_per_s
+    # The trainer's own rollouts sample FP8 where its memory fits the copy: priced at the rollout role's speed.
+    assert p.costs.rollout["train"] == pytest.approx(p.costs.rollout["rollout"], rel=0.05)
+
+
+def test_auto_mode_chooses_the_fastest_predicted_mode_and_reports_the_runners_up(cache_dir):
+    from digen_jax.app import costs
+    from digen_jax.app.errors import ConfigError
+    from digen_jax.runtime import cost_model, simulator
+
+    config = _zoo_config()
+    config.runtime.mode = "auto"
+    line = costs.choose_mode(config, "h200:8", jax.devices())
+    ranked = simulator.choose_mode(costs.iteration_work(config), cost_model.Pool.parse("h200:8"), allowed=costs._runs(config))
+    best = ranked[0]
+    assert config.runtime.mode == best.prediction.mode and config.runtime.micro_batches == best.microbatches
+    assert (config.runtime.rollout_devices, config.runtime.train_devices) == (best.rollout_devices, best.train_devices)
+    assert config.runtime.tag_microbatches == -1 and config.runtime.prefetch_microbatches == -1  # settles from measured costs
+    assert "\n" not in line and line.startswith("runtime.mode='auto' on 8xH200 SXM") and best.prediction.mode in line
+    assert f"{best.prediction.samples_per_s:.3f} samples/s" in line
+    runners = line.split("runners-up: ")[1].split("; ")
+    assert sorted(r.split(" ")[0] for r in runners) == sorted(set(plan_lib.MODES) - {best.prediction.mode})
+    assert [s.prediction.samples_per_s for s in ranked] == sorted((s.prediction.samples_per_s for s in ranked), reverse=True)
+    # Colocated competes like any mode: alone with the sync baseline it wins, with the shared group's sizing.
+    (colo, sync) = simulator.choose_mode(costs.iteration_work(_zoo_config()), cost_model.Pool.parse("h200:2"),
+                                         modes=(plan_lib.COLOCATED, plan_lib.SYNC_BASELINE))
+    assert colo.prediction.mode == plan_lib.COLOCATED and colo.runtime_overrides()["mode"] == plan_lib.COLOCATED
+    # What the simulator cannot price is one line naming the key.
+    tiny_config = rt.runtime_config(cache_dir, "colocated")
+    tiny_config.runtime.mode = "auto"
+    with pytest.raises(ConfigError, match=r"^runtime.mode='auto' is chosen from the simulator's predictions, which fail here: "
+                                          r"the simulator needs a model-zoo config") as e:
+        costs.choose_mode(tiny_config, "h200:8", jax.devices())
+    assert "\n" not in str(e.value)
+
+
+def test_the_launcher_resolves_auto_and_prints_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = subprocess.run(
+        [sys.executable, "launch/train.py", "--config=configs/qwenimage.py", "--config.runtime.mode=auto", "--autosize=h200:2",
+         "--config.model.rollout_precision=fp8", "--config.rl.prompts_per_iteration=8", "--config.rl.group_size=4",
+         "--print_config"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    (chosen,) = [line for line in lines if line.startswith("runtime.mode='auto'")]
+    mode = [line for line in lines if line.startswith("runtime.mode = ")][0].split(" = ")[1].strip("'")
+    assert mode in plan_lib.MODES and f": {mode} (" in chosen and "runners-up: " in chosen
+    bad = subprocess.run([sys.executable, "launch/train.py", "--config=configs/tiny.py", "--config.runtime.mode=auto",
+                          f"--workdir={tmp_path}"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "runtime.mode='auto'" in bad.stderr and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
