@@ -176,8 +176,9 @@ def _settle_from(source: concurrent.futures.Future, target: concurrent.futures.F
 
 
 def _concatenated(parts: list[concurrent.futures.Future]) -> concurrent.futures.Future:
-    """A future of the pieces' rewards joined in order, settled when the last piece is scored
-    (the first error, if one fails); no thread waits for it."""
+    """A future of the pieces' reward rows ((1 + K, samples) each, `MicroBatch.rewards`) joined in
+    sample order, settled when the last piece is scored (the first error, if one fails); no thread
+    waits for it."""
     joined, lock = concurrent.futures.Future(), threading.Lock()
 
     def settle(_) -> None:
@@ -188,7 +189,7 @@ def _concatenated(parts: list[concurrent.futures.Future]) -> concurrent.futures.
             if errors:
                 joined.set_exception(errors[0])
             else:
-                joined.set_result(np.concatenate([p.result() for p in parts]))
+                joined.set_result(np.concatenate([p.result() for p in parts], axis=-1))
 
     for part in parts:
         part.add_done_callback(settle)
