@@ -507,7 +507,7 @@ def _config_files():
     import importlib
 
     names = [f"configs.{n[:-3]}" for n in sorted(os.listdir(os.path.join(ROOT, "configs")))
-             if n.endswith(".py") and n not in ("__init__.py", "sections.py")]
+             if n.endswith(".py") and n not in ("__init__.py", "sections.py", "schema.py")]
     names += [f"configs.paper.{n[:-3]}" for n in sorted(os.listdir(os.path.join(ROOT, "configs", "paper")))
               if n.endswith(".py") and not n.startswith("_")]
     configs = {name: importlib.import_module(name).get_config() for name in names}
