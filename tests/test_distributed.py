@@ -1033,7 +1033,8 @@ def save_with_prefetch(run, config, shift: int, out_dir) -> Executor:
                                  sample_keys=prefetched.sample_keys, version=jnp.int32(shift))
     prefetched.rolled_on, prefetched.version = "rollout", shift
     prefetched.rewards = concurrent.futures.Future()
-    prefetched.rewards.set_result(np.linspace(-1.0, 1.0, samples, dtype=np.float32) * shift)
+    total = np.linspace(-1.0, 1.0, samples, dtype=np.float32) * shift  # rows: the total, then each reward's
+    prefetched.rewards.set_result(np.stack([total] * (1 + len(executor.reward_names))))
     executor.carried = [prefetched]
     run_checkpoints.save(executor, run.checkpoints, 1, config)
     run.checkpoints.wait_until_finished()
