@@ -140,7 +140,10 @@ def test_a_fractional_split_makes_the_same_update_as_disagg_sync(fractional_runs
     reference = fractional_runs["disagg_sync"]["after_first"]
     moved = rt._max_diff(reference, fractional_runs["initial"])
     assert moved > 1e-5
-    assert rt._max_diff(fractional_runs["gap+tsp+tag"]["after_first"], reference) < 1e-5 * max(moved, 1.0)
+    # The pieces roll out in smaller batches than disagg_sync's: float32 rounding of the samples
+    # reaches Adam's sign-like first step where a gradient is near zero, by about 1% of the step
+    # (the processor decides how much); a wrong split moves whole steps.
+    assert rt._max_diff(fractional_runs["gap+tsp+tag"]["after_first"], reference) < 0.05 * moved
     # The same samples, rewards and advantages: the iteration's mean reward is the same number.
     for mode in FRACTIONAL_MODES[1:]:
         assert fractional_runs[mode]["metrics"][0]["reward_mean"] == fractional_runs["disagg_sync"]["metrics"][0]["reward_mean"]
