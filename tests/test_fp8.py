@@ -174,8 +174,10 @@ def test_lora_trained_through_the_fp8_base_the_rollouts_sample_from(pretrain_cac
     the train role holds only the e4m3 base (no bf16 kernel where one is quantised, also once a
     second executor of the run has placed it), and the
     trainer's log-probs of the rollouts' transitions (its own and the rollout role's) are theirs up
-    to float32 rounding: the trainer reads the FP8 base the rollouts sampled with (over a bf16 base
-    the gap is FP8's, above 1e-3)."""
+    to float32 rounding: the trainer reads the FP8 base the rollouts sampled with. Over a bf16 base
+    the gap is FP8's: 5e-4 mean and 2e-3 largest here. With the FP8 base the mean is 1e-6 or less;
+    the largest is a rare activation whose e4m3 rounding the batch's float32 bits flip (2e-5 to
+    2.4e-4, by processor)."""
     config = runtime_config(pretrain_cache_dir, "gap+tsp+tag")
     config.rl.update(lora_rank=2, lora_merge_for_sampling=False)
     config.model.rollout_precision = config.model.lora_base_precision = "fp8"
@@ -186,7 +188,7 @@ def test_lora_trained_through_the_fp8_base_the_rollouts_sample_from(pretrain_cac
     Executor(run, log=lambda _: None).close()  # another executor of the run (a bench's next mode) places it again
     for row in rows:
         assert row["skipped"] == 0 and row["logp_diff_max"] == 0, row
-        assert row["rollout_logp_gap_max"] < 1e-4, row
+        assert row["rollout_logp_gap_mean"] < 5e-5 and row["rollout_logp_gap_max"] < 1e-3, row
         assert row["is_truncated_frac"] == 0 and abs(row["is_weight_mean"] - 1) < 1e-4, row
     frozen = run.trainer.frozen
     leaves = {"/".join(str(getattr(k, "key", k)) for k in path): leaf
