@@ -13,7 +13,8 @@ from digen_jax import diffusion
 from digen_jax.models import flux
 from digen_jax.rl import lora, optim
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, make_denoiser
-from digen_jax.rl.timesteps import plan_steps, validate_step_selection
+from digen_jax.app.validation import validate_step_selection
+from digen_jax.rl.timesteps import plan_steps
 from digen_jax.rl.trainer import LossConfig, Trainer, build_units
 
 RES, TEXT_LEN, STEPS = 8, 4, 4

@@ -27,7 +27,7 @@ from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime import transfer as transfer_lib
 from digen_jax.runtime import weight_sync
 from digen_jax.runtime.executor import Executor
-from digen_jax.runtime.runtime_config import validate_runtime_config
+from digen_jax.app.validation import validate_runtime_config
 from digen_jax.runtime.trace import TRAJECTORY, read_trace
 
 PIPELINED = ("disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss")

@@ -30,19 +30,6 @@ MeanMode = Literal["group", "global"]
 RewardMix = Literal["advantage", "reward"]
 
 
-def validate_group_size(group_size: int) -> None:
-    """Raise ValueError unless ``group_size`` (config key ``rl.group_size``) is an int >= 2.
-
-    A group of one sample equals its own mean, so its advantage is identically 0 and it
-    contributes no gradient: such a run would train on nothing.
-    """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(
-            f"rl.group_size must be an int >= 2, got {group_size!r}: group-relative advantages "
-            "of a one-sample group are always 0, so nothing would be learned"
-        )
-
-
 def group_statistics(
     rewards: jax.Array,
     group_ids: jax.Array,

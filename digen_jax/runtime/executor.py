@@ -68,7 +68,6 @@ from digen_jax.runtime.transfer import crossing_bytes, to_every_process, whole_o
 from digen_jax.runtime import dispatch as dispatch_lib
 from digen_jax.runtime.dispatch import Lanes
 from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, EventExchange, Tracer, iteration_summary
-from digen_jax.runtime.runtime_config import split_grain, validate_runtime_config
 from digen_jax.runtime.weight_sync import RoleWeights
 
 
@@ -247,11 +246,12 @@ class Executor:
         self.job, self.config, self.log = job, config or job.config, log
         rt = self.config.runtime
         self.mode, self.flags = rt.mode, plan_lib.mode_flags(rt.mode)
-        validate_runtime_config(self.config, len(jax.devices()))
         self.meshes = mesh_lib.build_role_meshes(rt)
         self._pace_chunks = self.meshes.train.devices.flat[0].platform == "cpu"  # see `_train`
         self.microbatches = rt.micro_batches
-        self.grain = split_grain(self.config, self.meshes)  # pieces per micro-batch of the trainer's rollouts
+        # pieces per micro-batch of the trainer's rollouts
+        self.grain = mesh_lib.split_grain(self.meshes, rt.mode, self.config.rl.prompts_per_iteration
+                                          * self.config.rl.group_size // rt.micro_batches)
         # Each process times the tasks on its own devices and takes the others' events from their
         # processes (trace.EventExchange); process 0 writes them all to the trace.
         write_trace = rt.trace and jax.process_index() == 0
@@ -385,7 +385,7 @@ class Executor:
         self.tracer.record(task, final, start, sample_ids=mb.sample_ids.tolist(), **self._piece_args(task))
         if self.meshes.reward is None:
             decoded = self.job.decode(final, decoder)
-        else:  # one process (validate_runtime_config): nothing crosses processes here
+        else:  # one process (`validation.validate_runtime_config`): nothing crosses processes here
             with self._reward_dispatch:
                 final, decoder = mesh_lib.put_batch(final, self.meshes.reward), self.weights.decoders.get("reward")
                 decoded = self.job.decode(final, decoder)

@@ -91,6 +91,15 @@ def build_role_meshes(runtime, devices: Sequence[jax.Device] | None = None) -> R
 
 
 @functools.cache
+def split_grain(meshes: RoleMeshes, mode: str, samples: int) -> int:
+    """Pieces per micro-batch of `samples` that the trainer's rollouts count in on `meshes`
+    (`plan.pieces_per_microbatch` over the rollout and train roles' batch axes); 1: whole
+    micro-batches, without trainer rollouts (a mode without TAG) or with several processes."""
+    if not plan_lib.mode_flags(mode).tag or jax.process_count() > 1:
+        return 1
+    return plan_lib.pieces_per_microbatch(samples, [meshes.for_group(g).shape[AXIS] for g in ("rollout", "train")])
+
+
 def host_device() -> jax.Device:
     """Where the executor computes host-derived inputs (sample keys, conditioning slices,
     advantages): the CPU backend. On the default device (the first accelerator, a rollout
