@@ -16,6 +16,7 @@ import numpy as np
 from digen_jax import flops
 from digen_jax.app import families
 from digen_jax.app.errors import ConfigError
+from digen_jax.app.settings import step_settings
 from digen_jax.app.workload import is_shapes
 from digen_jax.models import FAMILIES
 from digen_jax.rl.timesteps import plan_steps
@@ -202,7 +203,7 @@ def _is_nft(rl) -> bool:
 def _trained_steps(config) -> int:
     """Trajectory steps trained per sample (the count `rl.timesteps.plan_steps` draws for one)."""
     s = config.sampling
-    return plan_steps(config.rl, s.num_steps, s.noise_level, 1, 0, np.random.default_rng(0)).trained.shape[1]
+    return plan_steps(step_settings(config), s.num_steps, s.noise_level, 1, 0, np.random.default_rng(0)).trained.shape[1]
 
 
 def _model_config(config):

@@ -32,6 +32,7 @@ from digen_jax.rl.rollout import Conditioning
 from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
 from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
 from digen_jax.app import costs, machine_checks, precision, run_checkpoints, warm_start
+from digen_jax.app import settings as settings_lib
 from digen_jax.app import workdir as workdir_lib
 from digen_jax.app.errors import RunStopped
 from digen_jax.app.validation import validate_config
@@ -50,6 +51,7 @@ class Run:
         (one_mode=False: run in several modes, `validate_config`)."""
         if not validated:
             validate_config(config, one_mode=one_mode)
+        self.settings = settings_lib.run_settings(config)  # what the executor reads of the config
         self.colocated_sampling = costs.colocated_sampling(config, jax.devices())  # 'auto' on these devices
         self.tag_precision = costs.tag_precision(config, jax.devices())  # 'auto' on these devices
         self.config, self.workdir, self.log = config, workdir, log
@@ -66,7 +68,7 @@ class Run:
         )
         if rl.lora_rank:
             trainable = lora.init_lora(base, rank=rl.lora_rank, target_patterns=list(rl.lora_targets), key=jax.random.key(config.seed + 1))
-            frozen, scale = base, lora.lora_scale(rl.lora_rank, lora.config_alpha(rl))
+            frozen, scale = base, lora.lora_scale(rl.lora_rank, settings_lib.lora_alpha(config))
         else:
             trainable, frozen, scale = base, (base if rl.kl_beta > 0 else None), None
             if frozen is not None:

@@ -20,6 +20,7 @@ from digen_jax.app.families import ZOO, read_model_json
 from digen_jax.app.fingerprint import WEIGHT_KEYS, differences, fingerprint
 from digen_jax.app.memory_bound import LATENT_BYTES, ladder_copies, machine_memory, needs, size_text
 from digen_jax.app.run_checkpoints import open_manager, read_meta
+from digen_jax.app.settings import runtime_settings
 from digen_jax.app.workdir import short_reason
 from digen_jax.app.workload import pretrain_recipe
 from digen_jax.models import FAMILIES
@@ -35,7 +36,7 @@ def check_devices(config: ml_collections.ConfigDict, one_mode: bool) -> None:
     a colocated run would ignore."""
     rt, rl = config.runtime, config.rl
     try:
-        meshes = mesh_lib.build_role_meshes(rt)
+        meshes = mesh_lib.build_role_meshes(runtime_settings(config))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     grain = mesh_lib.split_grain(meshes, rt.mode, rl.prompts_per_iteration * rl.group_size // rt.micro_batches)

@@ -27,6 +27,7 @@ from digen_jax.app import machine_checks, run_checkpoints
 from digen_jax.app.config_ranges import check_ranges
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.precision import decoupled_loss, lora_base_precision, rollout_precision
+from digen_jax.app.settings import step_settings
 from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, model_config, policy, read_model_json,
                                     latent_shape, side_multiple, vae_config)
 from digen_jax.app.workload import is_shapes, open_cache, pretrain_recipe, shapes_task
@@ -362,7 +363,7 @@ def _validate_algorithm(config) -> None:
 
 
 def _trained_per_sample(config) -> int:
-    plan = plan_steps(config.rl, config.sampling.num_steps, 1.0, 1, 0, np.random.default_rng(0))
+    plan = plan_steps(step_settings(config), config.sampling.num_steps, 1.0, 1, 0, np.random.default_rng(0))
     return plan.trained.shape[1]
 
 

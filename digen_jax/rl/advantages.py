@@ -20,6 +20,7 @@ Flow-GRPO's tracker computes in float64 numpy; float32 here agrees to float32 ro
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import jax
@@ -28,6 +29,16 @@ import jax.numpy as jnp
 StdMode = Literal["group", "global"]
 MeanMode = Literal["group", "global"]
 RewardMix = Literal["advantage", "reward"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageSettings:
+    """How rewards are normalised into advantages (`group_advantages`' keyword arguments)."""
+
+    mean_mode: MeanMode
+    std_mode: StdMode
+    eps: float
+    ddof: int
 
 
 def group_statistics(

@@ -27,6 +27,19 @@ STEP_SELECTIONS = ("fraction", "window", "mixgrpo", "random")
 
 
 @dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The `rl` keys that choose a run's stochastic and trained steps (module docstring)."""
+
+    step_selection: str
+    timestep_fraction: float
+    sde_window_size: int
+    sde_window_range: tuple[int, int]
+    window_shift_every: int
+    algorithm: str = "grpo"  # 'nft': DiffusionNFT's K levels per sample, whatever the selection
+    nft_timesteps: int = 0  # DiffusionNFT's K (0: int(num_steps * timestep_fraction))
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
     """noise_levels (N,) float32 per step; trained (B, T) int32 step indices per sample."""
 
@@ -38,15 +51,15 @@ def num_trained(fraction: float, steps: int) -> int:
     return int(fraction * steps)
 
 
-def nft_num_trained(rl, num_steps: int) -> int:
+def nft_num_trained(rl: StepSettings, num_steps: int) -> int:
     """DiffusionNFT's K: `rl.nft_timesteps`, or where that is 0 int(N * `rl.timestep_fraction`)
     as the reference derives it (N - 1 for its 0.99)."""
     return rl.nft_timesteps or num_trained(rl.timestep_fraction, num_steps)
 
 
-def plan_steps(rl, num_steps: int, noise_level: float, batch: int, iteration: int, rng: np.random.Generator) -> StepPlan:
+def plan_steps(rl: StepSettings, num_steps: int, noise_level: float, batch: int, iteration: int, rng: np.random.Generator) -> StepPlan:
     """The StepPlan of one iteration; `rng` is seeded per iteration so a resumed run replays it."""
-    if rl.get("algorithm", "grpo") == "nft":
+    if rl.algorithm == "nft":
         key = jax.random.key(int(rng.integers(2**31)))
         trained = np.asarray(nft.draw_timestep_indices(key, batch, num_steps, nft_num_trained(rl, num_steps)))
         return StepPlan(np.zeros((num_steps,), np.float32), trained)

@@ -54,7 +54,6 @@ from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from digen_jax.rl import advantages as adv_lib
@@ -68,13 +67,14 @@ from digen_jax.runtime.transfer import crossing_bytes, to_every_process, whole_o
 from digen_jax.runtime import dispatch as dispatch_lib
 from digen_jax.runtime.dispatch import Lanes
 from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, EventExchange, Tracer, iteration_summary
+from digen_jax.runtime.settings import RunSettings
 from digen_jax.runtime.weight_sync import RoleWeights
 
 
 class Job(Protocol):
     """What the executor runs: a run as the runtime sees it (the application layer's `Run`)."""
 
-    config: ml_collections.ConfigDict
+    settings: RunSettings  # what the run's config says (`app.settings.run_settings`)
     workdir: str  # the trace goes to WORKDIR/trace.json unless the executor is given another path
     trainer: Trainer
     state: TrainState  # the initial train state (the executor copies it; this one survives)
@@ -238,20 +238,20 @@ class MicroBatch:
 
 
 class Executor:
-    """Runs iterations of `job` (a `Job`: the application layer's `Run`) in `config.runtime.mode`."""
+    """Runs iterations of `job` (a `Job`: the application layer's `Run`) in its settings' runtime mode."""
 
-    def __init__(self, job: Job, *, config=None, trace_path: str | None = None, log: Callable[[str], None] = print):
-        """`config` overrides `job.config`'s runtime and sharding sections (one run, several modes);
-        the trace goes to `trace_path` (default WORKDIR/trace.json)."""
-        self.job, self.config, self.log = job, config or job.config, log
-        rt = self.config.runtime
+    def __init__(self, job: Job, *, settings: RunSettings | None = None, trace_path: str | None = None,
+                 log: Callable[[str], None] = print):
+        """`settings` override `job.settings` (one run, several modes); the trace goes to
+        `trace_path` (default WORKDIR/trace.json)."""
+        self.job, self.settings, self.log = job, settings or job.settings, log
+        rt = self.settings.runtime
         self.mode, self.flags = rt.mode, plan_lib.mode_flags(rt.mode)
         self.meshes = mesh_lib.build_role_meshes(rt)
         self._pace_chunks = self.meshes.train.devices.flat[0].platform == "cpu"  # see `_train`
         self.microbatches = rt.micro_batches
         # pieces per micro-batch of the trainer's rollouts
-        self.grain = mesh_lib.split_grain(self.meshes, rt.mode, self.config.rl.prompts_per_iteration
-                                          * self.config.rl.group_size // rt.micro_batches)
+        self.grain = mesh_lib.split_grain(self.meshes, rt.mode, self.settings.batch // rt.micro_batches)
         # Each process times the tasks on its own devices and takes the others' events from their
         # processes (trace.EventExchange); process 0 writes them all to the trace.
         write_trace = rt.trace and jax.process_index() == 0
@@ -261,12 +261,10 @@ class Executor:
         self.shared = SharedValues()  # host values one process computes for all (rewards, figures, costs)
         self._agreements = 0  # `_agreed_costs` calls so far: alike on every process
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=rt.reward_workers, thread_name_prefix="reward")
-        # The rewards of `reward.weights` in a fixed order (the rows after the total in
-        # `MicroBatch.rewards`), their weights, and how advantages combine them (`reward.mix`).
-        reward = self.config.reward
-        self.reward_names = tuple(sorted(reward.weights))
-        self._reward_weights = np.asarray([reward.weights[n] for n in self.reward_names], np.float32)
-        self._reward_mix = reward.get("mix", "reward")
+        rewards = self.settings.rewards
+        self.reward_names = rewards.names
+        self._reward_weights = np.asarray(rewards.weights, np.float32)
+        self._reward_mix = rewards.mix
         self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
         self.measured: dict[tuple[str, str], list[float]] = {}  # (kind, group) -> recent durations
         self._synced_version = -1  # what the rollout weights hold once the submitted syncs ran
@@ -278,9 +276,9 @@ class Executor:
     # ------------------------------------------------------------------ weights
     def _place_weights(self) -> None:
         job = self.job
-        self.weights = RoleWeights(self.meshes, self.config.sharding, job.abstract_params, job.trainer,
-                                   merge_for_sampling=self.config.rl.lora_merge_for_sampling,
-                                   offload_optimizer=bool(self.config.runtime.get("offload_optimizer", False)),
+        self.weights = RoleWeights(self.meshes, self.settings.sharding, job.abstract_params, job.trainer,
+                                   merge_for_sampling=self.settings.lora_merge_for_sampling,
+                                   offload_optimizer=bool(self.settings.runtime.offload_optimizer),
                                    gathered_sampling=self.colocated_sampling == "gathered",
                                    fp8_on_train=self.flags.tag and self.tag_precision == "rollout")
         self.state_sharding = self.weights.state_sharding(job.state)
@@ -306,13 +304,13 @@ class Executor:
     @property
     def colocated_sampling(self) -> str:
         """`runtime.colocated_sampling`, 'auto' being what the memory plan picks for the run's devices."""
-        choice = self.config.runtime.get("colocated_sampling", "auto")
+        choice = self.settings.runtime.colocated_sampling
         return self.job.colocated_sampling if choice == "auto" else choice
 
     @property
     def tag_precision(self) -> str:
         """`runtime.tag_precision`, 'auto' being what the memory plan picks for the run's devices."""
-        choice = self.config.runtime.get("tag_precision", "auto")
+        choice = self.settings.runtime.tag_precision
         return self.job.tag_precision if choice == "auto" else choice
 
     def _sync(self, task: plan_lib.Task) -> None:
@@ -339,12 +337,12 @@ class Executor:
     def microbatches_of(self, k: int) -> list[MicroBatch]:
         """Iteration k's micro-batches: pure functions of (seed, k), like `Run.iteration`."""
         with jax.default_device(mesh_lib.host_device()):  # host-derived: see mesh.host_device
-            rl, s = self.config.rl, self.config.sampling
+            s = self.settings
             prompt_ids, cond = self.job.prompt_batch(k)
-            group_size = rl.group_size
+            group_size = s.group_size
             batch = len(prompt_ids) * group_size
             sample_keys = jax.random.split(self.job.sample_key(k), batch)
-            steps = plan_steps(rl, s.num_steps, s.noise_level, batch, k, np.random.default_rng([self.config.seed, k]))
+            steps = plan_steps(s.steps, s.num_steps, s.noise_level, batch, k, np.random.default_rng([s.seed, k]))
             per_mb = batch // self.microbatches
             sample_prompts = np.repeat(np.asarray(prompt_ids), group_size, axis=0)
             cond = cond.repeat(group_size)
@@ -483,7 +481,7 @@ class Executor:
         One program cuts and places each chunk (not one per leaf plus a reshard: see `_train`).
         """
         if self.flags.tsp or self.flags.colocated:
-            size = self.config.rl.micro_batch_size
+            size = self.settings.micro_batch_size
             cut = _cut_fn(_unit_rows, size, mesh_lib.batch_sharding(self.meshes.train, (size,)))
             return [cut(units, start) for start in range(0, units.size, size)]
         cut = _cut_fn(_step_units, per_sample, mesh_lib.batch_sharding(self.meshes.train, (units.size // per_sample,)))
@@ -509,7 +507,7 @@ class Executor:
 
     def _train(self, task: plan_lib.Task, mb: MicroBatch, acc: dict) -> None:
         self.weights.release_gathered()  # training's working set has no room for it
-        rl = self.config.rl
+        norm, group_size = self.settings.advantages, self.settings.group_size
         mesh = self.meshes.train
         if mb.on_trainer is None:  # not moved ahead by a crossing task
             self._move_trajectory(mb)
@@ -519,11 +517,11 @@ class Executor:
         signal = rows[:1] if self._reward_mix == "reward" else rows[1:]
         acc["finite"] = acc["finite"] and bool(np.all(np.isfinite(signal)))
         signal = np.where(np.isfinite(signal), signal, 0.0)
-        prompt_groups = rows.shape[1] // rl.group_size  # GRPO groups: one prompt's samples each
+        prompt_groups = rows.shape[1] // group_size  # GRPO groups: one prompt's samples each
         start = self.tracer.now()
-        kwargs = dict(std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof, mean_mode=rl.mean_mode)
+        kwargs = dict(std_mode=norm.std_mode, eps=norm.eps, ddof=norm.ddof, mean_mode=norm.mean_mode)
         with jax.default_device(mesh_lib.host_device()):  # not behind the rollouts queued on a rollout device
-            group_ids = jnp.asarray(np.repeat(np.arange(prompt_groups), rl.group_size))
+            group_ids = jnp.asarray(np.repeat(np.arange(prompt_groups), group_size))
             if self._reward_mix == "reward":
                 adv = adv_lib.group_advantages(jnp.asarray(signal[0]), group_ids, prompt_groups, **kwargs)
             else:
@@ -549,7 +547,7 @@ class Executor:
 
     def _update(self, task: plan_lib.Task, acc: dict) -> dict:
         start = self.tracer.now()
-        last = task.index == self.config.rl.num_updates_per_batch - 1  # an iteration's updates are indexed 0..
+        last = task.index == self.settings.num_updates_per_batch - 1  # an iteration's updates are indexed 0..
         self.state, metrics = self.job.trainer.finish_update(self.state, acc["sum"], acc["finite"], end_of_batch=last)
         self.tracer.record(task, metrics["version"], start)
         return metrics
@@ -557,7 +555,7 @@ class Executor:
     # ------------------------------------------------------------------ one iteration
     def _fixed_split(self) -> tuple[int | None, int | None]:
         """(tag in pieces, prefetch) as the config fixes them; None where the executor chooses from costs."""
-        rt = self.config.runtime
+        rt = self.settings.runtime
         fixed_tag = round(rt.tag_microbatches * self.grain) if rt.tag_microbatches >= 0 else None
         fixed_prefetch = rt.prefetch_microbatches if rt.prefetch_microbatches >= 0 or not self.flags.tcss else None
         if not self.flags.tag:
@@ -581,7 +579,7 @@ class Executor:
         if costs is None:
             return fixed_tag or 0, fixed_prefetch or 0
         tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag,
-                                              fixed_prefetch=fixed_prefetch, updates=self.config.rl.num_updates_per_batch,
+                                              fixed_prefetch=fixed_prefetch, updates=self.settings.num_updates_per_batch,
                                               grain=self.grain, keep=self.split)
         return min(tag, (self.microbatches - len(self.carried)) * self.grain), prefetch
 
@@ -640,7 +638,7 @@ class Executor:
         carried = len(self.carried)
         plan = plan_lib.plan_iteration(
             self.mode, k, self.microbatches, carried=carried, tag=tag, prefetch=prefetch,
-            updates=self.config.rl.num_updates_per_batch, grain=self.grain,
+            updates=self.settings.num_updates_per_batch, grain=self.grain,
         )
         self._iteration_start[k] = self.tracer.now()
         mbs = {(k, m.index): m for m in self.microbatches_of(k)[carried:]}
@@ -832,7 +830,7 @@ class Executor:
         start = end_of(k - 1) if k - 1 in self._iteration_start else self._iteration_start[k]
         groups = ["shared"] if self.meshes.colocated else ["rollout", "train"]
         summary = iteration_summary(events, k, (start, end), groups)
-        batch = self.config.rl.prompts_per_iteration * self.config.rl.group_size
+        batch = self.settings.batch
         seconds = max(end - start, 1e-9)
         return {
             **summary,

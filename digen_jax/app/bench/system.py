@@ -32,6 +32,7 @@ from digen_jax.app import loop
 from digen_jax.app.bench import provenance
 from digen_jax.app.bench.peaks import datasheet_peak, matmul_size_for, measure_matmul_peak
 from digen_jax.app.costs import sample_flops
+from digen_jax.app.settings import run_settings
 from digen_jax.app.validation import validate_bench_arguments
 from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
 from digen_jax.runtime import plan as plan_lib
@@ -149,7 +150,7 @@ def run_modes(
         trace_path = os.path.join(workdir, f"trace_{name.replace('+', '_').replace(' ', '_').replace('=', '_')}.json")
         if jax.process_index() == 0 and os.path.exists(trace_path):  # its writer: processes may share the workdir
             os.remove(trace_path)
-        executor = Executor(run, config=mode_config, trace_path=trace_path, log=log)
+        executor = Executor(run, settings=run_settings(mode_config), trace_path=trace_path, log=log)
         warmup, settling = warmups, bool(warmups and executor.elastic_split)
         more = f" (+1 to {MAX_SETTLING_ITERATIONS} while the elastic split settles)" if settling else ""
         log(f"[{name}] {warmup} warm-up{more} + {iterations} timed iterations of {batch} samples")
