@@ -22,6 +22,7 @@ from digen_jax.app.validation import validate_config
 from digen_jax.rl import nft as nft_lib
 from digen_jax.rl.trainer import Trainer
 from digen_jax.runtime import executor as executor_lib
+from digen_jax.runtime import figures as figures_lib
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime import transfer as transfer_lib
@@ -712,7 +713,7 @@ def test_bf16_rollout_log_probs_differ_and_the_trainer_anchor_removes_the_gap(ca
                                   dataclasses.replace(run.trainer.cfg, onpolicy_anchor=anchor))
         executor = Executor(run, settings=run_settings(anchored), trace_path=str(tmp_path / f"{anchor}.json"), log=lambda _: None)
         _, metrics = executor.iteration(0)
-        rows[anchor] = {name: float(value) for name, value in executor_lib.read_figures(metrics).items()
+        rows[anchor] = {name: float(value) for name, value in figures_lib.read_figures(metrics).items()
                         if name in ("rollout_logp_gap_max", "logp_diff_max", "ratio_mean", "clip_frac")}
         executor.close()
     gap = rows["rollout"]["rollout_logp_gap_max"]

@@ -37,7 +37,8 @@ from digen_jax.app import workdir as workdir_lib
 from digen_jax.app.errors import RunStopped
 from digen_jax.app.validation import validate_config
 from digen_jax.runtime import mesh as mesh_lib
-from digen_jax.runtime.executor import Executor, read_figures
+from digen_jax.runtime.executor import Executor
+from digen_jax.runtime.figures import read_figures
 
 
 class Run:

@@ -36,7 +36,8 @@ from digen_jax.app.settings import run_settings
 from digen_jax.app.validation import validate_bench_arguments
 from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.executor import Executor, read_figures
+from digen_jax.runtime.executor import Executor
+from digen_jax.runtime.figures import read_figures
 
 
 def measure(
