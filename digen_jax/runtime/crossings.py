@@ -7,7 +7,7 @@ process that has devices in them at the same place in one order (`Crossings._cro
 inputs (prompts, sample keys, advantages) are computed alike on every process and placed by each
 on its own devices (`transfer.transfer` of uncommitted arrays); a micro-batch's rewards are
 scored by the process that holds its decoded samples and shared (`reward_scoring`), as are the
-iteration's figures (`_figures`), so the main thread issues no cross-process program between
+iteration's figures (`Executor._figures`), so the main thread issues no cross-process program between
 two plans; evaluation samples, images and checkpoints are read from each process's own copy
 (`to_every_process`) after every lane is drained.
 """

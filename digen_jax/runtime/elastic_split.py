@@ -1,14 +1,15 @@
-"""Elastic splits: how many micro-batches the trainer rolls out itself (TAG) and how many of the
-next iteration are prefetched (TCSS), fixed by the config or chosen every iteration from
-measured task costs.
+"""The split of each iteration: how many micro-batches the trainer rolls out itself (TAG) and how
+many of the next iteration are prefetched (TCSS), fixed by the settings or chosen every
+iteration from measured task costs.
 
 Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
 split of each iteration is chosen by `plan.choose_split` (keeping the last one while it is
 predicted within its tolerance of the best) from the task times measured in
 the previous iteration (a piece's time counted per micro-batch; with several processes, from
-process 0's measured costs, broadcast: the plan must be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
-measured times and the last split travel with each checkpoint, so a resumed run's first split is
-the one the uninterrupted run chose.
+process 0's measured costs, broadcast: the plan must be the same everywhere); the first
+iteration uses no trainer rollouts and no prefetch. The measured times and the last split
+travel with each checkpoint, so a resumed run's first split is the one the uninterrupted run
+chose.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class ElasticSplit:
     `shared`)."""
 
     def _fixed_split(self) -> tuple[int | None, int | None]:
-        """(tag in pieces, prefetch) as the config fixes them; None where the executor chooses from costs."""
+        """(tag in pieces, prefetch) as the settings fix them; None where the executor chooses from costs."""
         rt = self.settings.runtime
         fixed_tag = round(rt.tag_microbatches * self.grain) if rt.tag_microbatches >= 0 else None
         fixed_prefetch = rt.prefetch_microbatches if rt.prefetch_microbatches >= 0 or not self.flags.tcss else None
