@@ -113,7 +113,8 @@ def validate_advantage_modes(mean_mode: str, std_mode: str) -> None:
     """Raise ValueError unless (``rl.mean_mode``, ``rl.std_mode``) is a supported pair.
 
     Each is 'group' or 'global'; a global mean goes with the global std only (the recipes that
-    centre on the batch mean also scale by the batch std).
+    centre on the batch mean also scale by the batch std). An assertion on `group_advantages`'
+    arguments (a library call); a run's config reaches it once, through `app.validation`.
     """
     for key, value in (("mean_mode", mean_mode), ("std_mode", std_mode)):
         if value not in ("group", "global"):
@@ -133,7 +134,9 @@ def clip_advantages(advantages: jax.Array, limit: float) -> jax.Array:
 
 
 def validate_reward_mix(mix: str) -> None:
-    """Raise ValueError unless ``mix`` (config key ``reward.mix``) is 'reward' or 'advantage'."""
+    """Raise ValueError unless ``mix`` (config key ``reward.mix``) is 'reward' or 'advantage'. An
+    assertion on `multi_reward_advantages`' argument; a run's config reaches it once, through
+    `app.validation`."""
     if mix not in ("reward", "advantage"):
         raise ValueError(
             f"reward.mix must be 'reward' (weighted sum of the rewards, then group normalisation) or "
