@@ -215,7 +215,7 @@ def _train_and_report() -> None:
     reporting = jax.process_index() == 0
     log = (lambda msg: print(msg, flush=True)) if reporting else (lambda msg: None)
     try:
-        train(_CONFIG.value, _WORKDIR.value, log=_StopAtIteration(log).log)
+        train(_CONFIG.value, _WORKDIR.value, log=_StopAtIteration(log).log, validated=True)
     except (RunStopped, FloatingPointError, RemoteRewardError) as e:
         # An expected fault (a workdir in use, an unreadable checkpoint, a full disk, diverged
         # updates, a reward server that stopped answering): its message says what to do.

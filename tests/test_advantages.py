@@ -14,13 +14,13 @@ import jax
 import numpy as np
 import pytest
 
+from digen_jax.app.validation import validate_group_size
 from digen_jax.rl import (
     clip_advantages,
     group_advantages,
     group_statistics,
     multi_reward_advantages,
     validate_advantage_modes,
-    validate_group_size,
 )
 
 

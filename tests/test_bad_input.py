@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from configs import tiny
-from digen_jax.app import memory_bound
+from digen_jax.app import machine_checks, memory_bound
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.validation import validate_config
 
@@ -81,13 +81,13 @@ def test_memory_bound_counts_the_largest_arrays():
     needs = memory_bound.needs(config, abstract, [kernel], 768, "task.resolution=16")
     assert [n.nbytes for n in needs] == [4000, 4 * 4 * 2 * 4 * 128, 64 * 17 * 768 * 4, 32 * 17 * 768 * 4]
     total = sum(n.nbytes for n in needs)
-    memory_bound.check_memory(config, abstract, [kernel], 768, "task.resolution=16", capacity=(total, "a test"))
+    machine_checks.check_memory(config, abstract, [kernel], 768, "task.resolution=16", capacity=(total, "a test"))
     with pytest.raises(ConfigError, match=r"more than the .* GB of a test; .* are the trajectories of "
                                           r"rl\.prompts_per_iteration=8 x rl\.group_size=8 samples .*: lower rl\.group_size$"):
-        memory_bound.check_memory(config, abstract, [kernel], 768, "task.resolution=16", capacity=(total - 1, "a test"))
+        machine_checks.check_memory(config, abstract, [kernel], 768, "task.resolution=16", capacity=(total - 1, "a test"))
     # Where two samples exceed the memory, fewer would not help: smaller ones would.
     with pytest.raises(ConfigError, match=r"lower task\.resolution$"):
-        memory_bound.check_memory(config, abstract, [kernel], 768, "task.resolution=16", capacity=(4000, "a test"))
+        machine_checks.check_memory(config, abstract, [kernel], 768, "task.resolution=16", capacity=(4000, "a test"))
 
 
 def _env(**extra) -> dict:

@@ -128,7 +128,7 @@ def test_a_fractional_split_keeps_the_trace_invariants(fractional_runs, mode):
     rollouts = [e for e in result["trace"] if e["args"]["kind"] == "rollout"]
     for k in range(rt.ITERATIONS):
         assert result["metrics"][k]["tag_microbatches"] == 0.5
-        split = result["executor"].config.runtime.prefetch_microbatches * ("tcss" in mode and k > 0)
+        split = result["executor"].settings.runtime.prefetch_microbatches * ("tcss" in mode and k > 0)
         pieces = sorted((e["args"]["group"], tuple(e["args"]["piece"]), len(e["args"]["sample_ids"]))
                         for e in rollouts if e["args"]["iteration"] == k and e["args"]["microbatch"] == split)
         assert pieces == [("rollout", (1, 2, 2), 4), ("train", (0, 1, 2), 4)], (k, pieces)

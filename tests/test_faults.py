@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from digen_jax.app import loop, random_init, run_checkpoints, warm_start, workload
+from digen_jax.app import loop, machine_checks, random_init, run_checkpoints, warm_start, workload
 from digen_jax.app.checksums import checksums, verify
 from digen_jax.app.errors import RunStopped
 from digen_jax.app.fingerprint import differences, fingerprint
@@ -91,7 +91,7 @@ def test_init_from_loads_the_trainable_weights_with_a_fresh_optimizer(pretrain_c
     c.rl.lora_alpha = 8.0
     run = loop.Run(c, str(tmp_path / "direct"), log=lambda _: None)
     logs = []
-    loaded = warm_start.load_init_from(*warm_start.check_init_from(c), run.state.trainable, c, logs.append)
+    loaded = warm_start.load_init_from(*machine_checks.check_init_from(c), run.state.trainable, c, logs.append)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded), final)
     assert "loaded the trainable weights (LoRA adapters)" in logs[0] and "rl.lora_alpha: 4.0 in the checkpoint, 8.0 now" in logs[0]
 

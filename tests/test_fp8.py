@@ -1,19 +1,20 @@
 """FP8 rollout numerics (models/fp8.py, rl/fp8_weights.py): the FP8 dense layer against a float64 numpy
 fake-quantisation restatement, a tiny FLUX's velocity against its float32 one, LoRA on an FP8
 base, and the `model.rollout_precision` config key."""
+import dataclasses
 import json
 import sys
 import types
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
 from configs import tiny
 from digen_jax.app import loop, precision
 from digen_jax.app.errors import ConfigError
+from digen_jax.app.settings import runtime_settings
 from digen_jax.app.validation import validate_config
 from digen_jax.models import flux, fp8
 from digen_jax.models.layers import logical_dense
@@ -220,7 +221,7 @@ def test_train_role_samples_in_fp8_where_it_is_the_rollout_role_or_asked_to(mode
     is the rollout role then) or, disaggregated, with `fp8_on_train` (`runtime.tag_precision`
     'rollout'); otherwise its trainer-assisted rollouts keep the training precision rather than
     hold a quantised copy of the base beside the one training reads."""
-    runtime = ml_collections.ConfigDict(dict(mode=mode, rollout_devices=4, train_devices=4, reward_devices=0))
+    runtime = dataclasses.replace(runtime_settings(tiny.get_config()), mode=mode, rollout_devices=4, train_devices=4)
     trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(lora_scale=None, rollout_precision="fp8", lora_base_precision="bf16"), frozen=None)
     weights = weight_sync.RoleWeights(mesh_lib.build_role_meshes(runtime), tiny.get_config().sharding,
                                       flux.FAMILY.abstract_params(CFG), trainer, merge_for_sampling=False,
@@ -253,7 +254,7 @@ def test_gathered_colocated_sampling_quantises_then_gathers():
     copy the rollouts read is the e4m3 tree, replicated over the shared mesh (quantised where the
     weights are sharded, so no bf16 copy is gathered), equal to quantising a gathered copy, and
     made once per version until released."""
-    runtime = ml_collections.ConfigDict(dict(mode="colocated", rollout_devices=0, train_devices=4, reward_devices=0))
+    runtime = dataclasses.replace(runtime_settings(tiny.get_config()), mode="colocated", train_devices=4)
     trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(lora_scale=None, rollout_precision="fp8", lora_base_precision="bf16"), frozen=None)
     weights = weight_sync.RoleWeights(mesh_lib.build_role_meshes(runtime), tiny.get_config().sharding,
                                       flux.FAMILY.abstract_params(CFG), trainer, merge_for_sampling=False,

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from digen_jax.app import costs
+from digen_jax.app import costs, machine_checks
 from digen_jax.app.errors import ConfigError
 from digen_jax.runtime import memory_plan as mp
 from digen_jax.runtime import simulator as sim
@@ -154,18 +154,18 @@ def test_launch_check_refuses_with_one_line_saying_what_to_change():
     c = qwen_full_ft(optimizer_state_dtype="float32")
     c.runtime.update(mode=FULL, rollout_devices=4, train_devices=12)
     with pytest.raises(ConfigError) as e:
-        costs.check_fits(c, _gpus(16))
+        machine_checks.check_fits(c, _gpus(16))
     line = str(e.value)
     assert "\n" not in line and "rollout role needs" in line and "--config.model.rollout_precision=fp8" in line
     c.model.rollout_precision = "fp8"
-    costs.check_fits(c, _gpus(16))  # fits now
+    machine_checks.check_fits(c, _gpus(16))  # fits now
     c.runtime.update(mode="colocated", rollout_devices=0, train_devices=0)
     with pytest.raises(ConfigError, match="shared role needs"):
-        costs.check_fits(c, _gpus(2))
+        machine_checks.check_fits(c, _gpus(2))
     c.runtime.check_memory = False
-    costs.check_fits(c, _gpus(2))
+    machine_checks.check_fits(c, _gpus(2))
     c.runtime.check_memory = True
-    costs.check_fits(c, [types.SimpleNamespace(platform="cpu", device_kind="cpu")] * 2)  # CPU runs: no plan
+    machine_checks.check_fits(c, [types.SimpleNamespace(platform="cpu", device_kind="cpu")] * 2)  # CPU runs: no plan
 
 
 def test_simulate_prints_the_memory_plan_and_marks_what_does_not_fit():
@@ -227,6 +227,6 @@ def test_fp8_lora_base_is_the_only_copy_and_fits_one_80gb_card():
     assert fp8_rollouts.rollout_copy == pytest.approx(w.params) and fp8_base.rollout_copy == 0
     assert fp8_base.weights == pytest.approx(bf16.weights - w.params)  # 1 byte a base weight, not 2
     with pytest.raises(ConfigError) as e:
-        costs.check_fits(config(rollout_precision="fp8"), _gpus(1))
+        machine_checks.check_fits(config(rollout_precision="fp8"), _gpus(1))
     assert "--config.model.lora_base_precision=fp8" in str(e.value)
-    costs.check_fits(config(rollout_precision="fp8", lora_base_precision="fp8"), _gpus(1))
+    machine_checks.check_fits(config(rollout_precision="fp8", lora_base_precision="fp8"), _gpus(1))

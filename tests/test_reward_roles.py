@@ -23,6 +23,7 @@ from test_runtime import runtime_config
 from digen_jax.models import FAMILIES
 from digen_jax.rewards import RemoteRewardError, clip_scores
 from digen_jax.app import loop, random_init, run_checkpoints, workload
+from digen_jax.app.settings import run_settings
 from configs import schema
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
@@ -82,7 +83,7 @@ def _record_scoring(monkeypatch, run, seconds=0.0) -> list:
 
 def _iterations(run, config, count):
     """Run `count` iterations of `config`'s mode on `run`; its role meshes and trace events."""
-    executor = Executor(run, config=config, trace_path=None, log=lambda _: None)
+    executor = Executor(run, settings=run_settings(config), trace_path=None, log=lambda _: None)
     try:
         for k in range(count):
             plan, _ = executor.iteration(k)

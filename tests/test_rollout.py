@@ -4,7 +4,6 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -13,7 +12,8 @@ from digen_jax import diffusion
 from digen_jax.models import flux
 from digen_jax.rl import lora, optim
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, make_denoiser
-from digen_jax.rl.timesteps import plan_steps, validate_step_selection
+from digen_jax.app.validation import validate_step_selection
+from digen_jax.rl.timesteps import StepSettings, plan_steps
 from digen_jax.rl.trainer import LossConfig, Trainer, build_units
 
 RES, TEXT_LEN, STEPS = 8, 4, 4
@@ -41,10 +41,10 @@ def make_cond(batch, seed=3):
 
 
 def rl_config(**overrides):
-    return ml_collections.ConfigDict(
+    return StepSettings(**(
         dict(step_selection="fraction", timestep_fraction=0.99, sde_window_size=2, sde_window_range=(0, 3), window_shift_every=2)
         | overrides
-    )
+    ))
 
 
 @pytest.mark.parametrize(

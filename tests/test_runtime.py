@@ -22,12 +22,14 @@ from digen_jax.app.validation import validate_config
 from digen_jax.rl import nft as nft_lib
 from digen_jax.rl.trainer import Trainer
 from digen_jax.runtime import executor as executor_lib
+from digen_jax.runtime import figures as figures_lib
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime import transfer as transfer_lib
 from digen_jax.runtime import weight_sync
 from digen_jax.runtime.executor import Executor
-from digen_jax.runtime.runtime_config import validate_runtime_config
+from digen_jax.app.settings import run_settings
+from digen_jax.app.validation import validate_runtime_config
 from digen_jax.runtime.trace import TRAJECTORY, read_trace
 
 PIPELINED = ("disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss")
@@ -215,7 +217,7 @@ def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable,
     out = {"run": run, "initial": jax.device_get(run.state.trainable)}
     for mode in modes:
         trace_path = os.path.join(workdir, mode.replace("+", "_") + ".json")
-        executor = Executor(run, config=make_config(mode), trace_path=trace_path, log=lambda _: None)
+        executor = Executor(run, settings=run_settings(make_config(mode)), trace_path=trace_path, log=lambda _: None)
         plans, metrics, after_first = [], [], None
         for k in range(ITERATIONS):
             plan, m = executor.iteration(k)
@@ -258,7 +260,7 @@ def test_offloaded_optimizer_state_gives_the_same_numbers(runs, cache_dir, tmp_p
     devices (the same `Run`, so the same initial weights and compiled steps)."""
     config = runtime_config(cache_dir, mode, offload_optimizer=True)
     assert config.rl.lora_rank == 0 and mesh_lib.shards_weights(config.sharding.train_rules)
-    executor = Executor(runs["run"], config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    executor = Executor(runs["run"], settings=run_settings(config), trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
     for k in range(ITERATIONS):
         executor.iteration(k)
     executor.close()
@@ -295,7 +297,7 @@ def test_gathered_colocated_sampling_gives_the_same_numbers(runs, cache_dir, tmp
     states, calls = {}, {}
     for sampling in ("sharded", "gathered"):
         config = runtime_config(cache_dir, "colocated", colocated_sampling=sampling, train_devices=4)
-        executor = Executor(run, config=config, trace_path=str(tmp_path / f"{sampling}.json"), log=lambda _: None)
+        executor = Executor(run, settings=run_settings(config), trace_path=str(tmp_path / f"{sampling}.json"), log=lambda _: None)
         assert executor.weights.gathered == (sampling == "gathered")
         seen.clear()
         for k in range(ITERATIONS):
@@ -330,7 +332,7 @@ def test_grpo_guard_trains_in_colocated_and_disaggregated_modes(runs, cache_dir,
     assert _max_diff(jax.device_get(run.state.trainable), runs["initial"]) == 0
     after, metrics = {}, {}
     for mode in ("colocated", "gap"):
-        executor = Executor(run, config=guard_config(mode), trace_path=str(tmp_path / f"{mode}.json"), log=lambda _: None)
+        executor = Executor(run, settings=run_settings(guard_config(mode)), trace_path=str(tmp_path / f"{mode}.json"), log=lambda _: None)
         _, m = executor.iteration(0)
         after[mode], metrics[mode] = jax.device_get((executor.state.trainable, m))
         executor.close()
@@ -360,7 +362,7 @@ def _assert_every_sample_trained_once_at_bounded_staleness(result, mode):
     the iteration before (TCSS only); the timings' staleness figures and the metrics' versions
     agree."""
     executor, events, timings = result["executor"], result["trace"], result["timings"]
-    updates = executor.config.rl.num_updates_per_batch
+    updates = executor.settings.num_updates_per_batch
     per_update = executor.microbatches // updates
     batch = 16
     rollouts = [e for e in events if e["args"]["kind"] == "rollout"]
@@ -380,7 +382,7 @@ def _assert_every_sample_trained_once_at_bounded_staleness(result, mode):
         k, u = args["iteration"], args["microbatch"] // per_update
         assert args["version"] == k * updates + u
         prefetched = args["sample_version"] < k * updates
-        assert not prefetched or "tcss" in mode and executor.config.runtime.staleness >= 1
+        assert not prefetched or "tcss" in mode and executor.settings.runtime.staleness >= 1
         assert args["version"] - args["sample_version"] == u + (updates if prefetched else 0), args
     groups = {e["args"]["group"] for e in rollouts}
     assert groups == ({"shared"} if mode == "colocated" else {"rollout", "train"} if "tag" in mode else {"rollout"})
@@ -418,7 +420,7 @@ def test_several_updates_per_iteration_train_every_sample_once_at_their_share_s_
     version."""
     result = multi_update_runs[mode]
     _assert_every_sample_trained_once_at_bounded_staleness(result, mode)
-    prefetched = result["executor"].config.runtime.prefetch_microbatches if "tcss" in mode else 0
+    prefetched = result["executor"].settings.runtime.prefetch_microbatches if "tcss" in mode else 0
     for k, (m, t) in enumerate(zip(jax.device_get(result["metrics"]), result["timings"])):
         stale = 4 * prefetched if k else 0  # samples of the micro-batches carried into iteration k
         want = {"0": 8 - stale, "1": 8, "2": stale}
@@ -446,14 +448,14 @@ def test_a_resumed_run_with_several_updates_per_iteration_continues_bit_equal(mu
     from host copies of its state and prefetched micro-batch (what a checkpoint holds): iteration
     1 rolls out only what was not carried, and its updates equal the uninterrupted run's bit for bit."""
     reference = multi_update_runs[plan_lib.BEST_MODE]
-    config, run = reference["executor"].config, multi_update_runs["run"]
-    first = Executor(run, config=config, trace_path=str(tmp_path / "first.json"), log=lambda _: None)
+    settings, run = reference["executor"].settings, multi_update_runs["run"]
+    first = Executor(run, settings=settings, trace_path=str(tmp_path / "first.json"), log=lambda _: None)
     first.iteration(0)
     first.drain()
     state, carried = jax.device_get(first.state), first.carried_snapshot()
     first.close()
     assert list(carried) == ["0"] and int(carried["0"]["version"]) == 0
-    resumed = Executor(run, config=config, trace_path=str(tmp_path / "resumed.json"), log=lambda _: None)
+    resumed = Executor(run, settings=settings, trace_path=str(tmp_path / "resumed.json"), log=lambda _: None)
     resumed.resume(1, jax.device_put(state, resumed.state_sharding), carried, [])
     _, metrics = resumed.iteration(1)
     resumed.close()
@@ -551,7 +553,7 @@ def test_a_rollout_s_group_is_known_when_planned(runs, cache_dir, tmp_path, monk
 
     monkeypatch.setattr(Executor, "_rollout", checked)
     config = runtime_config(cache_dir, "gap+tsp+tag+tcss")
-    executor = Executor(runs["run"], config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    executor = Executor(runs["run"], settings=run_settings(config), trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
     for k in range(2):
         executor.iteration(k)
     executor.close()
@@ -569,7 +571,7 @@ def test_transfer_metrics_are_the_bytes_that_crossed(runs, mode):
     events never overlap, and `read_trace` returns the moves only when asked."""
     result = runs[mode]
     events, timings, colocated = result["trace"], result["timings"], mode == plan_lib.COLOCATED
-    steps, latent = result["executor"].config.sampling.num_steps, int(np.prod(runs["run"].latent_shape))
+    steps, latent = result["executor"].settings.num_steps, int(np.prod(runs["run"].latent_shape))
     # A sample's latents (steps + 1) and means (steps), fp32; its fp32 log-probs; its key's two uint32 words.
     per_sample = (2 * steps + 1) * latent * 4 + steps * 4 + 2 * 4
     trainable = sum(leaf.nbytes for leaf in jax.tree.leaves(runs["initial"]))
@@ -644,7 +646,7 @@ def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path
     monkeypatch.setattr(weight_sync, "transfer", lambda tree, shardings: moved.append(tree) or transfer(tree, shardings))
     run = loop.Run(config, str(tmp_path), log=lambda _: None)
     base = jax.device_get(run.workload.base_params)
-    executor = Executor(run, config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    executor = Executor(run, settings=run_settings(config), trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
     weights = executor.weights
     assert run.workload.base_params is None  # released once the train mesh holds the base
     on_train, on_rollout = run.trainer.frozen, weights.frozen_on_rollout
@@ -677,7 +679,7 @@ def test_fsdp_programs_gather_the_weights_and_keep_gradient_shards(runs, cache_d
 
     sampler = run.trainer.sampler
     monkeypatch.setattr(sampler, "step", compiling("step", sampler.step))
-    executor = Executor(run, config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    executor = Executor(run, settings=run_settings(config), trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
     monkeypatch.setattr(run.trainer, "_grad", compiling("grad", run.trainer._grad))
     executor.iteration(0)
     executor.close()
@@ -709,9 +711,9 @@ def test_bf16_rollout_log_probs_differ_and_the_trainer_anchor_removes_the_gap(ca
         if anchor != run.trainer.cfg.onpolicy_anchor:  # the Run's own trainer anchors on the rollout
             run.trainer = Trainer(run.sampler, run.trainer.frozen, run.trainer.optimizer,
                                   dataclasses.replace(run.trainer.cfg, onpolicy_anchor=anchor))
-        executor = Executor(run, config=anchored, trace_path=str(tmp_path / f"{anchor}.json"), log=lambda _: None)
+        executor = Executor(run, settings=run_settings(anchored), trace_path=str(tmp_path / f"{anchor}.json"), log=lambda _: None)
         _, metrics = executor.iteration(0)
-        rows[anchor] = {name: float(value) for name, value in executor_lib.read_figures(metrics).items()
+        rows[anchor] = {name: float(value) for name, value in figures_lib.read_figures(metrics).items()
                         if name in ("rollout_logp_gap_max", "logp_diff_max", "ratio_mean", "clip_frac")}
         executor.close()
     gap = rows["rollout"]["rollout_logp_gap_max"]
@@ -724,7 +726,7 @@ def test_bf16_rollout_log_probs_differ_and_the_trainer_anchor_removes_the_gap(ca
 
 def test_tag_share_follows_measured_costs(runs, cache_dir, tmp_path):
     config = runtime_config(cache_dir, "gap+tsp+tag", tag_microbatches=-1)
-    executor = Executor(runs["run"], config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    executor = Executor(runs["run"], settings=run_settings(config), trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
     assert executor.split_for(0) == (0, 0)  # nothing measured yet
     executor.measured = {("rollout", "rollout"): [4.0], ("train", "train"): [1.0], ("rollout", "train"): [4.0]}
     slow = executor.split_for(1)
@@ -782,7 +784,7 @@ def test_fixed_splits_pass_validation_iff_every_iteration_plans(cache_dir, mode,
             config = runtime_config(cache_dir, mode, tag_microbatches=tag, prefetch_microbatches=prefetch,
                                     staleness=staleness)
             executor = Executor.__new__(Executor)  # split_for's rule without devices or a run
-            executor.config, executor.mode, executor.flags = config, mode, plan_lib.mode_flags(mode)
+            executor.settings, executor.mode, executor.flags = run_settings(config), mode, plan_lib.mode_flags(mode)
             executor.microbatches, executor.carried, executor.grain = 4, [], 1
             tag_k, prefetch_k = executor.split_for(1)
             try:
@@ -974,7 +976,7 @@ def test_host_derived_inputs_are_computed_off_the_role_devices(runs, cache_dir, 
     host = jax.devices()[7]  # stands in for the CPU backend: a reward device, neither rollout nor train
     monkeypatch.setattr(mesh_lib, "host_device", lambda: host)
     config = runtime_config(cache_dir, "gap", rollout_devices=4, train_devices=2, reward_devices=2)
-    executor = Executor(runs["run"], config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    executor = Executor(runs["run"], settings=run_settings(config), trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
     assert host not in set(executor.meshes.rollout.devices.flat) | set(executor.meshes.train.devices.flat)
     for mb in executor.microbatches_of(0):
         assert {d for leaf in jax.tree.leaves((mb.cond, mb.sample_keys)) for d in leaf.devices()} == {host}

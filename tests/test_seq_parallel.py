@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from digen_jax.app import loop
 from digen_jax.app.errors import ConfigError
+from digen_jax.app.settings import run_settings
 from digen_jax.app.validation import validate_config
 from digen_jax.models import FAMILIES, partitioning
 from digen_jax.runtime import mesh as mesh_lib
@@ -129,7 +130,7 @@ def runtime_config(family: str, mode: str, seq_parallel: int, lora: bool = True)
 
 def first_iteration(run, config) -> dict:
     """The rollout log-probs and the weights after iteration 0 of `config`'s mode, from `run`."""
-    executor = Executor(run, config=config, trace_path=os.devnull, log=lambda _: None)
+    executor = Executor(run, settings=run_settings(config), trace_path=os.devnull, log=lambda _: None)
     try:
         executor.iteration(0)
         executor.drain()

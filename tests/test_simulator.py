@@ -355,7 +355,7 @@ def test_size_config_sizes_the_config_it_will_run():
     import jax
 
     from configs import qwenimage
-    from digen_jax.runtime.runtime_config import validate_runtime_config
+    from digen_jax.app.validation import validate_runtime_config
 
     config = qwenimage.get_config()
     config.runtime.mode = FULL

@@ -16,6 +16,7 @@ import numpy as np
 from digen_jax import flops
 from digen_jax.app import families
 from digen_jax.app.errors import ConfigError
+from digen_jax.app.settings import step_settings
 from digen_jax.app.workload import is_shapes
 from digen_jax.models import FAMILIES
 from digen_jax.rl.timesteps import plan_steps
@@ -24,7 +25,6 @@ from digen_jax.runtime import simulator
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.cost_model import IterationWork, Pool, local_kind
 from digen_jax.runtime.memory_plan import MemoryPlan
-from digen_jax.runtime.memory_plan import advice as memory_advice
 from digen_jax.runtime.memory_plan import colocated_sampling as plan_colocated_sampling
 from digen_jax.runtime.memory_plan import memory_plan as plan_memory
 from digen_jax.runtime.memory_plan import tag_precision as plan_tag_precision
@@ -157,27 +157,11 @@ def memory_plan(config, pool: Pool, mode: str | None = None) -> MemoryPlan:
     return plan_memory(iteration_work(config), pool, mode, config.runtime.micro_batches)
 
 
-def check_fits(config, devices: Sequence[Any], mode: str | None = None) -> None:
-    """Refuse (ConfigError, one line) a config whose memory plan in `mode` (default `runtime.mode`)
-    does not fit `devices` (a run's devices), before any compute. Not checked: CPU devices, kinds
-    the device table lacks, the shapes task, and `runtime.check_memory=False`."""
-    rt = config.runtime
-    if not rt.get("check_memory", True):
-        return
-    mode = mode or rt.mode
-    pools = _local_pool(config, devices, mode)
-    if pools is None:
-        return
-    line = memory_advice(iteration_work(config), pools[0], mode, rt.micro_batches, colocated_devices=pools[1])
-    if line:
-        raise ConfigError(line)
-
-
 def colocated_sampling(config, devices: Sequence[Any]) -> str:
     """What `runtime.colocated_sampling='auto'` is for a colocated run of `config` on `devices`:
     the memory plan's pick (`memory_plan.colocated_sampling`), or 'sharded' where the plan has no
     figure (CPU devices, kinds the device table lacks, the shapes task)."""
-    pools = _local_pool(config, devices, plan_lib.COLOCATED)
+    pools = local_pool(config, devices, plan_lib.COLOCATED)
     if pools is None:
         return "sharded"
     work = dataclasses.replace(iteration_work(config), colocated_sampling="auto")
@@ -189,14 +173,14 @@ def tag_precision(config, devices: Sequence[Any]) -> str:
     rollouts' precision): the memory plan's pick (`memory_plan.tag_precision`) for the full mode,
     or 'rollout' where the plan has no figure (CPU devices, kinds the device table lacks, the
     shapes task)."""
-    pools = _local_pool(config, devices, plan_lib.BEST_MODE)
+    pools = local_pool(config, devices, plan_lib.BEST_MODE)
     if pools is None:
         return "rollout"
     work = dataclasses.replace(iteration_work(config), tag_precision="auto")
     return plan_tag_precision(work, pools[0], config.runtime.micro_batches)
 
 
-def _local_pool(config, devices: Sequence[Any], mode: str) -> tuple[Pool, int | None] | None:
+def local_pool(config, devices: Sequence[Any], mode: str) -> tuple[Pool, int | None] | None:
     """The `Pool` of a run of `config` in `mode` on `devices` and its colocated device count
     (None when disaggregated); None where the memory plan has no figure for them."""
     if is_shapes(config) or devices[0].platform == "cpu":
@@ -219,7 +203,7 @@ def _is_nft(rl) -> bool:
 def _trained_steps(config) -> int:
     """Trajectory steps trained per sample (the count `rl.timesteps.plan_steps` draws for one)."""
     s = config.sampling
-    return plan_steps(config.rl, s.num_steps, s.noise_level, 1, 0, np.random.default_rng(0)).trained.shape[1]
+    return plan_steps(step_settings(config), s.num_steps, s.noise_level, 1, 0, np.random.default_rng(0)).trained.shape[1]
 
 
 def _model_config(config):

@@ -13,7 +13,7 @@ import json
 import ml_collections
 
 from digen_jax.app import workload as workload_lib
-from digen_jax.rl import lora
+from digen_jax.app.settings import lora_alpha
 
 # Keys that shape the micro-batches a checkpoint carries (compared only when it carries some).
 _CARRIED_KEYS = ("task.resolution", "sampling.height", "sampling.width", "sampling.num_frames", "sampling.num_steps",
@@ -38,7 +38,7 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
     fp["trainable"] = "LoRA adapters" if rl.lora_rank else "all weights (full fine-tuning)"
     fp["rl.lora_rank"] = rl.lora_rank
     if rl.lora_rank:
-        fp["rl.lora_alpha"] = lora.config_alpha(rl)
+        fp["rl.lora_alpha"] = lora_alpha(config)
         fp["rl.lora_targets"] = list(rl.lora_targets)
     fp["rl.ema"] = bool(rl.ema)
     if rl.get("algorithm", "grpo") != "grpo":  # DiffusionNFT's state holds the old policy too

@@ -31,12 +31,14 @@ from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning
 from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
 from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
-from digen_jax.app import costs, precision, run_checkpoints, warm_start
+from digen_jax.app import costs, machine_checks, precision, run_checkpoints, warm_start
+from digen_jax.app import settings as settings_lib
 from digen_jax.app import workdir as workdir_lib
 from digen_jax.app.errors import RunStopped
 from digen_jax.app.validation import validate_config
 from digen_jax.runtime import mesh as mesh_lib
-from digen_jax.runtime.executor import Executor, read_figures
+from digen_jax.runtime.executor import Executor
+from digen_jax.runtime.figures import read_figures
 
 
 class Run:
@@ -45,9 +47,12 @@ class Run:
     It is the `Job` the runtime's executor runs (`runtime.executor.Job`)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print,
-                 one_mode: bool = True):
-        validate_config(config, one_mode=one_mode)  # one_mode=False: run in several modes (validate_config)
-        costs.check_fits(config, jax.devices())  # a run that cannot fit its devices: one line, before any compute
+                 one_mode: bool = True, validated: bool = False):
+        """`validated`: `validate_config` passed `config` already (`train`); else it runs here
+        (one_mode=False: run in several modes, `validate_config`)."""
+        if not validated:
+            validate_config(config, one_mode=one_mode)
+        self.settings = settings_lib.run_settings(config)  # what the executor reads of the config
         self.colocated_sampling = costs.colocated_sampling(config, jax.devices())  # 'auto' on these devices
         self.tag_precision = costs.tag_precision(config, jax.devices())  # 'auto' on these devices
         self.config, self.workdir, self.log = config, workdir, log
@@ -64,7 +69,7 @@ class Run:
         )
         if rl.lora_rank:
             trainable = lora.init_lora(base, rank=rl.lora_rank, target_patterns=list(rl.lora_targets), key=jax.random.key(config.seed + 1))
-            frozen, scale = base, lora.lora_scale(rl.lora_rank, lora.config_alpha(rl))
+            frozen, scale = base, lora.lora_scale(rl.lora_rank, settings_lib.lora_alpha(config))
         else:
             trainable, frozen, scale = base, (base if rl.kl_beta > 0 else None), None
             if frozen is not None:
@@ -242,18 +247,21 @@ def _skip_reason(m: dict, rl) -> str:
     return "a non-finite reward, loss, gradient or update"
 
 
-def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print) -> TrainState:
+def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print, *,
+          validated: bool = False) -> TrainState:
     """Run (or resume) the training loop of `config` in `workdir`; returns the final state.
 
     Every iteration goes through the runtime executor in `config.runtime.mode` (colocated by
     default); its figures (samples/s, bubbles, staleness, sync time) are read one iteration late.
     Expected faults (a workdir in use, a checkpoint of another config or unreadable, a full disk,
     a failed save) raise `RunStopped` with a message. `runtime.mode='auto'` is resolved first, on
-    this run's devices (`costs.choose_mode`), and the choice logged.
+    this run's devices (`costs.choose_mode`), and the choice logged. `validated`: the caller
+    resolved the mode and ran `validate_config` on `config` already (launch/train.py).
     """
-    if config.runtime.mode == costs.AUTO_MODE:
-        log(costs.choose_mode(config, "local", jax.devices()))
-    validate_config(config)
+    if not validated:
+        if config.runtime.mode == costs.AUTO_MODE:
+            log(costs.choose_mode(config, "local", jax.devices()))
+        validate_config(config)
     # Several processes share the workdir; process 0 writes the metrics, trace and TensorBoard files.
     writes_files = jax.process_index() == 0
     lock = workdir_lib.WorkdirLock(workdir) if writes_files else None
@@ -299,8 +307,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
     if config.train.init_from and candidates:
         log(f"train.init_from={config.train.init_from!r} ignored: resuming this workdir's own checkpoints")
     elif config.train.init_from:
-        init_from = warm_start.check_init_from(config)
-    run = Run(config, workdir, log)
+        init_from = machine_checks.check_init_from(config)
+    run = Run(config, workdir, log, validated=True)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     if init_from is not None:
         run.state = run.trainer.init_state(warm_start.load_init_from(*init_from, run.state.trainable, config, log))

@@ -5,8 +5,8 @@ adapters, or the whole model) with their two Adam moments and, with `rl.ema`, an
 trajectories of an iteration's samples (float32 latents along the ladder and the step means);
 and those of the eval prompts. Their sum is a bound from below of what the run holds:
 activations, compiled programs and copies on other roles come on top. When it exceeds all the
-memory of the run's devices and hosts together, no placement can run it, and `check_memory`
-refuses the config with one line naming the key that makes it so, before anything is
+memory of the run's devices and hosts together, no placement can run it, and
+`machine_checks.check_memory` refuses the config with one line naming the key that makes it so, before anything is
 allocated (instead of an abort or an out-of-memory kill minutes into the run).
 """
 from __future__ import annotations
@@ -18,9 +18,8 @@ from typing import NamedTuple
 import jax
 import ml_collections
 
-from digen_jax.app.errors import ConfigError
 
-_LATENT_BYTES = 4  # latents and means are float32 (rl.rollout.Trajectory)
+LATENT_BYTES = 4  # latents and means are float32 (rl.rollout.Trajectory)
 
 
 class Need(NamedTuple):
@@ -62,7 +61,7 @@ def ladder_copies(config: ml_collections.ConfigDict) -> int:
 
 def needs(config: ml_collections.ConfigDict, abstract_params, lora_shapes: list[tuple[int, ...]],
           latent_values: int, sample_keys: str) -> list[Need]:
-    """The arrays `check_memory` counts. abstract_params: the transformer's (ShapeDtypeStructs);
+    """The arrays `machine_checks.check_memory` counts. abstract_params: the transformer's (ShapeDtypeStructs);
     lora_shapes: the adapted kernels' shapes ((layers,) in, out), empty for full fine-tuning;
     latent_values: values per sample's latents; sample_keys: the keys that size one sample."""
     rl = config.rl
@@ -78,7 +77,7 @@ def needs(config: ml_collections.ConfigDict, abstract_params, lora_shapes: list[
     else:  # the base weights are the trained ones
         trained = Need(f"{state} of the fully fine-tuned weights", copies * base_bytes,
                        "train LoRA adapters (rl.lora_rank > 0) or a smaller model")
-    per_sample = latent_values * _LATENT_BYTES
+    per_sample = latent_values * LATENT_BYTES
     rollout_copies = 1 if rl.algorithm == "nft" else ladder_copies(config)
     eval_copies = ladder_copies(config)
     samples = rl.prompts_per_iteration * rl.group_size
@@ -90,21 +89,3 @@ def needs(config: ml_collections.ConfigDict, abstract_params, lora_shapes: list[
                  f"latent values ({sample_keys})", config.train.eval_prompts * eval_copies * per_sample,
                  "lower train.eval_prompts")
     return [base, trained, rollout, evals]
-
-
-def check_memory(config: ml_collections.ConfigDict, abstract_params, lora_shapes: list[tuple[int, ...]],
-                 latent_values: int, sample_keys: str, capacity: tuple[int, str] | None = None) -> None:
-    """Raise ConfigError when the run's largest arrays (`needs`) exceed `capacity` (bytes,
-    description; default `machine_memory()`), naming the largest and the key to lower."""
-    items = needs(config, abstract_params, lora_shapes, latent_values, sample_keys)
-    total = sum(n.nbytes for n in items)
-    available, where = machine_memory() if capacity is None else capacity
-    if total <= available:
-        return
-    top = max(items, key=lambda n: n.nbytes)
-    fix = top.fix
-    smallest_group = 2 * ladder_copies(config) * latent_values * _LATENT_BYTES
-    if top in items[2:] and smallest_group > available:  # fewer samples would not do: smaller ones
-        fix = "lower " + " / ".join(key.split("=")[0] for key in sample_keys.split(" x "))
-    raise ConfigError(f"the run needs at least {size_text(total)} of memory, more than the {size_text(available)} of "
-                      f"{where}; {size_text(top.nbytes)} of it are {top.what}: {fix}")

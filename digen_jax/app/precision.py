@@ -1,5 +1,6 @@
-"""The rollout role's numerics (`model.rollout_precision`, models/fp8.py): what a config may pair
-with FP8 rollouts, and the off-policy correction they imply for Flow-GRPO.
+"""The rollout role's numerics (`model.rollout_precision`, models/fp8.py) and the off-policy
+correction they imply for Flow-GRPO (what a config may pair with FP8 rollouts is checked by
+`validation.validate_rollout_precision`).
 
 An FP8 rollout samples from a policy slightly different from the bf16 one the trainer
 differentiates, so every sample is off-policy by the numerics. Flow-GRPO runs with
@@ -22,8 +23,6 @@ from __future__ import annotations
 
 import ml_collections
 
-from digen_jax.app.errors import ConfigError
-from digen_jax.models import fp8
 
 # The truncation of the importance weights of FP8-rollout GRPO runs that leave `rl.is_cap` unset.
 FP8_IS_CAP = 2.0
@@ -59,27 +58,3 @@ def decoupled_loss(config: ml_collections.ConfigDict) -> tuple[bool, float | Non
     if is_cap is None and decoupled and fp8_grpo:
         is_cap = FP8_IS_CAP
     return decoupled, is_cap
-
-
-def validate_rollout_precision(config: ml_collections.ConfigDict) -> None:
-    """Reject an unknown `model.rollout_precision` or `model.lora_base_precision`, FP8 rollouts
-    with LoRA merged for sampling (FP8 keeps the adapters factored in their own dtype on top of
-    the FP8 base), and an FP8 base without LoRA or without FP8 rollouts."""
-    precision = rollout_precision(config)
-    try:
-        fp8.check_rollout_precision(precision)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    rl = config.rl
-    if precision == "fp8" and rl.lora_rank and rl.lora_merge_for_sampling:
-        raise ConfigError("model.rollout_precision='fp8' applies LoRA adapters factored, in their own dtype, on "
-                          "top of the FP8 base; it cannot merge them into it: set rl.lora_merge_for_sampling=False")
-    base = lora_base_precision(config)
-    if base not in fp8.ROLLOUT_PRECISIONS:
-        raise ConfigError(f"model.lora_base_precision must be one of {fp8.ROLLOUT_PRECISIONS}, got {base!r}")
-    if base == "fp8" and not rl.lora_rank:
-        raise ConfigError("model.lora_base_precision='fp8' trains LoRA adapters through a frozen FP8 base; full "
-                          "fine-tuning (rl.lora_rank=0) trains the weights themselves: set model.lora_base_precision='bf16'")
-    if base == "fp8" and precision != "fp8":
-        raise ConfigError("model.lora_base_precision='fp8' holds only the FP8 base, which the rollouts sample with "
-                          "too: set model.rollout_precision='fp8' as well")

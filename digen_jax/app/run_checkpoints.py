@@ -45,6 +45,7 @@ from digen_jax.app.checksums import checksums, verify
 from digen_jax.app.errors import RunStopped
 from digen_jax.app.fingerprint import WEIGHT_KEYS, differences, fingerprint
 from digen_jax.app.workdir import CORRUPT_DIR, START_OVER_HINT, disk_error, disk_message, short_reason
+from digen_jax.app.settings import runtime_settings
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.transfer import put_own_copy, to_every_process
 
@@ -91,7 +92,7 @@ def open_manager(workdir: str, config: ml_collections.ConfigDict, read_only: boo
 
 def _writers(config: ml_collections.ConfigDict) -> list[int]:
     """The processes that own the train role's devices: they write the run's checkpoints."""
-    return sorted({d.process_index for d in mesh_lib.build_role_meshes(config.runtime).train.devices.flat})
+    return sorted({d.process_index for d in mesh_lib.build_role_meshes(runtime_settings(config)).train.devices.flat})
 
 
 def _structural_fault(step_dir: str) -> str | None:

@@ -1,12 +1,20 @@
-"""Config validation: every check a config passes before any compute, each failure a
-`ConfigError` that names the key and what to do (files, shapes, families, rewards, ranges, the
-runtime section, LoRA targets, a lower bound of the run's memory)."""
+"""Config validation: every check of a config's values and of how they combine, before any
+compute, each failure a `ConfigError` that names the key and what to do. `validate_config` runs
+them all, once per run: the value tables (`config_ranges`), the workload (shapes, families,
+rewards), the algorithm, the rollout precision, the runtime section, LoRA targets, and the
+checks that need this machine (`machine_checks`: devices, memory, files).
+
+The pure layers (rl/, runtime/, models/) keep only assertions on their own functions' arguments
+(`advantages.validate_advantage_modes`, `lora.check_lora_mode`, `fp8.check_rollout_precision`,
+`attention.check_seq_parallel`, `rewards.registry.validate_reward_config`): a library call with a
+bad argument fails there whoever calls it; this module calls them once on the config's values.
+"""
 from __future__ import annotations
 
+import copy
 import functools
 import math
-import os
-import tempfile
+from typing import Sequence
 
 import flax.linen as nn
 import jax
@@ -15,35 +23,34 @@ import numpy as np
 from flax import traverse_util
 
 from digen_jax import diffusion
-from digen_jax.app import run_checkpoints
-from digen_jax.app import pretrain as pretrain_lib
+from digen_jax.app import machine_checks, run_checkpoints
 from digen_jax.app.config_ranges import check_ranges
 from digen_jax.app.errors import ConfigError
-from digen_jax.app.memory_bound import check_memory
-from digen_jax.app.precision import decoupled_loss, validate_rollout_precision
+from digen_jax.app.precision import decoupled_loss, lora_base_precision, rollout_precision
+from digen_jax.app.settings import step_settings
 from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, model_config, policy, read_model_json,
                                     latent_shape, side_multiple, vae_config)
 from digen_jax.app.workload import is_shapes, open_cache, pretrain_recipe, shapes_task
-from digen_jax.models import FAMILIES
-from digen_jax.models.checkpoints import MODEL_JSON
+from digen_jax.models import FAMILIES, fp8
 from digen_jax.models.attention import check_seq_parallel
 from digen_jax.rewards import registry
 from digen_jax.rl import advantages as adv_lib
-from digen_jax.rl import lora, losses
+from digen_jax.rl import lora
+from digen_jax.rl.losses import GRPO_GUARD_SDE_TYPES, POLICY_LOSSES
 from digen_jax.rl.rollout import SamplerSpec
 from digen_jax.rl.nft_trainer import NftConfig
-from digen_jax.rl.timesteps import plan_steps, validate_nft_timesteps, validate_step_selection
+from digen_jax.rl.timesteps import STEP_SELECTIONS, nft_num_trained, num_trained, plan_steps
 from digen_jax.rl.trainer import ALGORITHMS, ONPOLICY_ANCHORS
-from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.runtime_config import split_grain, validate_runtime_config
+from digen_jax.runtime.memory_plan import COLOCATED_SAMPLING, TAG_PRECISION
 
 
 def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = True, one_mode: bool = True) -> None:
     """Reject a bad config before any compute, naming the offending key (raises ConfigError).
 
     this_machine: also reject a run whose largest arrays exceed the memory of this machine's
-    devices and host (`memory_bound`); False checks the config alone (one written for others).
+    devices and host (`memory_bound`), or whose memory plan does not fit its devices
+    (`machine_checks.check_fits`); False checks the config alone (one written for others).
     one_mode: the config runs in its own `runtime.mode`, so role sizes that mode ignores are
     refused; False: it is run in several modes (the system bench), its role sizes serving the
     disaggregated ones."""
@@ -57,15 +64,19 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
     rl = config.rl
     _validate_algorithm(config)
     validate_rollout_precision(config)
+    validate_group_size(rl.group_size)
     try:
-        adv_lib.validate_group_size(rl.group_size)
         adv_lib.validate_advantage_modes(rl.mean_mode, rl.std_mode)
-        if rl.algorithm == "grpo":
-            losses.validate_policy_loss(rl.policy_loss, config.sampling.sde_type, decoupled_loss(config)[0],
-                                        config.sampling.noise_level)
-            validate_step_selection(rl, config.sampling.num_steps)
-        else:
-            validate_nft_timesteps(rl, config.sampling.num_steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if rl.algorithm == "grpo":
+        validate_policy_loss(rl.policy_loss, config.sampling.sde_type, decoupled_loss(config)[0],
+                             config.sampling.noise_level)
+        validate_step_selection(rl, config.sampling.num_steps)
+    else:
+        validate_nft_timesteps(rl, config.sampling.num_steps)
+    try:
+        if rl.algorithm != "grpo":
             NftConfig(rl.nft_solver, rl.nft_beta, rl.nft_decay)
         SamplerSpec(config.sampling.sde_type, config.sampling.cfg_scale, config.sampling.cfg_rescale)
     except ValueError as e:
@@ -89,30 +100,190 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
     if config.train.on_corrupt_checkpoint not in run_checkpoints.ON_CORRUPT:
         raise ConfigError(f"train.on_corrupt_checkpoint={config.train.on_corrupt_checkpoint!r} must be one of "
                           f"{run_checkpoints.ON_CORRUPT}")
+    validate_runtime_config(config, len(jax.devices()))
+    machine_checks.check_devices(config, one_mode)
+    _validate_model_size(config, this_machine)
+    if this_machine:
+        machine_checks.check_fits(config, jax.devices())  # a run that cannot fit its devices: one line
+
+
+def validate_runtime_config(config, num_devices: int) -> None:
+    """Reject a bad `runtime` section (against the batch and `num_devices` devices), naming the key."""
+    rt, rl = config.runtime, config.rl
+    flags = plan_lib.mode_flags(rt.mode)
+    if rt.micro_batches < 1 or rl.prompts_per_iteration % rt.micro_batches:
+        raise ConfigError(
+            f"runtime.micro_batches={rt.micro_batches} must divide rl.prompts_per_iteration={rl.prompts_per_iteration}"
+            " (micro-batches hold whole groups)"
+        )
+    sampling = rt.get("colocated_sampling", "auto")
+    if sampling not in COLOCATED_SAMPLING:
+        raise ConfigError(f"runtime.colocated_sampling={sampling!r} is not one of "
+                          f"{', '.join(repr(v) for v in COLOCATED_SAMPLING)}")
+    precision = rt.get("tag_precision", "auto")
+    if precision not in TAG_PRECISION:
+        raise ConfigError(f"runtime.tag_precision={precision!r} is not one of {', '.join(repr(v) for v in TAG_PRECISION)}")
+    if rt.staleness < 0:
+        raise ConfigError(f"runtime.staleness must be >= 0, got {rt.staleness}")
+    if rl.num_updates_per_batch < 1 or rt.micro_batches % rl.num_updates_per_batch:
+        raise ConfigError(
+            f"rl.num_updates_per_batch={rl.num_updates_per_batch} must divide runtime.micro_batches={rt.micro_batches}"
+            " (each update trains an equal share of whole micro-batches)"
+        )
+    for key in ("tag_microbatches", "prefetch_microbatches"):
+        value = rt[key]
+        if value > rt.micro_batches:
+            raise ConfigError(f"runtime.{key}={value:g} exceeds runtime.micro_batches={rt.micro_batches}")
+    # The micro-batches prefetched in one iteration are carried into the next, whose trainer
+    # rollouts come from the rest (`plan.plan_iteration`); -1 (elastic) is chosen to fit.
+    tag = rt.tag_microbatches if flags.tag else 0
+    prefetch = rt.prefetch_microbatches if flags.tcss and rt.staleness > 0 else 0
+    if tag >= 0 and prefetch >= 0 and tag + prefetch > rt.micro_batches:
+        raise ConfigError(
+            f"runtime.tag_microbatches={tag:g} + runtime.prefetch_microbatches={prefetch} exceed runtime.micro_batches="
+            f"{rt.micro_batches}: the next iteration's prefetched micro-batches leave only "
+            f"{rt.micro_batches - prefetch} for its trainer rollouts (lower one, or use -1 to choose from measured costs)"
+        )
+    units = rl.prompts_per_iteration * rl.group_size // rt.micro_batches * _trained_per_sample(config)
+    if (flags.colocated or flags.tsp) and units % rl.micro_batch_size:
+        raise ConfigError(
+            f"rl.micro_batch_size={rl.micro_batch_size} must divide the {units} training units of a micro-batch "
+            f"(runtime.micro_batches={rt.micro_batches})"
+        )
+    for key in ("rollout_devices", "train_devices", "reward_devices"):
+        if rt[key] < 0:
+            raise ConfigError(f"runtime.{key} must be >= 0, got {rt[key]}")
+    if rt.reward_devices and not flags.colocated and jax.process_count() > 1:
+        # Both groups' threads would issue programs onto the reward devices, in no fixed order
+        # between processes (docs/design.md section 2).
+        raise ConfigError(
+            f"runtime.reward_devices={rt.reward_devices} needs a single process; with {jax.process_count()} processes "
+            "set runtime.reward_devices=0 (rewards are scored where the samples are decoded)"
+        )
+    wanted = rt.rollout_devices + rt.train_devices + rt.reward_devices
+    if not flags.colocated and wanted > num_devices:
+        raise ConfigError(
+            f"runtime.rollout_devices + train_devices + reward_devices = {wanted} exceeds the {num_devices} devices"
+        )
+
+
+def validate_bench_arguments(config, modes: Sequence[str], *, warmups: int, iterations: int,
+                             onpolicy_anchors: Sequence[str] = ()) -> None:
+    """A `ConfigError` naming the flag or key if the system bench cannot run `config` in these
+    modes, iterations and anchors: each mode's runtime section, role meshes and memory plan (the
+    config itself is validated once by the bench's `Run`, with `one_mode=False`)."""
+    for mode in modes:
+        try:
+            plan_lib.mode_flags(mode)
+        except ValueError as e:
+            raise ConfigError(f"--modes: {e}") from None
+    if onpolicy_anchors and config.rl.get("algorithm", "grpo") == "nft":
+        raise ConfigError("--onpolicy_anchors compares rl.onpolicy_anchor values, which play no part in "
+                          "rl.algorithm='nft' (no log-prob ratio)")
+    if warmups < 0 or iterations < 1:
+        raise ConfigError(f"--warmup_iterations must be >= 0 and --iterations >= 1, got {warmups}, {iterations}")
+    for mode in modes:
+        mode_config = copy.deepcopy(config)
+        mode_config.runtime.mode = mode
+        validate_runtime_config(mode_config, len(jax.devices()))
+        machine_checks.check_devices(mode_config, one_mode=False)
+        machine_checks.check_fits(config, jax.devices(), mode)  # runtime.check_memory=False skips it
+
+
+def validate_group_size(group_size: int) -> None:
+    """`rl.group_size` an int >= 2: a group of one sample equals its own mean, so its advantage is
+    identically 0 and it contributes no gradient; such a run would train on nothing."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+        raise ConfigError(
+            f"rl.group_size must be an int >= 2, got {group_size!r}: group-relative advantages "
+            "of a one-sample group are always 0, so nothing would be learned"
+        )
+
+
+def validate_step_selection(rl, num_steps: int) -> None:
+    """`rl.step_selection` and its window or fraction inside the trainable ladder (`rl.timesteps`)."""
+    mode = rl.step_selection
+    if mode not in STEP_SELECTIONS:
+        raise ConfigError(f"rl.step_selection must be one of {STEP_SELECTIONS}, got {mode!r}")
+    if mode in ("fraction", "random"):
+        pool = num_steps if mode == "fraction" else num_steps - 1
+        t = num_trained(rl.timestep_fraction, pool)
+        if not 0 < rl.timestep_fraction <= 1 or t < 1:
+            raise ConfigError(
+                f"rl.timestep_fraction={rl.timestep_fraction} trains {t} of sampling.num_steps={num_steps} steps; "
+                "it must select at least one step and be in (0, 1]"
+            )
+        if mode == "fraction" and t > num_steps - 1:
+            raise ConfigError(
+                f"rl.timestep_fraction={rl.timestep_fraction} trains the last step of sampling.num_steps={num_steps} "
+                "(sigma'=0, transition std ~0); use a fraction < 1 (Flow-GRPO uses 0.99)"
+            )
+        return
+    size = rl.sde_window_size
+    lo, hi = rl.sde_window_range
+    if size < 1 or lo < 0 or hi - lo < size or hi > num_steps - 1:
+        raise ConfigError(
+            f"rl.sde_window_size={size} in rl.sde_window_range=({lo}, {hi}) must fit inside the trainable steps "
+            f"[0, {num_steps - 1}) of sampling.num_steps={num_steps} (the last step is never trained)"
+        )
+    if mode == "mixgrpo" and rl.window_shift_every < 1:
+        raise ConfigError(f"rl.window_shift_every must be >= 1, got {rl.window_shift_every}")
+
+
+def validate_nft_timesteps(rl, num_steps: int) -> None:
+    """DiffusionNFT's K noise levels per sample in [1, sampling.num_steps]."""
+    k = nft_num_trained(rl, num_steps)
+    if not 1 <= k <= num_steps:
+        raise ConfigError(
+            f"rl.nft_timesteps={rl.nft_timesteps} (rl.timestep_fraction={rl.timestep_fraction} where 0) trains {k} "
+            f"noise levels per sample; it must be in [1, sampling.num_steps={num_steps}]")
+
+
+def validate_policy_loss(policy_loss: str, sde_type: str, decoupled: bool, noise_level: float) -> None:
+    """`rl.policy_loss` against the sampler and the loss's anchor (`rl.losses`)."""
+    if policy_loss not in POLICY_LOSSES:
+        raise ConfigError(f"rl.policy_loss must be one of {POLICY_LOSSES}, got {policy_loss!r}")
+    if policy_loss != "grpo_guard":
+        return
+    if sde_type not in GRPO_GUARD_SDE_TYPES:
+        raise ConfigError(
+            f"rl.policy_loss='grpo_guard' needs sampling.sde_type in {GRPO_GUARD_SDE_TYPES}, got {sde_type!r}: "
+            "its ratio normalisation assumes a Gaussian step with std g * sqrt(-Delta)"
+        )
+    if decoupled:
+        raise ConfigError(
+            "rl.policy_loss='grpo_guard' takes its ratio against the behaviour policy (log-prob and mean "
+            "recorded at rollout); set rl.decoupled=False"
+        )
+    if not noise_level > 0:
+        raise ConfigError(
+            f"rl.policy_loss='grpo_guard' divides by the transition std: sampling.noise_level must be > 0, "
+            f"got {noise_level}"
+        )
+
+
+def validate_rollout_precision(config: ml_collections.ConfigDict) -> None:
+    """Reject an unknown `model.rollout_precision` or `model.lora_base_precision`, FP8 rollouts
+    with LoRA merged for sampling (FP8 keeps the adapters factored in their own dtype on top of
+    the FP8 base), and an FP8 base without LoRA or without FP8 rollouts (`precision`)."""
+    precision = rollout_precision(config)
     try:
-        validate_runtime_config(config, len(jax.devices()))
-        meshes = mesh_lib.build_role_meshes(config.runtime)  # role sizes against the hosts' devices (no compute)
-        split_grain(config, meshes)  # a fixed fractional split on the pieces the meshes allow
+        fp8.check_rollout_precision(precision)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if one_mode:
-        _validate_colocated_roles(config)
-    _validate_model_size(config, this_machine)
-
-
-def _validate_colocated_roles(config) -> None:
-    """Role sizes a colocated run would ignore: rollout and reward share the train role's devices."""
-    rt = config.runtime
-    if not plan_lib.mode_flags(rt.mode).colocated:
-        return
-    for key in ("rollout_devices", "reward_devices"):
-        if rt[key]:
-            raise ConfigError(f"runtime.{key}={rt[key]} has no effect in runtime.mode={rt.mode!r}, where every role "
-                              "shares the devices (runtime.train_devices picks how many): set it to 0, or choose a "
-                              "disaggregated runtime.mode")
-    if rt.train_devices > len(jax.devices()):
-        raise ConfigError(f"runtime.train_devices={rt.train_devices} exceeds the {len(jax.devices())} devices "
-                          "(0: all of them)")
+    rl = config.rl
+    if precision == "fp8" and rl.lora_rank and rl.lora_merge_for_sampling:
+        raise ConfigError("model.rollout_precision='fp8' applies LoRA adapters factored, in their own dtype, on "
+                          "top of the FP8 base; it cannot merge them into it: set rl.lora_merge_for_sampling=False")
+    base = lora_base_precision(config)
+    if base not in fp8.ROLLOUT_PRECISIONS:
+        raise ConfigError(f"model.lora_base_precision must be one of {fp8.ROLLOUT_PRECISIONS}, got {base!r}")
+    if base == "fp8" and not rl.lora_rank:
+        raise ConfigError("model.lora_base_precision='fp8' trains LoRA adapters through a frozen FP8 base; full "
+                          "fine-tuning (rl.lora_rank=0) trains the weights themselves: set model.lora_base_precision='bf16'")
+    if base == "fp8" and precision != "fp8":
+        raise ConfigError("model.lora_base_precision='fp8' holds only the FP8 base, which the rollouts sample with "
+                          "too: set model.rollout_precision='fp8' as well")
 
 
 @functools.lru_cache(maxsize=4)
@@ -170,7 +341,7 @@ def _validate_model_size(config, this_machine: bool) -> None:
                               f"rl.lora_targets adapts: a higher rank adds parameters and nothing else; use "
                               f"rl.lora_rank <= {widest}, or 0 to fine-tune every weight")
     if this_machine:
-        check_memory(config, abstract, lora_shapes, *_per_sample(config))
+        machine_checks.check_memory(config, abstract, lora_shapes, *_per_sample(config))
 
 
 def _validate_algorithm(config) -> None:
@@ -192,7 +363,7 @@ def _validate_algorithm(config) -> None:
 
 
 def _trained_per_sample(config) -> int:
-    plan = plan_steps(config.rl, config.sampling.num_steps, 1.0, 1, 0, np.random.default_rng(0))
+    plan = plan_steps(step_settings(config), config.sampling.num_steps, 1.0, 1, 0, np.random.default_rng(0))
     return plan.trained.shape[1]
 
 
@@ -217,88 +388,10 @@ def _validate_shapes(config) -> None:
     except ValueError as e:
         raise ConfigError(f"task: {e}") from None
     if config.model.checkpoint:
-        _validate_shapes_checkpoint(config)
+        machine_checks.check_shapes_checkpoint(config)
     _transformer_config(config)  # model.arch with the model policy
     if not config.model.checkpoint:
-        _validate_pretrain_cache(config)
-
-
-def _validate_pretrain_cache(config) -> None:
-    """`pretrain.cache_dir` must take the pretrained model unless it holds it already: checked
-    before pretraining, not after it."""
-    model_cfg, task, args = pretrain_recipe(config)
-    key = f"pretrain.cache_dir={config.pretrain.cache_dir!r}"
-    path = pretrain_lib.cache_path(model_cfg, task, config.pretrain.cache_dir, **args)
-    if pretrain_lib.is_cached(path):
-        return
-    existing = os.path.dirname(path)  # the nearest folder that exists: pretraining makes the rest in it
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    try:
-        os.rmdir(tempfile.mkdtemp(dir=existing))  # no trace left
-    except OSError as e:
-        raise ConfigError(f"{key} cannot be written ({e.strerror or e}): the pretrained base model is saved there; "
-                          "give a writable directory") from None
-
-
-# What ties a transformer to the shapes task: packed pixel tokens in and out, the text encoder's widths.
-_SHAPES_INTERFACE = ("in_channels", "out_dim", "joint_attention_dim", "pooled_projection_dim")
-
-
-def _validate_shapes_checkpoint(config) -> None:
-    """`model.checkpoint` of the shapes task: a converted model of `model.family` whose inputs and
-    outputs are the task's (the architecture of `model.arch` there; its depth and width are free)."""
-    c = config.model
-    key = f"model.checkpoint={c.checkpoint!r}"
-    if not os.path.exists(os.path.join(c.checkpoint, MODEL_JSON)):
-        raise ConfigError(f"{key} holds no converted model ({MODEL_JSON} missing): give a directory written by "
-                          "convert/diffusers_to_orbax.py, or leave it empty to pretrain on the task")
-    meta = read_model_json(c.checkpoint)
-    if meta.get("family") != c.family:
-        raise ConfigError(f"{key} holds a {meta.get('family')!r} model; the shapes task trains "
-                          f"model.family={c.family!r}")
-    family = FAMILIES[c.family]
-    try:
-        found = family.config_from_diffusers(meta["config"])
-        wanted = family.config_cls(**c.arch.to_dict())
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{key}: {e}") from None
-    differ = [f"{name}={getattr(found, name)} (the task needs {getattr(wanted, name)})"
-              for name in _SHAPES_INTERFACE if getattr(found, name) != getattr(wanted, name)]
-    if differ:
-        raise ConfigError(f"{key} does not fit the shapes task: {', '.join(differ)}; the task packs "
-                          "pixels 2x2 into 12 channels and encodes prompts at model.arch's widths")
-
-def _missing_inputs_message(config, missing: list[str]) -> str:
-    zoo = ZOO[config.model.family]
-    pipeline = f"<{zoo.title} diffusers folder>"
-    how = {
-        "model.checkpoint": (
-            "the converted transformer",
-            f"python convert/diffusers_to_orbax.py --model_dir={pipeline}/transformer --out=<DIR> --dtype=bfloat16"),
-        "model.vae_checkpoint": (
-            "the converted VAE",
-            f"python convert/diffusers_to_orbax.py --model_dir={pipeline}/vae --out=<DIR>"),
-        "data.embedding_cache": (
-            "the prompt-embedding cache",
-            f"python convert/encode_prompts.py --family={zoo.name} --prompts=<prompts.txt> "
-            f"--encoder_dir={pipeline} --out=<DIR> --device=cuda"),
-    }
-    lines = [f"model.family={zoo.name!r} needs inputs that are not there:"]
-    for key in missing:
-        what, command = how[key]
-        value = config[key.split(".")[0]][key.split(".")[1]]
-        if not value:
-            state = " is not set"
-        elif os.path.isdir(value):
-            state = f"={value!r} holds no {MODEL_JSON} (not a converted checkpoint)"
-        else:
-            state = f"={value!r} does not exist"
-        lines += [f"  {key}{state}: {what}. Make it with", f"      {command}",
-                  f"    then pass --config.{key}=<DIR>"]
-    lines.append("Or, for a throughput run without weights or text encoders: "
-                 "--config.model.random_init=True --config.data.random_embeddings=True")
-    return "\n".join(lines)
+        machine_checks.check_pretrain_cache(config)
 
 
 def _validate_zoo(config) -> None:
@@ -338,23 +431,7 @@ def _validate_zoo(config) -> None:
     except ValueError as e:
         raise ConfigError(f"sampling.ladder / sampling.ladder_options / sampling.num_steps: {e}") from None
 
-    missing = []
-    if not c.random_init:
-        for key, path in (("model.checkpoint", c.checkpoint), ("model.vae_checkpoint", c.vae_checkpoint)):
-            if not path or not os.path.exists(os.path.join(path, MODEL_JSON)):
-                missing.append(key)
-    if not d.random_embeddings and (not d.embedding_cache or not os.path.isdir(d.embedding_cache)):
-        missing.append("data.embedding_cache")
-    if missing:
-        raise ConfigError(_missing_inputs_message(config, missing))
-
-    if not c.random_init:
-        for key, path, accepted in (("model.checkpoint", c.checkpoint, (c.family,)),
-                                    ("model.vae_checkpoint", c.vae_checkpoint, zoo.vae_families)):
-            found = read_model_json(path).get("family")
-            if found not in accepted:
-                raise ConfigError(f"{key}={path!r} holds a {found!r} model; model.family={c.family!r} needs "
-                                  f"{' or '.join(map(repr, accepted))}")
+    machine_checks.check_zoo_inputs(config)
     try:
         model_cfg, vae_cfg = model_config(config), vae_config(config)
     except (ValueError, TypeError) as e:

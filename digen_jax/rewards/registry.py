@@ -67,7 +67,8 @@ def validate_reward_config(weights: Mapping[str, float]) -> None:
     """Check a ``reward.weights`` mapping {name: weight} before any reward is built or run.
 
     Raises ValueError for an empty mapping, an unknown name (listing the registered ones) or a
-    weight that is not a finite number.
+    weight that is not a finite number. An assertion on `weighted_reward`'s argument, kept with
+    the registry it reads; a run's config reaches it once, through `app.validation`.
     """
     if not weights:
         raise ValueError("config key reward.weights is empty: give at least one reward a weight")

@@ -5,7 +5,6 @@ from digen_jax.rl.advantages import (
     group_statistics,
     multi_reward_advantages,
     validate_advantage_modes,
-    validate_group_size,
 )
 from digen_jax.rl.lora import (
     init_lora,
@@ -58,5 +57,4 @@ __all__ = [
     "truncated_importance_weights",
     "update_old_policy",
     "validate_advantage_modes",
-    "validate_group_size",
 ]

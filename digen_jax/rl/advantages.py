@@ -20,6 +20,7 @@ Flow-GRPO's tracker computes in float64 numpy; float32 here agrees to float32 ro
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import jax
@@ -30,17 +31,14 @@ MeanMode = Literal["group", "global"]
 RewardMix = Literal["advantage", "reward"]
 
 
-def validate_group_size(group_size: int) -> None:
-    """Raise ValueError unless ``group_size`` (config key ``rl.group_size``) is an int >= 2.
+@dataclasses.dataclass(frozen=True)
+class AdvantageSettings:
+    """How rewards are normalised into advantages (`group_advantages`' keyword arguments)."""
 
-    A group of one sample equals its own mean, so its advantage is identically 0 and it
-    contributes no gradient: such a run would train on nothing.
-    """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(
-            f"rl.group_size must be an int >= 2, got {group_size!r}: group-relative advantages "
-            "of a one-sample group are always 0, so nothing would be learned"
-        )
+    mean_mode: MeanMode
+    std_mode: StdMode
+    eps: float
+    ddof: int
 
 
 def group_statistics(
@@ -115,7 +113,8 @@ def validate_advantage_modes(mean_mode: str, std_mode: str) -> None:
     """Raise ValueError unless (``rl.mean_mode``, ``rl.std_mode``) is a supported pair.
 
     Each is 'group' or 'global'; a global mean goes with the global std only (the recipes that
-    centre on the batch mean also scale by the batch std).
+    centre on the batch mean also scale by the batch std). An assertion on `group_advantages`'
+    arguments (a library call); a run's config reaches it once, through `app.validation`.
     """
     for key, value in (("mean_mode", mean_mode), ("std_mode", std_mode)):
         if value not in ("group", "global"):
@@ -135,7 +134,9 @@ def clip_advantages(advantages: jax.Array, limit: float) -> jax.Array:
 
 
 def validate_reward_mix(mix: str) -> None:
-    """Raise ValueError unless ``mix`` (config key ``reward.mix``) is 'reward' or 'advantage'."""
+    """Raise ValueError unless ``mix`` (config key ``reward.mix``) is 'reward' or 'advantage'. An
+    assertion on `multi_reward_advantages`' argument; a run's config reaches it once, through
+    `app.validation`."""
     if mix not in ("reward", "advantage"):
         raise ValueError(
             f"reward.mix must be 'reward' (weighted sum of the rewards, then group normalisation) or "

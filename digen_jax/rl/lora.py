@@ -50,11 +50,6 @@ def lora_scale(rank: int, alpha: float) -> float:
     return float(alpha) / rank
 
 
-def config_alpha(rl) -> float:
-    """`rl.lora_alpha` of a config, where 0 means twice `rl.lora_rank`."""
-    return float(rl.lora_alpha or 2.0 * rl.lora_rank)
-
-
 def match_lora_targets(params: Params, target_patterns: Sequence[str]) -> list[str]:
     """Sorted '/'-joined paths of the ``kernel`` leaves of ``params`` matched by any pattern.
 

@@ -19,34 +19,12 @@ import jax.numpy as jnp
 from digen_jax.diffusion import gaussian_mean_kl
 
 Metrics = dict[str, jax.Array]
-# Values of config key rl.policy_loss: the plain PPO-clip surrogate or GRPO-Guard's.
+# Values of config key rl.policy_loss: the plain PPO-clip surrogate or GRPO-Guard's (checked by
+# `app.validation.validate_policy_loss`).
 POLICY_LOSSES = ("ppo", "grpo_guard")
 # Step types whose transition is Gaussian with s = g * sqrt(-Delta), which GRPO-Guard's
 # normalisation assumes (the 'cps' step's log-prob is unnormalised and its s is not g sqrt(-Delta)).
 GRPO_GUARD_SDE_TYPES = ("sde", "wan", "dance")
-
-
-def validate_policy_loss(policy_loss: str, sde_type: str, decoupled: bool, noise_level: float) -> None:
-    """Raise ValueError naming the config key unless ``rl.policy_loss`` fits the run."""
-    if policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"rl.policy_loss must be one of {POLICY_LOSSES}, got {policy_loss!r}")
-    if policy_loss != "grpo_guard":
-        return
-    if sde_type not in GRPO_GUARD_SDE_TYPES:
-        raise ValueError(
-            f"rl.policy_loss='grpo_guard' needs sampling.sde_type in {GRPO_GUARD_SDE_TYPES}, got {sde_type!r}: "
-            "its ratio normalisation assumes a Gaussian step with std g * sqrt(-Delta)"
-        )
-    if decoupled:
-        raise ValueError(
-            "rl.policy_loss='grpo_guard' takes its ratio against the behaviour policy (log-prob and mean "
-            "recorded at rollout); set rl.decoupled=False"
-        )
-    if not noise_level > 0:
-        raise ValueError(
-            f"rl.policy_loss='grpo_guard' divides by the transition std: sampling.noise_level must be > 0, "
-            f"got {noise_level}"
-        )
 
 
 def clipped_surrogate(

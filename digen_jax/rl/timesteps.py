@@ -8,7 +8,7 @@
 | `random`            | every step                       | per sample, a random int((N - 1) * timestep_fraction) of the first N - 1 | DanceGRPO |
 
 The last step (sigma' = 0) has a near-zero transition std and is never trained; a
-selection that would train it is rejected by `validate_step_selection`.
+selection that would train it is rejected by `app.validation.validate_step_selection`.
 
 `rl.algorithm='nft'` (DiffusionNFT, docs/algorithms.md section A12) ignores the selection: its
 rollouts are deterministic (every noise level 0) and each sample trains K noise levels of its
@@ -27,6 +27,19 @@ STEP_SELECTIONS = ("fraction", "window", "mixgrpo", "random")
 
 
 @dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The `rl` keys that choose a run's stochastic and trained steps (module docstring)."""
+
+    step_selection: str
+    timestep_fraction: float
+    sde_window_size: int
+    sde_window_range: tuple[int, int]
+    window_shift_every: int
+    algorithm: str = "grpo"  # 'nft': DiffusionNFT's K levels per sample, whatever the selection
+    nft_timesteps: int = 0  # DiffusionNFT's K (0: int(num_steps * timestep_fraction))
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
     """noise_levels (N,) float32 per step; trained (B, T) int32 step indices per sample."""
 
@@ -34,58 +47,19 @@ class StepPlan:
     trained: np.ndarray
 
 
-def _num_trained(fraction: float, steps: int) -> int:
+def num_trained(fraction: float, steps: int) -> int:
     return int(fraction * steps)
 
 
-def validate_step_selection(rl, num_steps: int) -> None:
-    """Raise ValueError naming the config key if the selection leaves the trainable ladder."""
-    mode = rl.step_selection
-    if mode not in STEP_SELECTIONS:
-        raise ValueError(f"rl.step_selection must be one of {STEP_SELECTIONS}, got {mode!r}")
-    if mode in ("fraction", "random"):
-        pool = num_steps if mode == "fraction" else num_steps - 1
-        t = _num_trained(rl.timestep_fraction, pool)
-        if not 0 < rl.timestep_fraction <= 1 or t < 1:
-            raise ValueError(
-                f"rl.timestep_fraction={rl.timestep_fraction} trains {t} of sampling.num_steps={num_steps} steps; "
-                "it must select at least one step and be in (0, 1]"
-            )
-        if mode == "fraction" and t > num_steps - 1:
-            raise ValueError(
-                f"rl.timestep_fraction={rl.timestep_fraction} trains the last step of sampling.num_steps={num_steps} "
-                "(sigma'=0, transition std ~0); use a fraction < 1 (Flow-GRPO uses 0.99)"
-            )
-        return
-    size = rl.sde_window_size
-    lo, hi = rl.sde_window_range
-    if size < 1 or lo < 0 or hi - lo < size or hi > num_steps - 1:
-        raise ValueError(
-            f"rl.sde_window_size={size} in rl.sde_window_range=({lo}, {hi}) must fit inside the trainable steps "
-            f"[0, {num_steps - 1}) of sampling.num_steps={num_steps} (the last step is never trained)"
-        )
-    if mode == "mixgrpo" and rl.window_shift_every < 1:
-        raise ValueError(f"rl.window_shift_every must be >= 1, got {rl.window_shift_every}")
-
-
-def nft_num_trained(rl, num_steps: int) -> int:
+def nft_num_trained(rl: StepSettings, num_steps: int) -> int:
     """DiffusionNFT's K: `rl.nft_timesteps`, or where that is 0 int(N * `rl.timestep_fraction`)
     as the reference derives it (N - 1 for its 0.99)."""
-    return rl.nft_timesteps or _num_trained(rl.timestep_fraction, num_steps)
+    return rl.nft_timesteps or num_trained(rl.timestep_fraction, num_steps)
 
 
-def validate_nft_timesteps(rl, num_steps: int) -> None:
-    """Raise ValueError naming the keys unless 1 <= K <= sampling.num_steps."""
-    k = nft_num_trained(rl, num_steps)
-    if not 1 <= k <= num_steps:
-        raise ValueError(
-            f"rl.nft_timesteps={rl.nft_timesteps} (rl.timestep_fraction={rl.timestep_fraction} where 0) trains {k} "
-            f"noise levels per sample; it must be in [1, sampling.num_steps={num_steps}]")
-
-
-def plan_steps(rl, num_steps: int, noise_level: float, batch: int, iteration: int, rng: np.random.Generator) -> StepPlan:
+def plan_steps(rl: StepSettings, num_steps: int, noise_level: float, batch: int, iteration: int, rng: np.random.Generator) -> StepPlan:
     """The StepPlan of one iteration; `rng` is seeded per iteration so a resumed run replays it."""
-    if rl.get("algorithm", "grpo") == "nft":
+    if rl.algorithm == "nft":
         key = jax.random.key(int(rng.integers(2**31)))
         trained = np.asarray(nft.draw_timestep_indices(key, batch, num_steps, nft_num_trained(rl, num_steps)))
         return StepPlan(np.zeros((num_steps,), np.float32), trained)
@@ -93,9 +67,9 @@ def plan_steps(rl, num_steps: int, noise_level: float, batch: int, iteration: in
     if mode in ("fraction", "random"):
         noise = np.full((num_steps,), noise_level, np.float32)
         if mode == "fraction":
-            trained = np.tile(np.arange(_num_trained(rl.timestep_fraction, num_steps)), (batch, 1))
+            trained = np.tile(np.arange(num_trained(rl.timestep_fraction, num_steps)), (batch, 1))
         else:
-            t = _num_trained(rl.timestep_fraction, num_steps - 1)
+            t = num_trained(rl.timestep_fraction, num_steps - 1)
             trained = np.stack([np.sort(rng.permutation(num_steps - 1)[:t]) for _ in range(batch)])
         return StepPlan(noise, trained.astype(np.int32))
     size = rl.sde_window_size

@@ -12,70 +12,47 @@ meetings at programs that cross processes (`dispatch.Lanes.crossing`), and two b
 running ahead: a transfer between processes completes before the next is issued
 (`transfer._fence`), and on CPU one gradient chunk is in flight at a time (`_train`).
 
-Micro-batches are whole groups: iteration k's P prompts are cut into M contiguous slices,
-each carrying its prompts' G samples. Advantages are normalised per micro-batch (the grain
-that flows from reward to trainer; 'global' in `rl.std_mode` and `rl.mean_mode` means
-micro-batch-global), so every mode trains the same numbers on the same batch.
-
-Several processes (roles on different hosts): every process runs this same loop, one thread per
-group, and calls the same device programs (those without devices of its own return at once).
-Programs that cross processes (trajectory moves, weight syncs) are issued by every lane of a
-process that has devices in them at the same place in one order (`_crossings`). Host-derived
-inputs (prompts, sample keys, advantages) are computed alike on every process and placed by each
-on its own devices (`transfer.transfer` of uncommitted arrays); a micro-batch's rewards are
-scored by the process that holds its decoded samples and shared (`_rewards`), as are the
-iteration's figures (`_figures`), so the main thread issues no cross-process program between
-two plans; evaluation samples, images and checkpoints are read from each process's own copy
-(`to_every_process`) after every lane is drained.
-
-Split micro-batches: the trainer's rollouts count pieces of a micro-batch (`plan.pieces_per_microbatch`:
-runs of samples each role's batch axis divides), so `runtime.tag_microbatches` may be a fraction;
-the micro-batch at the boundary is rolled out in two pieces, one per role, with its samples' own
-keys and conditioning, each piece decoded and scored on its own; its training joins them on the
-train mesh (trajectory rows, then rewards in sample order), so it trains what one rollout of the
-whole micro-batch would give. With several processes the split stays in whole micro-batches.
-
-Elastic splits: with `runtime.tag_microbatches` or `runtime.prefetch_microbatches` < 0 the
-split of each iteration is chosen by `plan.choose_split` (keeping the last one while it is
-predicted within its tolerance of the best) from the task times measured in
-the previous iteration (a piece's time counted per micro-batch; with several processes, from
-process 0's measured costs, broadcast: the plan must be the same everywhere); the first iteration uses no trainer rollouts and no prefetch. The
-measured times and the last split travel with each checkpoint, so a resumed run's first split is
-the one the uninterrupted run chose.
+Its parts, one concept per module: the micro-batches and their pieces (`microbatch`), the
+rewards scored on host threads (`reward_scoring`), the split of each iteration between roles
+(`elastic_split`), the order of programs that cross processes (`crossings`) and an iteration's
+figures (`figures`).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import os
 import threading
 from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from digen_jax.rl import advantages as adv_lib
-from digen_jax.rl.rollout import Conditioning, FinalSamples, Sampler, Trajectory
+from digen_jax.rl.rollout import Conditioning, Sampler
 from digen_jax.rl.timesteps import plan_steps
-from digen_jax.rl.trainer import LAG0_FIGURES, GradSum, Trainer, TrainState
+from digen_jax.rl.trainer import GradSum, Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.shared_values import SharedValues
-from digen_jax.runtime.transfer import crossing_bytes, to_every_process, whole_on_one_process
-from digen_jax.runtime import dispatch as dispatch_lib
+from digen_jax.runtime.crossings import Crossings
 from digen_jax.runtime.dispatch import Lanes
+from digen_jax.runtime.elastic_split import ElasticSplit
+from digen_jax.runtime.figures import iteration_metrics
+from digen_jax.runtime.microbatch import (MicroBatch, concatenated, cut_fn, joined, piece_args, piece_of,
+                                         settle_from, step_units, unit_rows)
+from digen_jax.runtime.reward_scoring import RewardScoring
 from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, EventExchange, Tracer, iteration_summary
-from digen_jax.runtime.runtime_config import split_grain, validate_runtime_config
+from digen_jax.runtime.transfer import crossing_bytes, to_every_process
+from digen_jax.runtime.settings import RunSettings
 from digen_jax.runtime.weight_sync import RoleWeights
 
 
 class Job(Protocol):
     """What the executor runs: a run as the runtime sees it (the application layer's `Run`)."""
 
-    config: ml_collections.ConfigDict
+    settings: RunSettings  # what the run's config says (`app.settings.run_settings`)
     workdir: str  # the trace goes to WORKDIR/trace.json unless the executor is given another path
     trainer: Trainer
     state: TrainState  # the initial train state (the executor copies it; this one survives)
@@ -112,46 +89,6 @@ class Job(Protocol):
         """Rewards of decoded samples on the host: (B,) and the per-reward arrays."""
 
 
-def _unit_rows(units, start, size: int):
-    """Units start .. start + size - 1 (`start` traced: one program serves every chunk)."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), units)
-
-
-def _step_units(units, step, per_sample: int):
-    """Each sample's unit of its `step`-th trained step (units are sample-major: a[step::per_sample])."""
-    return jax.tree.map(
-        lambda a: jax.lax.dynamic_index_in_dim(a.reshape(-1, per_sample, *a.shape[1:]), step, axis=1, keepdims=False),
-        units,
-    )
-
-
-@jax.jit
-def _iteration_metrics(update_metrics: list[dict]) -> dict:
-    """An iteration's figures from its updates' (means; the last version and streak; skips summed),
-    in one program on the train devices rather than two per figure."""
-    last = update_metrics[-1]
-    metrics = {name: jnp.mean(jnp.stack([m[name] for m in update_metrics])) for name in last}
-    if "lag0_units" in last:  # losses on log-probs (GRPO); DiffusionNFT has none
-        units = jnp.stack([m["lag0_units"] for m in update_metrics])
-        metrics["lag0_units"] = jnp.sum(units)
-        for name in LAG0_FIGURES:  # over the lag-0 units of every update (NaN: there were none)
-            means = jnp.stack([m[f"{name}_mean"] for m in update_metrics])
-            metrics[f"{name}_mean"] = jnp.sum(jnp.where(units > 0, means * units, 0.0)) / jnp.sum(units)
-            metrics[f"{name}_max"] = jnp.nanmax(jnp.stack([m[f"{name}_max"] for m in update_metrics]))
-    metrics.update(
-        version=last["version"],
-        nonfinite_streak=last["nonfinite_streak"],
-        skipped=jnp.sum(jnp.stack([m["skipped"] for m in update_metrics])),
-    )
-    return metrics
-
-
-def read_figures(figures: dict) -> dict:
-    """An iteration's figures (`Executor.iteration`) on the host: device arrays read, the values
-    another process shares awaited."""
-    return jax.device_get({k: v.result() if isinstance(v, concurrent.futures.Future) else v for k, v in figures.items()})
-
-
 @jax.jit
 def _finite_parts(state: TrainState) -> dict:
     """Whether the weights, optimizer state, EMA (and old policy) of `state` are each free of NaN and inf."""
@@ -166,92 +103,21 @@ def _finite_parts(state: TrainState) -> dict:
     return parts
 
 
-def _settle_from(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
-    """Give `target` `source`'s result or error once it has one."""
-    def settle(done: concurrent.futures.Future) -> None:
-        error = done.exception() if not done.cancelled() else concurrent.futures.CancelledError()
-        target.set_exception(error) if error is not None else target.set_result(done.result())
+class Executor(ElasticSplit, RewardScoring, Crossings):
+    """Runs iterations of `job` (a `Job`: the application layer's `Run`) in its settings' runtime mode."""
 
-    source.add_done_callback(settle)
-
-
-def _concatenated(parts: list[concurrent.futures.Future]) -> concurrent.futures.Future:
-    """A future of the pieces' reward rows ((1 + K, samples) each, `MicroBatch.rewards`) joined in
-    sample order, settled when the last piece is scored (the first error, if one fails); no thread
-    waits for it."""
-    joined, lock = concurrent.futures.Future(), threading.Lock()
-
-    def settle(_) -> None:
-        with lock:
-            if joined.done() or not all(p.done() for p in parts):
-                return
-            errors = [p.exception() for p in parts if p.exception() is not None]
-            if errors:
-                joined.set_exception(errors[0])
-            else:
-                joined.set_result(np.concatenate([p.result() for p in parts], axis=-1))
-
-    for part in parts:
-        part.add_done_callback(settle)
-    return joined
-
-
-_SHARED_FIELDS = frozenset({"noise_levels", "version"})  # trajectory fields common to all its samples
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _joined(pieces: list, mesh):
-    """The pieces of a split micro-batch's trajectory (on the train mesh) as one: the per-sample
-    fields' rows in order, batch-split over `mesh`; the fields common to every sample from the first."""
-    rows = {f.name: jnp.concatenate([getattr(p, f.name) for p in pieces])
-            for f in dataclasses.fields(pieces[0]) if f.name not in _SHARED_FIELDS}
-    rows = {name: jax.lax.with_sharding_constraint(a, mesh_lib.batch_sharding(mesh, a.shape)) for name, a in rows.items()}
-    return dataclasses.replace(pieces[0], **rows)
-
-
-@functools.lru_cache(maxsize=16)
-def _cut_fn(cut, static: int, sharding):
-    return jax.jit(lambda units, index: cut(units, index, static), out_shardings=sharding)
-
-
-@dataclasses.dataclass
-class MicroBatch:
-    """One micro-batch of an iteration: its inputs, and once rolled out its trajectory and rewards."""
-
-    iteration: int
-    index: int
-    sample_ids: np.ndarray  # global sample ids (iteration * batch + position)
-    prompt_ids: np.ndarray  # (samples,) the prompt of each sample
-    cond: Conditioning  # (samples, ...)
-    sample_keys: jax.Array
-    noise_levels: np.ndarray  # (N,) the iteration's per-step noise levels
-    trained: np.ndarray  # (samples, S) trained step indices
-    rolled_on: str | None = None  # the device group that rolls it out (its first piece's), set when planned
-    piece: tuple[int, int, int] | None = None  # a piece's view of its micro-batch (`_piece`): (first, end, grain)
-    # a split micro-batch: each piece's trajectory and future rewards by first piece (`_rollout`)
-    pieces: dict[int, Any] = dataclasses.field(default_factory=dict)
-    piece_rewards: dict[int, concurrent.futures.Future] = dataclasses.field(default_factory=dict)
-    version: int | None = None  # the policy version that generated it
-    traj: Trajectory | FinalSamples | None = None  # what the algorithm's rollout keeps (Trainer.rollout)
-    on_trainer: Trajectory | FinalSamples | None = None  # the trajectory moved to the train mesh ahead of its training
-    # (1 + K, samples) float32: the weighted total, then each of the K rewards (`Executor.reward_names`)
-    rewards: concurrent.futures.Future | None = None
-
-
-class Executor:
-    """Runs iterations of `job` (a `Job`: the application layer's `Run`) in `config.runtime.mode`."""
-
-    def __init__(self, job: Job, *, config=None, trace_path: str | None = None, log: Callable[[str], None] = print):
-        """`config` overrides `job.config`'s runtime and sharding sections (one run, several modes);
-        the trace goes to `trace_path` (default WORKDIR/trace.json)."""
-        self.job, self.config, self.log = job, config or job.config, log
-        rt = self.config.runtime
+    def __init__(self, job: Job, *, settings: RunSettings | None = None, trace_path: str | None = None,
+                 log: Callable[[str], None] = print):
+        """`settings` override `job.settings` (one run, several modes); the trace goes to
+        `trace_path` (default WORKDIR/trace.json)."""
+        self.job, self.settings, self.log = job, settings or job.settings, log
+        rt = self.settings.runtime
         self.mode, self.flags = rt.mode, plan_lib.mode_flags(rt.mode)
-        validate_runtime_config(self.config, len(jax.devices()))
         self.meshes = mesh_lib.build_role_meshes(rt)
         self._pace_chunks = self.meshes.train.devices.flat[0].platform == "cpu"  # see `_train`
         self.microbatches = rt.micro_batches
-        self.grain = split_grain(self.config, self.meshes)  # pieces per micro-batch of the trainer's rollouts
+        # pieces per micro-batch of the trainer's rollouts
+        self.grain = mesh_lib.split_grain(self.meshes, rt.mode, self.settings.batch // rt.micro_batches)
         # Each process times the tasks on its own devices and takes the others' events from their
         # processes (trace.EventExchange); process 0 writes them all to the trace.
         write_trace = rt.trace and jax.process_index() == 0
@@ -261,12 +127,10 @@ class Executor:
         self.shared = SharedValues()  # host values one process computes for all (rewards, figures, costs)
         self._agreements = 0  # `_agreed_costs` calls so far: alike on every process
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=rt.reward_workers, thread_name_prefix="reward")
-        # The rewards of `reward.weights` in a fixed order (the rows after the total in
-        # `MicroBatch.rewards`), their weights, and how advantages combine them (`reward.mix`).
-        reward = self.config.reward
-        self.reward_names = tuple(sorted(reward.weights))
-        self._reward_weights = np.asarray([reward.weights[n] for n in self.reward_names], np.float32)
-        self._reward_mix = reward.get("mix", "reward")
+        rewards = self.settings.rewards
+        self.reward_names = rewards.names
+        self._reward_weights = np.asarray(rewards.weights, np.float32)
+        self._reward_mix = rewards.mix
         self.carried: list[MicroBatch] = []  # prefetched micro-batches of the next iteration
         self.measured: dict[tuple[str, str], list[float]] = {}  # (kind, group) -> recent durations
         self._synced_version = -1  # what the rollout weights hold once the submitted syncs ran
@@ -278,9 +142,9 @@ class Executor:
     # ------------------------------------------------------------------ weights
     def _place_weights(self) -> None:
         job = self.job
-        self.weights = RoleWeights(self.meshes, self.config.sharding, job.abstract_params, job.trainer,
-                                   merge_for_sampling=self.config.rl.lora_merge_for_sampling,
-                                   offload_optimizer=bool(self.config.runtime.get("offload_optimizer", False)),
+        self.weights = RoleWeights(self.meshes, self.settings.sharding, job.abstract_params, job.trainer,
+                                   merge_for_sampling=self.settings.lora_merge_for_sampling,
+                                   offload_optimizer=bool(self.settings.runtime.offload_optimizer),
                                    gathered_sampling=self.colocated_sampling == "gathered",
                                    fp8_on_train=self.flags.tag and self.tag_precision == "rollout")
         self.state_sharding = self.weights.state_sharding(job.state)
@@ -306,13 +170,13 @@ class Executor:
     @property
     def colocated_sampling(self) -> str:
         """`runtime.colocated_sampling`, 'auto' being what the memory plan picks for the run's devices."""
-        choice = self.config.runtime.get("colocated_sampling", "auto")
+        choice = self.settings.runtime.colocated_sampling
         return self.job.colocated_sampling if choice == "auto" else choice
 
     @property
     def tag_precision(self) -> str:
         """`runtime.tag_precision`, 'auto' being what the memory plan picks for the run's devices."""
-        choice = self.config.runtime.get("tag_precision", "auto")
+        choice = self.settings.runtime.tag_precision
         return self.job.tag_precision if choice == "auto" else choice
 
     def _sync(self, task: plan_lib.Task) -> None:
@@ -339,12 +203,12 @@ class Executor:
     def microbatches_of(self, k: int) -> list[MicroBatch]:
         """Iteration k's micro-batches: pure functions of (seed, k), like `Run.iteration`."""
         with jax.default_device(mesh_lib.host_device()):  # host-derived: see mesh.host_device
-            rl, s = self.config.rl, self.config.sampling
+            s = self.settings
             prompt_ids, cond = self.job.prompt_batch(k)
-            group_size = rl.group_size
+            group_size = s.group_size
             batch = len(prompt_ids) * group_size
             sample_keys = jax.random.split(self.job.sample_key(k), batch)
-            steps = plan_steps(rl, s.num_steps, s.noise_level, batch, k, np.random.default_rng([self.config.seed, k]))
+            steps = plan_steps(s.steps, s.num_steps, s.noise_level, batch, k, np.random.default_rng([s.seed, k]))
             per_mb = batch // self.microbatches
             sample_prompts = np.repeat(np.asarray(prompt_ids), group_size, axis=0)
             cond = cond.repeat(group_size)
@@ -373,7 +237,7 @@ class Executor:
         dispatched from several threads could interleave differently per device and deadlock,
         so the reward role, which decodes for both groups, takes one dispatch at a time.
         """
-        whole, mb = mb, self._piece(mb, task.piece)
+        whole, mb = mb, piece_of(mb, task.piece)
         mesh = self.meshes.for_group(task.group)
         params = self._params_on(task.group, task.version)
         start = self.tracer.now()
@@ -382,10 +246,10 @@ class Executor:
             traj = self.job.trainer.rollout(params, cond, keys, mb.noise_levels, self.job.latent_shape, task.version)
         whole.version = mb.version = task.version
         final, decoder = traj.final, self.weights.decoders.get(task.group)
-        self.tracer.record(task, final, start, sample_ids=mb.sample_ids.tolist(), **self._piece_args(task))
+        self.tracer.record(task, final, start, sample_ids=mb.sample_ids.tolist(), **piece_args(task))
         if self.meshes.reward is None:
             decoded = self.job.decode(final, decoder)
-        else:  # one process (validate_runtime_config): nothing crosses processes here
+        else:  # one process (`validation.validate_runtime_config`): nothing crosses processes here
             with self._reward_dispatch:
                 final, decoder = mesh_lib.put_batch(final, self.meshes.reward), self.weights.decoders.get("reward")
                 decoded = self.job.decode(final, decoder)
@@ -393,86 +257,7 @@ class Executor:
             whole.traj, whole.rewards = traj, self._rewards(mb, decoded)
         else:
             whole.pieces[task.piece[0]] = traj
-            _settle_from(self._rewards(mb, decoded), whole.piece_rewards[task.piece[0]])
-
-    @staticmethod
-    def _piece(mb: MicroBatch, piece: tuple[int, int, int] | None) -> MicroBatch:
-        """`mb`, or the view of its samples of `piece` (first, end, grain) with their own keys."""
-        if piece is None:
-            return mb
-        first, end, grain = piece
-        rows = slice(first * len(mb.sample_ids) // grain, end * len(mb.sample_ids) // grain)
-        return dataclasses.replace(
-            mb, sample_ids=mb.sample_ids[rows], prompt_ids=mb.prompt_ids[rows],
-            cond=jax.tree.map(lambda a: a[rows], mb.cond), sample_keys=mb.sample_keys[rows],
-            trained=mb.trained[rows], piece=piece, pieces={}, piece_rewards={})
-
-    @staticmethod
-    def _piece_args(task: plan_lib.Task) -> dict:
-        """A piece's trace args: its (first, end, grain) pieces of the micro-batch."""
-        return {} if task.piece is None else {"piece": list(task.piece)}
-
-    def _rewards(self, mb: MicroBatch, decoded: jax.Array) -> concurrent.futures.Future:
-        """The future rewards of `mb` from its `decoded` samples (on the reward threads).
-
-        Several processes: one process scores them, the one that holds the samples whole (the
-        lowest of their devices' processes, after a gather inside their role if it spans several),
-        and shares them (`SharedValues`); the others read them there. So no pixels cross between
-        roles and no device program is added to the order the lanes keep (dispatch.py). The
-        scoring's start and end (the tracers' common clock) travel with them, so every process's
-        trace holds the reward event (`Tracer.record_elsewhere`).
-        """
-        if jax.process_count() == 1:
-            return self.pool.submit(lambda: self._score(mb, decoded)[0])
-        whole, scorer = whole_on_one_process(decoded)
-        name = f"rewards/{mb.iteration}/{mb.index}"
-        if jax.process_index() != scorer:
-            task = self._reward_task(mb)
-            self.tracer.expect_elsewhere(task)
-
-            def traced(timed: np.ndarray) -> np.ndarray:  # [start, end, *reward rows] in float64
-                self.tracer.record_elsewhere(task, float(timed[0]), float(timed[1]), process=scorer,
-                                             sample_ids=mb.sample_ids.tolist())
-                # exact: float32 values travelled as float64
-                return timed[2:].astype(np.float32).reshape(1 + len(self.reward_names), -1)
-
-            def settle(future: concurrent.futures.Future) -> None:  # no event: done all the same
-                if future.cancelled() or future.exception() is not None:
-                    self.tracer.record_elsewhere(task)
-
-            future = self.shared.read_later(name, np.float64, then=traced)
-            future.add_done_callback(settle)
-            return future
-
-        def score_and_share() -> np.ndarray:
-            try:
-                rewards, start, end = self._score(mb, whole)
-            except BaseException as e:
-                self.shared.fail(name, e)
-                raise
-            self.shared.publish(name, np.concatenate([[start, end], rewards.ravel().astype(np.float64)]))
-            return rewards
-
-        return self.pool.submit(score_and_share)
-
-    @staticmethod
-    def _reward_task(mb: MicroBatch) -> plan_lib.Task:
-        return plan_lib.Task("reward", "reward", mb.iteration, mb.index, mb.version, piece=mb.piece)
-
-    def _score(self, mb: MicroBatch, decoded: jax.Array) -> tuple[np.ndarray, float, float]:
-        """Reward rows (1 + K, B) float32 of a decoded micro-batch (`MicroBatch.rewards`), and the
-        start and end of their scoring."""
-        pixels = np.asarray(decoded)  # device-to-host copies only: no device program from this thread
-        start = self.tracer.now()
-        # Reward models that run on a device (CLIP scorers) use a device that decoded this
-        # micro-batch: the reward role's when it has devices (single-device programs, no collectives).
-        with jax.default_device(decoded.addressable_shards[0].device):
-            total, per_reward = self.job.reward(pixels, jnp.asarray(mb.prompt_ids))
-        rewards = np.stack([total] + [per_reward[n] for n in self.reward_names]).astype(np.float32)
-        end = self.tracer.now()
-        task = self._reward_task(mb)
-        self.tracer.record_done(task, start, end, sample_ids=mb.sample_ids.tolist(), **self._piece_args(task))
-        return rewards, start, end
+            settle_from(self._rewards(mb, decoded), whole.piece_rewards[task.piece[0]])
 
     def _chunks(self, units, per_sample: int) -> list:
         """Gradient micro-batches of a micro-batch's units, batch-split over the train mesh.
@@ -483,10 +268,10 @@ class Executor:
         One program cuts and places each chunk (not one per leaf plus a reshard: see `_train`).
         """
         if self.flags.tsp or self.flags.colocated:
-            size = self.config.rl.micro_batch_size
-            cut = _cut_fn(_unit_rows, size, mesh_lib.batch_sharding(self.meshes.train, (size,)))
+            size = self.settings.micro_batch_size
+            cut = cut_fn(unit_rows, size, mesh_lib.batch_sharding(self.meshes.train, (size,)))
             return [cut(units, start) for start in range(0, units.size, size)]
-        cut = _cut_fn(_step_units, per_sample, mesh_lib.batch_sharding(self.meshes.train, (units.size // per_sample,)))
+        cut = cut_fn(step_units, per_sample, mesh_lib.batch_sharding(self.meshes.train, (units.size // per_sample,)))
         return [cut(units, t) for t in range(per_sample)]
 
     def _move_trajectory(self, mb: MicroBatch) -> None:
@@ -500,7 +285,7 @@ class Executor:
                              deps=rollouts or (("rollout", mb.iteration, mb.index),))
         with self.lanes.crossing(move):
             if mb.pieces:  # a split micro-batch: its pieces joined in sample order (one process)
-                mb.on_trainer = mb.traj = _joined(mesh_lib.put_batch(pieces, mesh), mesh)
+                mb.on_trainer = mb.traj = joined(mesh_lib.put_batch(pieces, mesh), mesh)
                 mb.pieces = {}
             else:
                 mb.on_trainer = mesh_lib.put_batch(mb.traj, mesh)
@@ -509,7 +294,7 @@ class Executor:
 
     def _train(self, task: plan_lib.Task, mb: MicroBatch, acc: dict) -> None:
         self.weights.release_gathered()  # training's working set has no room for it
-        rl = self.config.rl
+        norm, group_size = self.settings.advantages, self.settings.group_size
         mesh = self.meshes.train
         if mb.on_trainer is None:  # not moved ahead by a crossing task
             self._move_trajectory(mb)
@@ -519,11 +304,11 @@ class Executor:
         signal = rows[:1] if self._reward_mix == "reward" else rows[1:]
         acc["finite"] = acc["finite"] and bool(np.all(np.isfinite(signal)))
         signal = np.where(np.isfinite(signal), signal, 0.0)
-        prompt_groups = rows.shape[1] // rl.group_size  # GRPO groups: one prompt's samples each
+        prompt_groups = rows.shape[1] // group_size  # GRPO groups: one prompt's samples each
         start = self.tracer.now()
-        kwargs = dict(std_mode=rl.std_mode, eps=rl.std_eps, ddof=rl.std_ddof, mean_mode=rl.mean_mode)
+        kwargs = dict(std_mode=norm.std_mode, eps=norm.eps, ddof=norm.ddof, mean_mode=norm.mean_mode)
         with jax.default_device(mesh_lib.host_device()):  # not behind the rollouts queued on a rollout device
-            group_ids = jnp.asarray(np.repeat(np.arange(prompt_groups), rl.group_size))
+            group_ids = jnp.asarray(np.repeat(np.arange(prompt_groups), group_size))
             if self._reward_mix == "reward":
                 adv = adv_lib.group_advantages(jnp.asarray(signal[0]), group_ids, prompt_groups, **kwargs)
             else:
@@ -549,89 +334,12 @@ class Executor:
 
     def _update(self, task: plan_lib.Task, acc: dict) -> dict:
         start = self.tracer.now()
-        last = task.index == self.config.rl.num_updates_per_batch - 1  # an iteration's updates are indexed 0..
+        last = task.index == self.settings.num_updates_per_batch - 1  # an iteration's updates are indexed 0..
         self.state, metrics = self.job.trainer.finish_update(self.state, acc["sum"], acc["finite"], end_of_batch=last)
         self.tracer.record(task, metrics["version"], start)
         return metrics
 
     # ------------------------------------------------------------------ one iteration
-    def _fixed_split(self) -> tuple[int | None, int | None]:
-        """(tag in pieces, prefetch) as the config fixes them; None where the executor chooses from costs."""
-        rt = self.config.runtime
-        fixed_tag = round(rt.tag_microbatches * self.grain) if rt.tag_microbatches >= 0 else None
-        fixed_prefetch = rt.prefetch_microbatches if rt.prefetch_microbatches >= 0 or not self.flags.tcss else None
-        if not self.flags.tag:
-            fixed_tag = 0
-        if not self.flags.tcss or rt.staleness == 0:
-            fixed_prefetch = 0
-        return fixed_tag, fixed_prefetch
-
-    @property
-    def elastic_split(self) -> bool:
-        """Whether iterations choose their (tag, prefetch) from measured costs."""
-        return None in self._fixed_split()
-
-    def split_for(self, k: int, costs: plan_lib.Costs | None = None) -> tuple[int, int]:
-        """(tag in pieces of `grain`, prefetch) of iteration k: fixed by config, or chosen from
-        measured costs (`costs`, default `_agreed_costs()`)."""
-        fixed_tag, fixed_prefetch = self._fixed_split()
-        if fixed_tag is not None and fixed_prefetch is not None:
-            return fixed_tag, fixed_prefetch
-        costs = costs or self._agreed_costs()
-        if costs is None:
-            return fixed_tag or 0, fixed_prefetch or 0
-        tag, prefetch = plan_lib.choose_split(self.mode, self.microbatches, costs, fixed_tag=fixed_tag,
-                                              fixed_prefetch=fixed_prefetch, updates=self.config.rl.num_updates_per_batch,
-                                              grain=self.grain, keep=self.split)
-        return min(tag, (self.microbatches - len(self.carried)) * self.grain), prefetch
-
-    def _agreed_costs(self) -> plan_lib.Costs | None:
-        """`measured_costs()`, with several processes process 0's on every one: the split and the
-        order of the crossing programs derive from them and must be alike everywhere (a
-        different plan or order would issue different cross-process programs and hang them
-        all), and each process times its own reward scoring. Every process calls it at the
-        same point: process 0 publishes them through the key-value store, not by a device
-        collective, which would enter the devices' program order between the lanes' programs."""
-        costs = self.measured_costs()
-        if jax.process_count() == 1 or self.meshes.colocated:
-            return costs
-        self._agreements += 1
-        name = f"costs/{self._agreements}"
-        if jax.process_index() == 0:
-            values = [np.nan] * 6 if costs is None else [
-                costs.rollout["rollout"], costs.rollout["train"], costs.train, costs.update, costs.sync, costs.reward]
-            self.shared.publish(name, np.asarray(values, np.float64))
-        got = [float(v) for v in self.shared.read(name, np.float64)]  # process 0 too: the same bits everywhere
-        if np.isnan(got[0]):
-            return None
-        roll_r, roll_t, train, update, sync, reward = got
-        return plan_lib.Costs(rollout={"rollout": roll_r, "train": roll_t, "shared": roll_r},
-                              reward=reward, train=train, update=update, sync=sync)
-
-    def measured_costs(self) -> plan_lib.Costs | None:
-        def typical(kind, group):  # the median: robust to a stray slow task (a late compile, a host pause)
-            values = self.measured.get((kind, group))
-            return float(np.median(values)) if values else None
-
-        if self.meshes.colocated:  # one group: rollout and training share every device
-            roll, train = typical("rollout", "shared"), typical("train", "shared")
-            if roll is None or train is None:
-                return None
-            return plan_lib.Costs(rollout={"shared": roll}, reward=typical("reward", "reward") or 0.0, train=train,
-                                  update=typical("update", "shared") or 0.0, sync=0.0)
-        roll_r, roll_t, train = typical("rollout", "rollout"), typical("rollout", "train"), typical("train", "train")
-        if roll_r is None or train is None:
-            return None
-        if roll_t is None:  # never measured: assume the trainer's speed per device matches rollout's
-            roll_t = roll_r * self.meshes.rollout.devices.size / self.meshes.train.devices.size
-        return plan_lib.Costs(
-            rollout={"rollout": roll_r, "train": roll_t, "shared": roll_r},
-            reward=typical("reward", "reward") or 0.0,
-            train=train,
-            update=typical("update", "train") or 0.0,
-            sync=typical("sync", "link") or 0.0,
-        )
-
     def iteration(self, k: int) -> tuple[plan_lib.IterationPlan, dict]:
         """Dispatch iteration k; returns its plan and metrics (device arrays or futures: read them
         later, with `read_figures`)."""
@@ -640,7 +348,7 @@ class Executor:
         carried = len(self.carried)
         plan = plan_lib.plan_iteration(
             self.mode, k, self.microbatches, carried=carried, tag=tag, prefetch=prefetch,
-            updates=self.config.rl.num_updates_per_batch, grain=self.grain,
+            updates=self.settings.num_updates_per_batch, grain=self.grain,
         )
         self._iteration_start[k] = self.tracer.now()
         mbs = {(k, m.index): m for m in self.microbatches_of(k)[carried:]}
@@ -656,7 +364,7 @@ class Executor:
                     mb.piece_rewards[t.piece[0]] = concurrent.futures.Future()
         for mb in mbs.values():  # a split one's rewards: its pieces' joined once every piece is scored
             if mb.piece_rewards:
-                mb.rewards = _concatenated([mb.piece_rewards[f] for f in sorted(mb.piece_rewards)])
+                mb.rewards = concatenated([mb.piece_rewards[f] for f in sorted(mb.piece_rewards)])
         acc = self._fresh_acc()
         update_metrics, figures = [], {}
         last_update = [t.key for t in plan.tasks if t.kind == "update" and t.iteration == k][-1]
@@ -722,60 +430,10 @@ class Executor:
         one process; with several, each a future host value every process gets through the
         key-value store (`SharedValues.share_scalars`), so reading them never issues a program
         that crosses processes."""
-        figures = _iteration_metrics(update_metrics)
+        figures = iteration_metrics(update_metrics)
         if jax.process_count() == 1:
             return figures
         return self.shared.share_scalars(f"figures/{k}", figures, self.pool)
-
-    def _crossings(self, plan: plan_lib.IterationPlan, mbs: list[MicroBatch], costs: plan_lib.Costs | None):
-        """The tasks to dispatch for `plan` and which other lanes of this process meet each one's
-        crossing (`dispatch.Lanes.crossing`). One process: the plan's tasks; nobody meets.
-
-        Several processes: a weight sync whose transfer crosses processes is met at its place in
-        the plan by the lanes of this process whose devices it touches. A trajectory crossing
-        processes moves in a task of its own (`TRAJECTORY`, on the train lane) that both lanes
-        issue where their streams reach it about together, estimated from `costs`
-        (`dispatch.place_moves`): a move program starts on each device once every device got
-        to it, so one issued right after its rollout would hold the trainer's stream until that
-        rollout ended, and one issued at its training's place in the plan would wait on the
-        rolling stream behind every rollout the plan puts before that training. Every process
-        computes the same order from the same costs (`_agreed_costs`).
-        """
-        tasks = [t for t in plan.tasks if t.kind != "reward"]
-        if jax.process_count() == 1 or self.meshes.colocated:
-            return tasks, None
-        mine = set(jax.local_devices())
-
-        def local_lanes(groups) -> frozenset[str] | None:
-            """The groups' lanes with devices on this process; None when nothing crosses processes."""
-            devices = [d for g in groups for d in self.meshes.for_group(g).devices.flat]
-            if len(set(groups)) < 2 or len({d.process_index for d in devices}) < 2:
-                return None
-            return frozenset(g for g in groups if mine & set(self.meshes.for_group(g).devices.flat))
-
-        meets, syncs = {}, []
-        sequences = {"rollout": [], "train": []}
-        for task in tasks:
-            if task.kind == "sync" and (lanes := local_lanes(("rollout", "train"))) is not None:
-                meets[task.key] = lanes
-                syncs.append(dispatch_lib.Crossing(task, {name: len(seq) for name, seq in sequences.items()}))
-            else:
-                sequences[dispatch_lib.lane(task)].append(task)
-        rolled_on = {(m.iteration, m.index): m.rolled_on for m in mbs}
-        where = {name: {t.key: i for i, t in enumerate(seq)} for name, seq in sequences.items()}
-        moves = []
-        for j, task in enumerate(sequences["train"]):
-            source = rolled_on.get((task.iteration, task.index)) if task.kind == "train" else None
-            if source is None or (lanes := local_lanes((source, "train"))) is None:
-                continue
-            move = plan_lib.Task(TRAJECTORY, "train", task.iteration, task.index, task.sample_version,
-                                 deps=(("rollout", task.iteration, task.index),))
-            produced = where[source].get(("rollout", task.iteration, task.index), -1)
-            moves.append((move, source, produced + 1, j))
-            meets[move.key] = lanes
-        costs = costs or plan_lib.NOMINAL_COSTS
-        crossings = dispatch_lib.place_moves(sequences, moves, syncs, costs.of)
-        return dispatch_lib.interleave(sequences, crossings), lambda task: meets.get(task.key, frozenset())
 
     def sample(self, trainable, cond: Conditioning, sample_keys: jax.Array, noise_levels, version) -> jax.Array:
         """Decoded samples of `trainable` (a tree laid out like the train state's, e.g. its EMA) for
@@ -832,7 +490,7 @@ class Executor:
         start = end_of(k - 1) if k - 1 in self._iteration_start else self._iteration_start[k]
         groups = ["shared"] if self.meshes.colocated else ["rollout", "train"]
         summary = iteration_summary(events, k, (start, end), groups)
-        batch = self.config.rl.prompts_per_iteration * self.config.rl.group_size
+        batch = self.settings.batch
         seconds = max(end - start, 1e-9)
         return {
             **summary,

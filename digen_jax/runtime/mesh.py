@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.multihost import role_devices
+from digen_jax.runtime.settings import RuntimeSettings
 from digen_jax.runtime.transfer import transfer
 
 
@@ -59,8 +60,8 @@ class RoleMeshes:
         return sum(m.devices.size for m in meshes)
 
 
-def build_role_meshes(runtime, devices: Sequence[jax.Device] | None = None) -> RoleMeshes:
-    """Meshes for the `runtime` config section (keys rollout_devices, train_devices, reward_devices,
+def build_role_meshes(runtime: RuntimeSettings, devices: Sequence[jax.Device] | None = None) -> RoleMeshes:
+    """Meshes of the roles `runtime` sizes (its mode, rollout_devices, train_devices, reward_devices,
     seq_parallel)."""
     devices = list(jax.devices() if devices is None else devices)
     colocated = plan_lib.mode_flags(runtime.mode).colocated
@@ -68,7 +69,7 @@ def build_role_meshes(runtime, devices: Sequence[jax.Device] | None = None) -> R
         devices = devices[: runtime.train_devices]
     sizes = {"rollout": runtime.rollout_devices, "train": runtime.train_devices, "reward": runtime.reward_devices}
     roles = role_devices(devices, sizes, colocated=colocated)
-    seq = runtime.get("seq_parallel", 1)
+    seq = runtime.seq_parallel
     if not isinstance(seq, int) or seq < 1:
         raise ValueError(f"runtime.seq_parallel must be an integer >= 1 (devices per sequence group), got {seq!r}")
     for role in ("train",) if colocated else ("rollout", "train"):  # the roles that run the transformer
@@ -91,6 +92,15 @@ def build_role_meshes(runtime, devices: Sequence[jax.Device] | None = None) -> R
 
 
 @functools.cache
+def split_grain(meshes: RoleMeshes, mode: str, samples: int) -> int:
+    """Pieces per micro-batch of `samples` that the trainer's rollouts count in on `meshes`
+    (`plan.pieces_per_microbatch` over the rollout and train roles' batch axes); 1: whole
+    micro-batches, without trainer rollouts (a mode without TAG) or with several processes."""
+    if not plan_lib.mode_flags(mode).tag or jax.process_count() > 1:
+        return 1
+    return plan_lib.pieces_per_microbatch(samples, [meshes.for_group(g).shape[AXIS] for g in ("rollout", "train")])
+
+
 def host_device() -> jax.Device:
     """Where the executor computes host-derived inputs (sample keys, conditioning slices,
     advantages): the CPU backend. On the default device (the first accelerator, a rollout

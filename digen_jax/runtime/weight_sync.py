@@ -44,17 +44,18 @@ import jax.numpy as jnp
 from digen_jax.rl import fp8_weights, lora
 from digen_jax.rl.trainer import Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.runtime.settings import ShardingRules
 from digen_jax.runtime.transfer import own_copy_everywhere, put_own_copy, transfer
 
 
 class RoleWeights:
     """The weights of every role of one run, and the sync that carries a version to rollout."""
 
-    def __init__(self, meshes: mesh_lib.RoleMeshes, rules, abstract_params: Any, trainer: Trainer,
+    def __init__(self, meshes: mesh_lib.RoleMeshes, rules: ShardingRules, abstract_params: Any, trainer: Trainer,
                  merge_for_sampling: bool, offload_optimizer: bool = False, gathered_sampling: bool = False,
                  fp8_on_train: bool = False):
         """`abstract_params`: the model's boxed abstract parameters (their logical axes name the
-        shardings); `rules`: the config's `sharding` section; `offload_optimizer`
+        shardings); `rules`: the roles' logical-axis rules (the config's `sharding` section); `offload_optimizer`
         (`runtime.offload_optimizer`): the optimizer state lives in pinned host memory;
         `gathered_sampling` (`runtime.colocated_sampling` resolved to 'gathered'): colocated full
         fine-tuning with FSDP train rules samples from one gathered copy per version (module

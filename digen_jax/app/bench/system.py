@@ -31,11 +31,13 @@ import numpy as np
 from digen_jax.app import loop
 from digen_jax.app.bench import provenance
 from digen_jax.app.bench.peaks import datasheet_peak, matmul_size_for, measure_matmul_peak
-from digen_jax.app.costs import check_fits, sample_flops
-from digen_jax.app.errors import ConfigError
+from digen_jax.app.costs import sample_flops
+from digen_jax.app.settings import run_settings
+from digen_jax.app.validation import validate_bench_arguments
 from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.executor import Executor, read_figures
+from digen_jax.runtime.executor import Executor
+from digen_jax.runtime.figures import read_figures
 
 
 def measure(
@@ -56,7 +58,7 @@ def measure(
 
     `on_update` gets the result after every mode, so a run cut short keeps what it measured.
     """
-    check_arguments(config, modes, warmups=warmups, iterations=iterations, onpolicy_anchors=onpolicy_anchors)
+    validate_bench_arguments(config, modes, warmups=warmups, iterations=iterations, onpolicy_anchors=onpolicy_anchors)
     device = jax.devices()[0]
     matmul_size = matmul_size_for(matmul_size, device.platform)
     matmul = measure_matmul_peak(matmul_size, matmul_chain, 3) if matmul_size else None
@@ -76,6 +78,7 @@ def measure(
     run_modes(
         config, modes, workdir, warmups=warmups, iterations=iterations, peak_flops=peak,
         log=lambda m: print(m, flush=True), on_mode=update, onpolicy_anchors=onpolicy_anchors,
+        checked=True,
     )
     return result
 
@@ -105,23 +108,6 @@ def _keep_warming(executor: Executor, k: int, plans: list, *, extra: int) -> boo
     return (tag, prefetch) != (plans[-1].tag, plans[-1].prefetch)
 
 
-def check_arguments(config, modes: Sequence[str], *, warmups: int, iterations: int,
-                    onpolicy_anchors: Sequence[str] = ()) -> None:
-    """A `ConfigError` naming the flag if the bench cannot run these modes, iterations and anchors."""
-    for mode in modes:
-        try:
-            plan_lib.mode_flags(mode)
-        except ValueError as e:
-            raise ConfigError(f"--modes: {e}") from None
-    if onpolicy_anchors and config.rl.get("algorithm", "grpo") == "nft":
-        raise ConfigError("--onpolicy_anchors compares rl.onpolicy_anchor values, which play no part in "
-                          "rl.algorithm='nft' (no log-prob ratio)")
-    if warmups < 0 or iterations < 1:
-        raise ConfigError(f"--warmup_iterations must be >= 0 and --iterations >= 1, got {warmups}, {iterations}")
-    for mode in modes:  # every mode's memory plan fits the devices (runtime.check_memory=False skips it)
-        check_fits(config, jax.devices(), mode)
-
-
 def run_modes(
     config,
     modes: Sequence[str],
@@ -133,15 +119,19 @@ def run_modes(
     log: Callable[[str], None] = print,
     on_mode: Callable[[dict], None] | None = None,
     onpolicy_anchors: Sequence[str] = (),
+    checked: bool = False,
 ) -> dict:
     """Benchmark `modes` on `config`; returns one record per mode plus the shared figures.
 
     `on_mode` gets the figures so far after each mode, so a long run that is cut short
     still leaves the modes it finished. `onpolicy_anchors` (values of `rl.onpolicy_anchor`)
     runs every mode once per anchor, from the same run and weights; records are then keyed
-    `'<mode> onpolicy_anchor=<anchor>'`.
+    `'<mode> onpolicy_anchor=<anchor>'`. `checked`: the caller ran `validate_bench_arguments` on
+    these arguments already.
     """
-    check_arguments(config, modes, warmups=warmups, iterations=iterations, onpolicy_anchors=onpolicy_anchors)
+    if not checked:
+        validate_bench_arguments(config, modes, warmups=warmups, iterations=iterations,
+                                 onpolicy_anchors=onpolicy_anchors)
     algorithm = config.rl.get("algorithm", "grpo")
     os.makedirs(workdir, exist_ok=True)
     started = time.time()
@@ -161,7 +151,7 @@ def run_modes(
         trace_path = os.path.join(workdir, f"trace_{name.replace('+', '_').replace(' ', '_').replace('=', '_')}.json")
         if jax.process_index() == 0 and os.path.exists(trace_path):  # its writer: processes may share the workdir
             os.remove(trace_path)
-        executor = Executor(run, config=mode_config, trace_path=trace_path, log=log)
+        executor = Executor(run, settings=run_settings(mode_config), trace_path=trace_path, log=log)
         warmup, settling = warmups, bool(warmups and executor.elastic_split)
         more = f" (+1 to {MAX_SETTLING_ITERATIONS} while the elastic split settles)" if settling else ""
         log(f"[{name}] {warmup} warm-up{more} + {iterations} timed iterations of {batch} samples")
