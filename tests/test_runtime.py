@@ -210,12 +210,20 @@ def cache_dir(pretrain_cache_dir):
 def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable, modes=plan_lib.MODES) -> dict:
     """Every mode of `modes` for two iterations from the same Run (same initial weights, shared
     compiled steps), its configs from `make_config(mode)`; `snapshot(state)` after the first
-    iteration."""
+    iteration, and for every rollout as it runs (task key, the group its micro-batch was planned
+    on, the group running it)."""
     run = loop.Run(make_config("colocated"), str(workdir), log=lambda _: None)
     out = {"run": run, "initial": jax.device_get(run.state.trainable)}
     for mode in modes:
         trace_path = os.path.join(workdir, mode.replace("+", "_") + ".json")
         executor = Executor(run, config=make_config(mode), trace_path=trace_path, log=lambda _: None)
+        rollouts, rollout = [], executor._rollout
+
+        def recorded(task, mb, rollouts=rollouts, rollout=rollout):
+            rollouts.append((task.key, mb.rolled_on, task.group))
+            rollout(task, mb)
+
+        executor._rollout = recorded
         plans, metrics, after_first = [], [], None
         for k in range(ITERATIONS):
             plan, m = executor.iteration(k)
@@ -226,7 +234,7 @@ def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable,
         timings = [executor.timing(k, p) for k, p in enumerate(plans)]
         executor.close()
         out[mode] = dict(executor=executor, after_first=after_first, metrics=metrics, timings=timings,
-                         trace=read_trace(trace_path), trace_path=trace_path)
+                         trace=read_trace(trace_path), trace_path=trace_path, rollouts=rollouts)
     return out
 
 
@@ -538,24 +546,14 @@ def test_lag0_units_are_anchored_on_the_trainers_first_pass(runs, mode):
         assert 0 <= m["rollout_logp_gap_max"] < 1e-5  # fp32: the rollout's log-probs to rounding
 
 
-def test_a_rollout_s_group_is_known_when_planned(runs, cache_dir, tmp_path, monkeypatch):
+def test_a_rollout_s_group_is_known_when_planned(runs):
     """Every micro-batch's group is set when its rollout is planned, before the rollout runs: the
     next plan reads it to place trajectory moves (`_crossings`), and the prefetched rollouts of
-    iteration k + 1 may not have run when it is made."""
-    seen = []
-    rollout = Executor._rollout
-
-    def checked(self, task, mb):
-        seen.append((task.key, mb.rolled_on, task.group))
-        rollout(self, task, mb)
-
-    monkeypatch.setattr(Executor, "_rollout", checked)
-    config = runtime_config(cache_dir, "gap+tsp+tag+tcss")
-    executor = Executor(runs["run"], config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
-    for k in range(2):
-        executor.iteration(k)
-    executor.close()
-    assert len(seen) >= 2 * config.runtime.micro_batches  # and the prefetched rollout of iteration 2
+    iteration k + 1 may not have run when it is made. The `runs` fixture's full mode, whose
+    rollouts it records as they run."""
+    result = runs["gap+tsp+tag+tcss"]
+    seen = result["rollouts"]
+    assert len(seen) >= ITERATIONS * result["executor"].microbatches  # and the prefetched rollout of iteration 2
     assert all(planned == group for _, planned, group in seen), seen
     assert {group for *_, group in seen} == {"rollout", "train"}
 
