@@ -282,16 +282,16 @@ def test_offloaded_optimizer_state_gives_the_same_numbers(runs, cache_dir, tmp_p
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
-def test_gathered_colocated_sampling_gives_the_same_numbers(runs, cache_dir, tmp_path, monkeypatch):
-    """Colocated full fine-tuning with FSDP train rules on 4 devices. `runtime.colocated_sampling=
-    'gathered'`: each iteration's rollouts sample from one copy of the weights placed by the
-    rollout rules (replicated), their programs traced under those rules (no mesh context, as the
-    rollout role's), and the copy is dropped before training. 'sharded' (what 'auto' is on CPU
-    devices) samples from the train state's sharded weights under the train rules. The weights
-    and optimizer state after two iterations are bit-equal."""
-    run = runs["run"]
-    assert run.colocated_sampling == "sharded"
-    rollout, seen = run.trainer.rollout, []
+@pytest.fixture(scope="module")
+def colocated_fsdp(runs, cache_dir, tmp_path_factory):
+    """Colocated full fine-tuning with FSDP train rules on 4 devices, from the `runs` fixture's Run,
+    two iterations each with `runtime.colocated_sampling` 'sharded' and 'gathered'. Per setting:
+    the final state, whether the executor gathers, whether the gathered copy was released after
+    each iteration, and for every rollout call (its weights' first leaf's id, whether they were
+    all replicated, whether it ran with no mesh context). Of the 'sharded' run also the sampler
+    step and gradient programs as compiled at their first call, and its state shardings."""
+    run, workdir = runs["run"], tmp_path_factory.mktemp("colocated_fsdp")
+    rollout, seen, compiled = run.trainer.rollout, [], {}
 
     def spy(params, *args):
         leaves = jax.tree.leaves(params)
@@ -299,25 +299,55 @@ def test_gathered_colocated_sampling_gives_the_same_numbers(runs, cache_dir, tmp
                      jax.sharding.get_abstract_mesh().empty))
         return rollout(params, *args)
 
-    monkeypatch.setattr(run.trainer, "rollout", spy)
-    states, calls = {}, {}
+    def compiling(name, fn):
+        def call(*args):
+            if name not in compiled:
+                compiled[name] = fn.lower(*args).compile()
+            return fn(*args)
+        return call
+
+    out = {"colocated_sampling": run.colocated_sampling}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run.trainer, "rollout", spy)
+        for sampling in ("sharded", "gathered"):
+            config = runtime_config(cache_dir, "colocated", colocated_sampling=sampling, train_devices=4)
+            if sampling == "sharded":
+                patch.setattr(run.trainer.sampler, "step", compiling("step", run.trainer.sampler.step))
+            executor = Executor(run, config=config, trace_path=str(workdir / f"{sampling}.json"), log=lambda _: None)
+            if sampling == "sharded":  # the executor pins the gradient program's shardings: wrap it after
+                patch.setattr(run.trainer, "_grad", compiling("grad", run.trainer._grad))
+            seen.clear()
+            released = []
+            for k in range(ITERATIONS):
+                executor.iteration(k)
+                executor.drain()
+                released.append(executor.weights._gathered is None)
+            executor.close()
+            out[sampling] = dict(config=config, state=executor.state, state_sharding=executor.state_sharding,
+                                 gathered=executor.weights.gathered, released=released, calls=list(seen))
+    out["compiled"] = compiled
+    return out
+
+
+def test_gathered_colocated_sampling_gives_the_same_numbers(runs, colocated_fsdp):
+    """Colocated full fine-tuning with FSDP train rules on 4 devices. `runtime.colocated_sampling=
+    'gathered'`: each iteration's rollouts sample from one copy of the weights placed by the
+    rollout rules (replicated), their programs traced under those rules (no mesh context, as the
+    rollout role's), and the copy is dropped before training. 'sharded' (what 'auto' is on CPU
+    devices) samples from the train state's sharded weights under the train rules. The weights
+    and optimizer state after two iterations are bit-equal (`colocated_fsdp` runs both)."""
+    assert colocated_fsdp["colocated_sampling"] == "sharded"
     for sampling in ("sharded", "gathered"):
-        config = runtime_config(cache_dir, "colocated", colocated_sampling=sampling, train_devices=4)
-        executor = Executor(run, config=config, trace_path=str(tmp_path / f"{sampling}.json"), log=lambda _: None)
-        assert executor.weights.gathered == (sampling == "gathered")
-        seen.clear()
-        for k in range(ITERATIONS):
-            executor.iteration(k)
-            executor.drain()
-            assert executor.weights._gathered is None  # released before training
-        executor.close()
-        states[sampling], calls[sampling] = executor.state, list(seen)
-    per_iteration = config.runtime.micro_batches
+        assert colocated_fsdp[sampling]["gathered"] == (sampling == "gathered")
+        assert colocated_fsdp[sampling]["released"] == [True] * ITERATIONS  # released before training
+    calls = {s: colocated_fsdp[s]["calls"] for s in ("sharded", "gathered")}
+    per_iteration = colocated_fsdp["gathered"]["config"].runtime.micro_batches
     assert len(calls["gathered"]) == len(calls["sharded"]) == ITERATIONS * per_iteration
     assert all(replicated and no_mesh for _, replicated, no_mesh in calls["gathered"])
     assert not any(replicated or no_mesh for _, replicated, no_mesh in calls["sharded"])
     copies = [{c for c, _, _ in calls["gathered"][i:i + per_iteration]} for i in range(0, ITERATIONS * per_iteration, per_iteration)]
     assert [len(c) for c in copies] == [1] * ITERATIONS  # one copy per iteration
+    states = {s: colocated_fsdp[s]["state"] for s in ("sharded", "gathered")}
     got, want = (jax.device_get((states[s].trainable, states[s].opt_state)) for s in ("gathered", "sharded"))
     assert _max_diff(got[0], runs["initial"]) > 0
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))), \
@@ -655,37 +685,23 @@ def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path
     executor.close()
 
 
-def test_fsdp_programs_gather_the_weights_and_keep_gradient_shards(runs, cache_dir, tmp_path, monkeypatch):
-    """Colocated with the weights sharded (tiny's FSDP train rules), as the executor compiles them:
-    the sampler step gathers each weight and moves nothing else (every product contracts a whole
-    hidden axis on the device's share of the batch), and the gradient program leaves each
-    gradient sharded like its weight. Left to itself, the compiler split the products'
-    contraction and all-reduced activations, which deadlocked with cuDNN attention on 2 GPUs
-    (docs/known_issues.md), and returned whole gradients on every device."""
-    config = runtime_config(cache_dir, "colocated", train_devices=4)
-    assert mesh_lib.shards_weights(config.sharding.train_rules)
-    run = runs["run"]
-    compiled = {}
-
-    def compiling(name, fn):
-        def call(*args):
-            compiled.setdefault(name, fn.lower(*args).compile())
-            return fn(*args)
-        return call
-
-    sampler = run.trainer.sampler
-    monkeypatch.setattr(sampler, "step", compiling("step", sampler.step))
-    executor = Executor(run, config=config, trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
-    monkeypatch.setattr(run.trainer, "_grad", compiling("grad", run.trainer._grad))
-    executor.iteration(0)
-    executor.close()
+def test_fsdp_programs_gather_the_weights_and_keep_gradient_shards(colocated_fsdp):
+    """Colocated with the weights sharded (tiny's FSDP train rules), as the executor compiles them
+    (`colocated_fsdp`'s 'sharded' run): the sampler step gathers each weight and moves nothing
+    else (every product contracts a whole hidden axis on the device's share of the batch), and
+    the gradient program leaves each gradient sharded like its weight. Left to itself, the
+    compiler split the products' contraction and all-reduced activations, which deadlocked with
+    cuDNN attention on 2 GPUs (docs/known_issues.md), and returned whole gradients on every device."""
+    sharded = colocated_fsdp["sharded"]
+    assert mesh_lib.shards_weights(sharded["config"].sharding.train_rules)
+    compiled = colocated_fsdp["compiled"]
     ops = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
     text = compiled["step"].as_text()
     counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in ops}
     assert counts["all-gather"] > 0 and sum(counts.values()) == counts["all-gather"], counts
     grad = compiled["grad"]
     grads, shapes = jax.tree.leaves(grad.output_shardings[1]), jax.tree.leaves(grad.out_info[1])
-    expected = jax.tree.leaves(executor.state_sharding.trainable)
+    expected = jax.tree.leaves(sharded["state_sharding"].trainable)
     assert len(grads) == len(shapes) == len(expected) and any(not e.is_fully_replicated for e in expected)
     assert all(g.is_equivalent_to(e, s.ndim) for g, e, s in zip(grads, expected, shapes))
 
