@@ -207,12 +207,13 @@ def cache_dir(pretrain_cache_dir):
     return pretrain_cache_dir
 
 
-def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable, modes=plan_lib.MODES) -> dict:
+def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable, modes=plan_lib.MODES, run=None) -> dict:
     """Every mode of `modes` for two iterations from the same Run (same initial weights, shared
     compiled steps), its configs from `make_config(mode)`; `snapshot(state)` after the first
     iteration, and for every rollout as it runs (task key, the group its micro-batch was planned
-    on, the group running it)."""
-    run = loop.Run(make_config("colocated"), str(workdir), log=lambda _: None)
+    on, the group running it). `run`: that Run, where one of `make_config`'s is built already
+    (its executors take their runtime and update settings from their own configs)."""
+    run = run or loop.Run(make_config("colocated"), str(workdir), log=lambda _: None)
     out = {"run": run, "initial": jax.device_get(run.state.trainable)}
     for mode in modes:
         trace_path = os.path.join(workdir, mode.replace("+", "_") + ".json")
@@ -437,14 +438,15 @@ MULTI_UPDATE_MODES = (plan_lib.COLOCATED, plan_lib.BEST_MODE)
 
 
 @pytest.fixture(scope="module")
-def multi_update_runs(cache_dir, compile_cache, tmp_path_factory):
-    """`runs` with `rl.num_updates_per_batch=2`: each iteration's 4 micro-batches make two updates."""
+def multi_update_runs(runs, cache_dir, compile_cache, tmp_path_factory):
+    """`runs` with `rl.num_updates_per_batch=2`: each iteration's 4 micro-batches make two updates
+    (executors of the `runs` fixture's Run: the number of updates is the executor's setting)."""
     def config(mode):
         c = runtime_config(cache_dir, mode)
         c.rl.num_updates_per_batch = 2
         return c
 
-    return run_every_mode(config, tmp_path_factory.mktemp("runtime_updates"), modes=MULTI_UPDATE_MODES)
+    return run_every_mode(config, tmp_path_factory.mktemp("runtime_updates"), modes=MULTI_UPDATE_MODES, run=runs["run"])
 
 
 @pytest.mark.parametrize("mode", MULTI_UPDATE_MODES)
