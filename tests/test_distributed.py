@@ -712,7 +712,8 @@ def worker_env(devices: int, **extra: str) -> dict:
 def compiled_env(cache_dir) -> dict:
     """A worker's persistent compilation cache in `cache_dir`, at the tests' matmul precision: the
     2-process launches of this module share one (`two_process_cache`), so the programs one
-    launch compiled are loaded by the next (`cache_every_process`)."""
+    launch compiled are loaded by the next (`cache_every_process`); so do the 1-process
+    references, whose programs (8 devices of one process) are their own."""
     return dict(JAX_DEFAULT_MATMUL_PRECISION="highest", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
@@ -925,7 +926,8 @@ def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cach
     initial = workload_lib.make_workload(loop_config(str(cache_dir), mode)).base_params
     ports = free_ports(2)
     outputs = run_workers(
-        (("loop", str(single), str(cache_dir), mode), worker_env(8, JAX_COORDINATOR_PORT=str(ports[0]))),
+        (("loop", str(single), str(cache_dir), mode),
+         worker_env(8, JAX_COORDINATOR_PORT=str(ports[0]), **compiled_env(two_process_cache))),
         *[(("loop", str(multi), str(cache_dir), mode),
            worker_env(4, **slurm_step_env(pid, ports[1]), **compiled_env(two_process_cache))) for pid in range(2)],
         timeout_s=LOOP_TIMEOUT_S,
@@ -1550,7 +1552,8 @@ def stopped_runs(tmp_path_factory, pretrained_cache, two_process_cache):
     # The reference at the lowest CPU priority: it soaks up what the 2-process runs leave idle
     # (their waits for each other and for the killed process), off their critical path.
     reference = start_worker(("loop", str(single), str(cache_dir), "disagg_sync"),
-                             worker_env(8, JAX_COORDINATOR_PORT=str(ports[0])), outputs["reference"], niceness=19)
+                             worker_env(8, JAX_COORDINATOR_PORT=str(ports[0]), **compiled),
+                             outputs["reference"], niceness=19)
     survivor, victim = [start_worker(command(multi, PEER_TIMEOUT_S),
                                      worker_env(4, **slurm_step_env(pid, ports[1]), **compiled, **{STALL_ENV: "1"}),
                                      outputs[name], stdin=subprocess.PIPE)
