@@ -4,13 +4,13 @@ The 2-process tests start two local processes (a simulated SLURM step with a loo
 coordinator, 4 fake CPU devices each): rollout on process 0's devices, training on process
 1's. One drives the transfers and a gradient step by hand; another runs the training loop
 (`loop.train` through the executor, evaluating every iteration), compares it with a 1-process
-run bit for bit and checks its task timing and overlap; the others check checkpoints (across
-process layouts), the elastic split, the frozen base placed from each process's own copy, the
-system bench run as two processes, and that a killed process stops the others (the peer
-watchdog) and a rerun resumes. Run directly, this file is the worker:
-`python tests/test_distributed.py transfers OUT_DIR`, `python tests/test_distributed.py loop
-WORKDIR CACHE_DIR MODE`, `checkpoint WORKDIR CACHE_DIR SINGLE_DIR`, `split`/`frozen` with
-WORKDIR CACHE_DIR, `sleep PEER_TIMEOUT_S`, or `train LAUNCH_TRAIN_ARGS...` (launch/train.py).
+run bit for bit and checks its task timing and overlap; one launch serves the tests of
+checkpoints (across process layouts), the elastic split and the frozen base placed from each
+process's own copy; the others check the system bench run as two processes, and that a killed
+process stops the others (the peer watchdog) and a rerun resumes. Run directly, this file is
+the worker: `python tests/test_distributed.py transfers OUT_DIR`, `python
+tests/test_distributed.py loop WORKDIR CACHE_DIR MODE`, `placement WORKDIR CACHE_DIR
+SINGLE_DIR`, `sleep PEER_TIMEOUT_S`, or `train LAUNCH_TRAIN_ARGS...` (launch/train.py).
 """
 import concurrent.futures
 import faulthandler
@@ -530,6 +530,7 @@ def test_collective_paths_keep_every_bit(n_src, n_dst):
 
 BATCH, LATENT_SHAPE, TEXT_SHAPE, WORKER_TIMEOUT_S = 8, (16, 8), (4, 8), 120
 LOOP_TIMEOUT_S = 300  # the training loop compiles a model's rollout and training steps in every process
+PLACEMENT_TIMEOUT_S = 3 * LOOP_TIMEOUT_S  # `run_placement_worker`: three parts, each a loop's worth
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOISE_LEVEL, LEARNING_RATE = 0.7, 0.1
 
@@ -711,7 +712,8 @@ def worker_env(devices: int, **extra: str) -> dict:
 def compiled_env(cache_dir) -> dict:
     """A worker's persistent compilation cache in `cache_dir`, at the tests' matmul precision: the
     2-process launches of this module share one (`two_process_cache`), so the programs one
-    launch compiled are loaded by the next (`cache_every_process`)."""
+    launch compiled are loaded by the next (`cache_every_process`); so do the 1-process
+    references, whose programs (8 devices of one process) are their own."""
     return dict(JAX_DEFAULT_MATMUL_PRECISION="highest", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
@@ -924,7 +926,8 @@ def test_two_process_training_loop_matches_one_process(tmp_path, pretrained_cach
     initial = workload_lib.make_workload(loop_config(str(cache_dir), mode)).base_params
     ports = free_ports(2)
     outputs = run_workers(
-        (("loop", str(single), str(cache_dir), mode), worker_env(8, JAX_COORDINATOR_PORT=str(ports[0]))),
+        (("loop", str(single), str(cache_dir), mode),
+         worker_env(8, JAX_COORDINATOR_PORT=str(ports[0]), **compiled_env(two_process_cache))),
         *[(("loop", str(multi), str(cache_dir), mode),
            worker_env(4, **slurm_step_env(pid, ports[1]), **compiled_env(two_process_cache))) for pid in range(2)],
         timeout_s=LOOP_TIMEOUT_S,
@@ -1078,13 +1081,12 @@ def assert_restored(run, manager, saved_dir, version: int) -> None:
     resumed.close()
 
 
-def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> None:
-    """One process of the 2-process checkpoint test (train role on process 1's devices): restores
-    the checkpoint one process saved in SINGLE_DIR, then saves its own (an updated state and a
-    micro-batch prefetched on process 0's devices) and restores it. Asserts that no process
-    gathered the state for the save (no `to_every_process` of a state leaf) and that each
-    restore keeps every bit and the train shardings."""
-    assert multihost.initialize().num_processes == 2
+def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> loop.Run:
+    """The checkpoint test's part of a `run_placement_worker` process (train role on process 1's
+    devices): restores the checkpoint one process saved in SINGLE_DIR, then saves its own (an
+    updated state and a micro-batch prefetched on process 0's devices) and restores it. Asserts
+    that no process gathered the state for the save (no `to_every_process` of a state leaf) and
+    that each restore keeps every bit and the train shardings. The Run it restored in."""
     config = loop_config(cache_dir, "disagg_sync")
     run = loop.Run(config, workdir, log=stage)
     gathered = []
@@ -1114,6 +1116,7 @@ def run_checkpoint_worker(workdir: str, cache_dir: str, single_dir: str) -> None
     for workdir in (single_dir, os.path.join(single_dir, "before")):
         assert_restored(rerun, run_checkpoints.open_manager(workdir, config), single_dir, version=2)
         stage(f"one-process checkpoint in {workdir} restored")
+    return rerun
 
 
 def set_aside_in_both(run, config, workdir: str, single_dir: str) -> None:
@@ -1134,29 +1137,54 @@ def set_aside_in_both(run, config, workdir: str, single_dir: str) -> None:
     stage(f"set aside, resumed from {start}")
 
 
-def test_two_process_checkpoint_round_trip(tmp_path, pretrained_cache, two_process_cache):
+def run_placement_worker(workdir: str, cache_dir: str, single_dir: str) -> None:
+    """One process of the 2-process launch the checkpoint, elastic-split and frozen-base tests
+    share (a process's start, JAX's distributed setup and the tiny model's Run, once): the
+    checkpoint round trip in WORKDIR/multi, the elastic split on the Run it restored in, then the
+    frozen base's placement in WORKDIR/frozen. Each part prints what its test reads."""
+    assert multihost.initialize().num_processes == 2
+    jax.config.update("jax_default_matmul_precision", "highest")
+    run = run_checkpoint_worker(os.path.join(workdir, "multi"), cache_dir, single_dir)
+    run_split_worker(run, workdir, cache_dir)
+    run.checkpoints.close()
+    run_frozen_worker(os.path.join(workdir, "frozen"), cache_dir)
+
+
+@pytest.fixture(scope="module")
+def placement_launch(tmp_path_factory, pretrained_cache, two_process_cache):
+    """Checkpoints of one process on 8 devices (rollout on 4, training on the other 4) in
+    SINGLE: one saved with a prefetched micro-batch, one as checkpoints were written before (in
+    SINGLE/before); then one 2-process launch of `run_placement_worker` (training on process 1's
+    devices) that restores them and runs the checkpoint, elastic-split and frozen-base parts.
+    Its processes' outputs, and the one-process Run and config."""
+    tmp_path = tmp_path_factory.mktemp("placement")
+    config = loop_config(str(pretrained_cache), "disagg_sync")
+    single = tmp_path / "single"
+    run = loop.Run(config, str(single), log=stage)
+    executor = save_with_prefetch(run, config, 2, single)
+    save_as_before(executor, str(single / "before"), config)
+    executor.close()
+    run.checkpoints.close()
+    port = free_port()
+    outputs = run_workers(
+        *[(("placement", str(tmp_path), str(pretrained_cache), str(single)),
+           worker_env(4, **slurm_step_env(pid, port), **compiled_env(two_process_cache)))
+          for pid in range(2)],
+        timeout_s=PLACEMENT_TIMEOUT_S,
+    )
+    return SimpleNamespace(config=config, run=run, single=single, multi=tmp_path / "multi", outputs=outputs)
+
+
+def test_two_process_checkpoint_round_trip(placement_launch):
     """Checkpoints interchange between process layouts (the same roles: rollout on 4 devices,
     training on the other 4). One process on 8 devices saves one, and one as checkpoints were
     written before; two processes (training on process 1's devices, a prefetched micro-batch
     on process 0's) restore both, then save and restore their own, which one process restores
     in turn. Process 1 alone writes the state and the micro-batches; every restore gives back
     every saved bit on the train shardings, and the micro-batch (most assertions run in the
-    workers: `assert_restored`)."""
-    config = loop_config(str(pretrained_cache), "disagg_sync")
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    run = loop.Run(config, str(single), log=stage)
-    executor = save_with_prefetch(run, config, 2, single)
-    save_as_before(executor, str(single / "before"), config)
-    executor.close()
-    run.checkpoints.close()
-    assert_restored(run, run_checkpoints.open_manager(str(single / "before"), config), single, version=2)
-    port = free_port()
-    outputs = run_workers(
-        *[(("checkpoint", str(multi), str(pretrained_cache), str(single)),
-           worker_env(4, **slurm_step_env(pid, port), **compiled_env(two_process_cache)))
-          for pid in range(2)],
-        timeout_s=LOOP_TIMEOUT_S,
-    )
+    workers: `assert_restored`; `placement_launch` runs them)."""
+    config, single, multi, outputs = (getattr(placement_launch, key) for key in ("config", "single", "multi", "outputs"))
+    assert_restored(placement_launch.run, run_checkpoints.open_manager(str(single / "before"), config), single, version=2)
     for out in outputs:
         assert "resumed from checkpoint 1 (policy version 1, 1 prefetched micro-batches)" in out
         assert "checkpoint round trip kept every bit" in out
@@ -1184,14 +1212,14 @@ SLOW_TRAIN = {("rollout", "rollout"): [0.2], ("rollout", "train"): [0.2], ("trai
               ("update", "train"): [0.05], ("sync", "link"): [0.05]}
 
 
-def run_split_worker(workdir: str, cache_dir: str) -> None:
-    """One process of the elastic-split test: each process has measured other task times; both
-    must still plan the iteration alike (process 0's split), or their transfers would not pair up."""
-    assert multihost.initialize().num_processes == 2
+def run_split_worker(run: loop.Run, workdir: str, cache_dir: str) -> None:
+    """The elastic-split test's part of a `run_placement_worker` process, an executor of `run` in
+    the full mode: each process has measured other task times; both must still plan the
+    iteration alike (process 0's split), or their transfers would not pair up."""
     mode = "gap+tsp+tag+tcss"
     config = loop_config(cache_dir, mode)
     config.runtime.update(tag_microbatches=-1, prefetch_microbatches=-1)  # chosen from measured costs
-    executor = Executor(loop.Run(config, workdir, log=stage), log=stage)
+    executor = Executor(run, config=config, trace_path=os.path.join(workdir, "split_trace.json"), log=stage)
     executor.measured = SLOW_ROLLOUT if jax.process_index() == 0 else SLOW_TRAIN
     own = plan_lib.choose_split(mode, config.runtime.micro_batches, executor.measured_costs())
     split = executor.split_for(1)
@@ -1199,15 +1227,10 @@ def run_split_worker(workdir: str, cache_dir: str) -> None:
     stage(f"own split {own}, planned split {split}")
 
 
-def test_two_process_elastic_split_is_process_0s(tmp_path, pretrained_cache, two_process_cache):
+def test_two_process_elastic_split_is_process_0s(placement_launch):
     """With TAG and prefetch chosen from measured costs, processes that measured different costs
-    still dispatch the same plan: process 0's choice."""
-    port = free_port()
-    outputs = run_workers(
-        *[(("split", str(tmp_path), str(pretrained_cache)),
-           worker_env(4, **slurm_step_env(pid, port), **compiled_env(two_process_cache))) for pid in range(2)],
-        timeout_s=LOOP_TIMEOUT_S,
-    )
+    still dispatch the same plan: process 0's choice (`placement_launch` runs them)."""
+    outputs = placement_launch.outputs
     assert "own split (2, 0), planned split (2, 0)" in outputs[0]
     assert "own split (0, 1), planned split (2, 0)" in outputs[1]
 
@@ -1245,13 +1268,11 @@ def test_system_bench_runs_as_two_processes(tmp_path, pretrained_cache, two_proc
 
 
 def run_frozen_worker(workdir: str, cache_dir: str) -> None:
-    """One process of the 2-process placement test (LoRA, rollout on process 0's devices, training
-    on process 1's): asserts that the frozen base and decoder weights are placed from each
+    """The frozen-base test's part of a `run_placement_worker` process (LoRA, rollout on process
+    0's devices, training on process 1's): asserts that the frozen base and decoder weights are placed from each
     process's own copy with no cross-process move, that the train role's base moved in pieces
     or in one program lands bit for bit as the rollout's own copy, and that one iteration's
     transfer figures are the bytes shapes and dtypes give."""
-    assert multihost.initialize().num_processes == 2
-    jax.config.update("jax_default_matmul_precision", "highest")
     config = loop_config(cache_dir, "disagg_sync")
     config.rl.update(lora_rank=2, lora_merge_for_sampling=False)
     config.train.update(eval_every=0)
@@ -1323,18 +1344,13 @@ def run_frozen_worker(workdir: str, cache_dir: str) -> None:
     stage(f"transfer figures: trajectories {figures['trajectory_bytes']} bytes, sync {figures['sync_bytes']} bytes")
 
 
-def test_two_process_frozen_base_placed_from_own_copies(tmp_path, pretrained_cache, two_process_cache):
+def test_two_process_frozen_base_placed_from_own_copies(placement_launch):
     """LoRA with rollout on process 0's devices and training on process 1's: the frozen base and
     the decoder weights reach every role from each process's own copy, with no cross-process
     move, bit for bit what the train role's base moved in pieces (or in one program) gives; one
-    iteration's trajectory and sync bytes are those of their shapes (asserted in the workers)."""
-    port = free_port()
-    outputs = run_workers(
-        *[(("frozen", str(tmp_path), str(pretrained_cache)),
-           worker_env(4, **slurm_step_env(pid, port), **compiled_env(two_process_cache))) for pid in range(2)],
-        timeout_s=LOOP_TIMEOUT_S,
-    )
-    for out in outputs:
+    iteration's trajectory and sync bytes are those of their shapes (asserted in the workers,
+    which `placement_launch` runs)."""
+    for out in placement_launch.outputs:
         assert "frozen base placed on both roles without a cross-process move" in out
         assert "pieces and in one program: the rollout's own copy" in out
         assert "decoder weights placed without a cross-process move" in out
@@ -1536,7 +1552,8 @@ def stopped_runs(tmp_path_factory, pretrained_cache, two_process_cache):
     # The reference at the lowest CPU priority: it soaks up what the 2-process runs leave idle
     # (their waits for each other and for the killed process), off their critical path.
     reference = start_worker(("loop", str(single), str(cache_dir), "disagg_sync"),
-                             worker_env(8, JAX_COORDINATOR_PORT=str(ports[0])), outputs["reference"], niceness=19)
+                             worker_env(8, JAX_COORDINATOR_PORT=str(ports[0]), **compiled),
+                             outputs["reference"], niceness=19)
     survivor, victim = [start_worker(command(multi, PEER_TIMEOUT_S),
                                      worker_env(4, **slurm_step_env(pid, ports[1]), **compiled, **{STALL_ENV: "1"}),
                                      outputs[name], stdin=subprocess.PIPE)
@@ -1659,16 +1676,13 @@ def test_two_processes_report_on_process_0_only(stopped_runs):
 
 if __name__ == "__main__":
     # A hung worker prints where every thread waits before the test kills it.
-    faulthandler.dump_traceback_later((WORKER_TIMEOUT_S if sys.argv[1] == "transfers" else LOOP_TIMEOUT_S) - 10)
+    timeouts = {"transfers": WORKER_TIMEOUT_S, "placement": PLACEMENT_TIMEOUT_S}
+    faulthandler.dump_traceback_later(timeouts.get(sys.argv[1], LOOP_TIMEOUT_S) - 10)
     cache_every_process()
     if sys.argv[1] == "transfers":
         run_worker(sys.argv[2])
-    elif sys.argv[1] == "checkpoint":
-        run_checkpoint_worker(*sys.argv[2:])
-    elif sys.argv[1] == "split":
-        run_split_worker(*sys.argv[2:])
-    elif sys.argv[1] == "frozen":
-        run_frozen_worker(*sys.argv[2:])
+    elif sys.argv[1] == "placement":
+        run_placement_worker(*sys.argv[2:])
     elif sys.argv[1] == "sleep":
         run_sleep_worker(*sys.argv[2:])
     elif sys.argv[1] == "raise":

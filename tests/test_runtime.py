@@ -209,15 +209,24 @@ def cache_dir(pretrain_cache_dir):
     return pretrain_cache_dir
 
 
-def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable, modes=plan_lib.MODES) -> dict:
+def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable, modes=plan_lib.MODES, run=None) -> dict:
     """Every mode of `modes` for two iterations from the same Run (same initial weights, shared
     compiled steps), its configs from `make_config(mode)`; `snapshot(state)` after the first
-    iteration."""
-    run = loop.Run(make_config("colocated"), str(workdir), log=lambda _: None)
+    iteration, and for every rollout as it runs (task key, the group its micro-batch was planned
+    on, the group running it). `run`: that Run, where one of `make_config`'s is built already
+    (its executors take their runtime and update settings from their own configs)."""
+    run = run or loop.Run(make_config("colocated"), str(workdir), log=lambda _: None)
     out = {"run": run, "initial": jax.device_get(run.state.trainable)}
     for mode in modes:
         trace_path = os.path.join(workdir, mode.replace("+", "_") + ".json")
         executor = Executor(run, settings=run_settings(make_config(mode)), trace_path=trace_path, log=lambda _: None)
+        rollouts, rollout = [], executor._rollout
+
+        def recorded(task, mb, rollouts=rollouts, rollout=rollout):
+            rollouts.append((task.key, mb.rolled_on, task.group))
+            rollout(task, mb)
+
+        executor._rollout = recorded
         plans, metrics, after_first = [], [], None
         for k in range(ITERATIONS):
             plan, m = executor.iteration(k)
@@ -228,7 +237,7 @@ def run_every_mode(make_config, workdir, snapshot=lambda state: state.trainable,
         timings = [executor.timing(k, p) for k, p in enumerate(plans)]
         executor.close()
         out[mode] = dict(executor=executor, after_first=after_first, metrics=metrics, timings=timings,
-                         trace=read_trace(trace_path), trace_path=trace_path)
+                         trace=read_trace(trace_path), trace_path=trace_path, rollouts=rollouts)
     return out
 
 
@@ -276,16 +285,16 @@ def test_offloaded_optimizer_state_gives_the_same_numbers(runs, cache_dir, tmp_p
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
-def test_gathered_colocated_sampling_gives_the_same_numbers(runs, cache_dir, tmp_path, monkeypatch):
-    """Colocated full fine-tuning with FSDP train rules on 4 devices. `runtime.colocated_sampling=
-    'gathered'`: each iteration's rollouts sample from one copy of the weights placed by the
-    rollout rules (replicated), their programs traced under those rules (no mesh context, as the
-    rollout role's), and the copy is dropped before training. 'sharded' (what 'auto' is on CPU
-    devices) samples from the train state's sharded weights under the train rules. The weights
-    and optimizer state after two iterations are bit-equal."""
-    run = runs["run"]
-    assert run.colocated_sampling == "sharded"
-    rollout, seen = run.trainer.rollout, []
+@pytest.fixture(scope="module")
+def colocated_fsdp(runs, cache_dir, tmp_path_factory):
+    """Colocated full fine-tuning with FSDP train rules on 4 devices, from the `runs` fixture's Run,
+    two iterations each with `runtime.colocated_sampling` 'sharded' and 'gathered'. Per setting:
+    the final state, whether the executor gathers, whether the gathered copy was released after
+    each iteration, and for every rollout call (its weights' first leaf's id, whether they were
+    all replicated, whether it ran with no mesh context). Of the 'sharded' run also the sampler
+    step and gradient programs as compiled at their first call, and its state shardings."""
+    run, workdir = runs["run"], tmp_path_factory.mktemp("colocated_fsdp")
+    rollout, seen, compiled = run.trainer.rollout, [], {}
 
     def spy(params, *args):
         leaves = jax.tree.leaves(params)
@@ -293,25 +302,55 @@ def test_gathered_colocated_sampling_gives_the_same_numbers(runs, cache_dir, tmp
                      jax.sharding.get_abstract_mesh().empty))
         return rollout(params, *args)
 
-    monkeypatch.setattr(run.trainer, "rollout", spy)
-    states, calls = {}, {}
+    def compiling(name, fn):
+        def call(*args):
+            if name not in compiled:
+                compiled[name] = fn.lower(*args).compile()
+            return fn(*args)
+        return call
+
+    out = {"colocated_sampling": run.colocated_sampling}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run.trainer, "rollout", spy)
+        for sampling in ("sharded", "gathered"):
+            config = runtime_config(cache_dir, "colocated", colocated_sampling=sampling, train_devices=4)
+            if sampling == "sharded":
+                patch.setattr(run.trainer.sampler, "step", compiling("step", run.trainer.sampler.step))
+            executor = Executor(run, settings=run_settings(config), trace_path=str(workdir / f"{sampling}.json"), log=lambda _: None)
+            if sampling == "sharded":  # the executor pins the gradient program's shardings: wrap it after
+                patch.setattr(run.trainer, "_grad", compiling("grad", run.trainer._grad))
+            seen.clear()
+            released = []
+            for k in range(ITERATIONS):
+                executor.iteration(k)
+                executor.drain()
+                released.append(executor.weights._gathered is None)
+            executor.close()
+            out[sampling] = dict(config=config, state=executor.state, state_sharding=executor.state_sharding,
+                                 gathered=executor.weights.gathered, released=released, calls=list(seen))
+    out["compiled"] = compiled
+    return out
+
+
+def test_gathered_colocated_sampling_gives_the_same_numbers(runs, colocated_fsdp):
+    """Colocated full fine-tuning with FSDP train rules on 4 devices. `runtime.colocated_sampling=
+    'gathered'`: each iteration's rollouts sample from one copy of the weights placed by the
+    rollout rules (replicated), their programs traced under those rules (no mesh context, as the
+    rollout role's), and the copy is dropped before training. 'sharded' (what 'auto' is on CPU
+    devices) samples from the train state's sharded weights under the train rules. The weights
+    and optimizer state after two iterations are bit-equal (`colocated_fsdp` runs both)."""
+    assert colocated_fsdp["colocated_sampling"] == "sharded"
     for sampling in ("sharded", "gathered"):
-        config = runtime_config(cache_dir, "colocated", colocated_sampling=sampling, train_devices=4)
-        executor = Executor(run, settings=run_settings(config), trace_path=str(tmp_path / f"{sampling}.json"), log=lambda _: None)
-        assert executor.weights.gathered == (sampling == "gathered")
-        seen.clear()
-        for k in range(ITERATIONS):
-            executor.iteration(k)
-            executor.drain()
-            assert executor.weights._gathered is None  # released before training
-        executor.close()
-        states[sampling], calls[sampling] = executor.state, list(seen)
-    per_iteration = config.runtime.micro_batches
+        assert colocated_fsdp[sampling]["gathered"] == (sampling == "gathered")
+        assert colocated_fsdp[sampling]["released"] == [True] * ITERATIONS  # released before training
+    calls = {s: colocated_fsdp[s]["calls"] for s in ("sharded", "gathered")}
+    per_iteration = colocated_fsdp["gathered"]["config"].runtime.micro_batches
     assert len(calls["gathered"]) == len(calls["sharded"]) == ITERATIONS * per_iteration
     assert all(replicated and no_mesh for _, replicated, no_mesh in calls["gathered"])
     assert not any(replicated or no_mesh for _, replicated, no_mesh in calls["sharded"])
     copies = [{c for c, _, _ in calls["gathered"][i:i + per_iteration]} for i in range(0, ITERATIONS * per_iteration, per_iteration)]
     assert [len(c) for c in copies] == [1] * ITERATIONS  # one copy per iteration
+    states = {s: colocated_fsdp[s]["state"] for s in ("sharded", "gathered")}
     got, want = (jax.device_get((states[s].trainable, states[s].opt_state)) for s in ("gathered", "sharded"))
     assert _max_diff(got[0], runs["initial"]) > 0
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))), \
@@ -401,14 +440,15 @@ MULTI_UPDATE_MODES = (plan_lib.COLOCATED, plan_lib.BEST_MODE)
 
 
 @pytest.fixture(scope="module")
-def multi_update_runs(cache_dir, compile_cache, tmp_path_factory):
-    """`runs` with `rl.num_updates_per_batch=2`: each iteration's 4 micro-batches make two updates."""
+def multi_update_runs(runs, cache_dir, compile_cache, tmp_path_factory):
+    """`runs` with `rl.num_updates_per_batch=2`: each iteration's 4 micro-batches make two updates
+    (executors of the `runs` fixture's Run: the number of updates is the executor's setting)."""
     def config(mode):
         c = runtime_config(cache_dir, mode)
         c.rl.num_updates_per_batch = 2
         return c
 
-    return run_every_mode(config, tmp_path_factory.mktemp("runtime_updates"), modes=MULTI_UPDATE_MODES)
+    return run_every_mode(config, tmp_path_factory.mktemp("runtime_updates"), modes=MULTI_UPDATE_MODES, run=runs["run"])
 
 
 @pytest.mark.parametrize("mode", MULTI_UPDATE_MODES)
@@ -540,24 +580,14 @@ def test_lag0_units_are_anchored_on_the_trainers_first_pass(runs, mode):
         assert 0 <= m["rollout_logp_gap_max"] < 1e-5  # fp32: the rollout's log-probs to rounding
 
 
-def test_a_rollout_s_group_is_known_when_planned(runs, cache_dir, tmp_path, monkeypatch):
+def test_a_rollout_s_group_is_known_when_planned(runs):
     """Every micro-batch's group is set when its rollout is planned, before the rollout runs: the
     next plan reads it to place trajectory moves (`_crossings`), and the prefetched rollouts of
-    iteration k + 1 may not have run when it is made."""
-    seen = []
-    rollout = Executor._rollout
-
-    def checked(self, task, mb):
-        seen.append((task.key, mb.rolled_on, task.group))
-        rollout(self, task, mb)
-
-    monkeypatch.setattr(Executor, "_rollout", checked)
-    config = runtime_config(cache_dir, "gap+tsp+tag+tcss")
-    executor = Executor(runs["run"], settings=run_settings(config), trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
-    for k in range(2):
-        executor.iteration(k)
-    executor.close()
-    assert len(seen) >= 2 * config.runtime.micro_batches  # and the prefetched rollout of iteration 2
+    iteration k + 1 may not have run when it is made. The `runs` fixture's full mode, whose
+    rollouts it records as they run."""
+    result = runs["gap+tsp+tag+tcss"]
+    seen = result["rollouts"]
+    assert len(seen) >= ITERATIONS * result["executor"].microbatches  # and the prefetched rollout of iteration 2
     assert all(planned == group for _, planned, group in seen), seen
     assert {group for *_, group in seen} == {"rollout", "train"}
 
@@ -659,37 +689,23 @@ def test_frozen_base_on_the_rollout_role_equals_the_trainers(cache_dir, tmp_path
     executor.close()
 
 
-def test_fsdp_programs_gather_the_weights_and_keep_gradient_shards(runs, cache_dir, tmp_path, monkeypatch):
-    """Colocated with the weights sharded (tiny's FSDP train rules), as the executor compiles them:
-    the sampler step gathers each weight and moves nothing else (every product contracts a whole
-    hidden axis on the device's share of the batch), and the gradient program leaves each
-    gradient sharded like its weight. Left to itself, the compiler split the products'
-    contraction and all-reduced activations, which deadlocked with cuDNN attention on 2 GPUs
-    (docs/known_issues.md), and returned whole gradients on every device."""
-    config = runtime_config(cache_dir, "colocated", train_devices=4)
-    assert mesh_lib.shards_weights(config.sharding.train_rules)
-    run = runs["run"]
-    compiled = {}
-
-    def compiling(name, fn):
-        def call(*args):
-            compiled.setdefault(name, fn.lower(*args).compile())
-            return fn(*args)
-        return call
-
-    sampler = run.trainer.sampler
-    monkeypatch.setattr(sampler, "step", compiling("step", sampler.step))
-    executor = Executor(run, settings=run_settings(config), trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
-    monkeypatch.setattr(run.trainer, "_grad", compiling("grad", run.trainer._grad))
-    executor.iteration(0)
-    executor.close()
+def test_fsdp_programs_gather_the_weights_and_keep_gradient_shards(colocated_fsdp):
+    """Colocated with the weights sharded (tiny's FSDP train rules), as the executor compiles them
+    (`colocated_fsdp`'s 'sharded' run): the sampler step gathers each weight and moves nothing
+    else (every product contracts a whole hidden axis on the device's share of the batch), and
+    the gradient program leaves each gradient sharded like its weight. Left to itself, the
+    compiler split the products' contraction and all-reduced activations, which deadlocked with
+    cuDNN attention on 2 GPUs (docs/known_issues.md), and returned whole gradients on every device."""
+    sharded = colocated_fsdp["sharded"]
+    assert mesh_lib.shards_weights(sharded["config"].sharding.train_rules)
+    compiled = colocated_fsdp["compiled"]
     ops = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
     text = compiled["step"].as_text()
     counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in ops}
     assert counts["all-gather"] > 0 and sum(counts.values()) == counts["all-gather"], counts
     grad = compiled["grad"]
     grads, shapes = jax.tree.leaves(grad.output_shardings[1]), jax.tree.leaves(grad.out_info[1])
-    expected = jax.tree.leaves(executor.state_sharding.trainable)
+    expected = jax.tree.leaves(sharded["state_sharding"].trainable)
     assert len(grads) == len(shapes) == len(expected) and any(not e.is_fully_replicated for e in expected)
     assert all(g.is_equivalent_to(e, s.ndim) for g, e, s in zip(grads, expected, shapes))
 
