@@ -7,6 +7,7 @@ from __future__ import annotations
 import ml_collections
 
 from configs.schema import FSDP_RULES
+from digen_jax.models.specs import SPECS
 
 
 def tpu_overrides(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -64,25 +65,10 @@ def full_ft_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
-# The usual RL target set, "attention and MLP" of every block, per model family: every q/k/v and
-# output projection of the attentions and both MLP matmuls (FLUX/HunyuanVideo single blocks:
-# proj_mlp and the fused proj_out). Embedders, AdaLN modulation and HunyuanVideo's token
-# refiner stay frozen. `(\d+/)?` admits the block index of unrolled layouts (`blocks/3/ffn/...`).
-ATTENTION_MLP_TARGETS: dict[str, tuple[str, ...]] = {
-    "flux": (r"attn/(to_|add_)", r"/(ff|ff_context)/", r"single_blocks/(\d+/)?proj_(mlp|out)/"),
-    "qwenimage": (r"attn/(to_|add_)", r"/(img_mlp|txt_mlp)/"),
-    "wan": (r"blocks/(\d+/)?attn[12]/to_", r"blocks/(\d+/)?ffn/"),
-    "wan22": (r"blocks/(\d+/)?attn[12]/to_", r"blocks/(\d+/)?ffn/"),  # in both A14B experts alike
-    "hunyuan_video": (
-        r"(double|single)_blocks/(\d+/)?attn/(to_|add_)",
-        r"double_blocks/(\d+/)?(ff|ff_context)/",
-        r"single_blocks/(\d+/)?proj_(mlp|out)/",
-    ),
-    # Both attentions of the MMDiT-X blocks (attn, and attn2 where a block has it) and both MLPs;
-    # not the last block's text query projection, whose output that block discards.
-    "sd3": (r"(dual|joint)_blocks/(\d+/)?attn2?/(to_|add_)", r"final_block/(\d+/)?attn2?/(to_|add_[kv])",
-            r"/(ff|ff_context)/"),
-}
+# The usual RL target set, "attention and MLP" of every block, per model family (each family
+# spec's `lora_targets`, which imports no JAX): every q/k/v and output projection of the
+# attentions and both MLP matmuls; embedders and AdaLN modulation stay frozen.
+ATTENTION_MLP_TARGETS: dict[str, tuple[str, ...]] = {name: spec.lora_targets for name, spec in SPECS.items()}
 
 
 def tiny_overrides(c: ml_collections.ConfigDict, *, video: bool, trained_steps: int) -> ml_collections.ConfigDict:
