@@ -68,3 +68,16 @@ print([sorted(t) == sorted(specs.SPECS) and "new" in t
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str([True] * 5)
+
+
+def test_the_public_module_paths_read_the_family_packages():
+    from digen_jax import models
+    from digen_jax.models import flux, vae_flux, vae_hunyuan_video, vae_wan
+    from digen_jax.models.flux import transformer
+
+    assert flux.FluxConfig is transformer.FluxConfig and flux.FAMILY is FAMILIES["flux"]
+    assert (vae_flux.FAMILY, vae_wan.FAMILY, vae_hunyuan_video.FAMILY) == (
+        FAMILIES["vae_flux"], FAMILIES["vae_wan"], FAMILIES["vae_hunyuan_video"])
+    assert callable(models.from_diffusers) and callable(models.load_checkpoint)
+    with pytest.raises(AttributeError):
+        models.no_such_module

@@ -4,7 +4,7 @@ Each transformer family is a package (`flux`, `qwenimage`, `wan`, `wan22`, `huny
 `sd3`): its `transformer` module, its own `vae` where it has one, and a JAX-free `spec`; `specs`
 lists the families. `from_diffusers(module)` ports an instantiated diffusers transformer;
 `load_checkpoint(path)` reads one converted by `convert/diffusers_to_orbax.py` (both in
-`registry`, with `FAMILIES`, the converted-model registry).
+`loading`, with `FAMILIES`, the converted-model registry).
 
 Names load on first use, so that the specs import no JAX.
 """
@@ -17,11 +17,15 @@ _REGISTRY = (
     "from_diffusers", "load_checkpoint", "make_apply_fn", "save_checkpoint",
 )
 __all__ = list(_REGISTRY)
+# The VAE modules by their names outside the family packages (`from digen_jax.models import vae_wan`).
+_VAES = {"vae_flux": "flux.vae", "vae_wan": "wan.vae", "vae_hunyuan_video": "hunyuan_video.vae"}
 
 
 def __getattr__(name: str):
     if name in _REGISTRY:
-        return getattr(importlib.import_module(f"{__name__}.registry"), name)
+        return getattr(importlib.import_module(f"{__name__}.loading"), name)
+    if name in _VAES:
+        return importlib.import_module(f"{__name__}.{_VAES[name]}")
     try:
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as e:
