@@ -9,14 +9,11 @@ Real run (converted weights and an embedding cache, see README "Model-zoo config
         --config.model.checkpoint=/ckpt/flux-dev-jax --config.model.vae_checkpoint=/ckpt/flux-vae-jax \
         --config.data.embedding_cache=/data/flux-prompts
 
-Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
-CPU smoke run of the tiny variant: --config=configs/flux.py:tiny
 """
 import ml_collections
 
 from configs import schema
 from configs.sections import ATTENTION_MLP_TARGETS, tiny_overrides
-
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
     # configs/schema.py's defaults are FLUX.1-dev's Flow-GRPO recipe; only the targets differ.

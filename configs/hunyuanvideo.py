@@ -10,9 +10,6 @@ Real run (converted weights and an embedding cache, see README "Model-zoo config
         --config.model.checkpoint=/ckpt/hunyuan-video-jax --config.model.vae_checkpoint=/ckpt/hunyuan-vae-jax \
         --config.data.embedding_cache=/data/hunyuan-prompts
 
-Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
-CPU smoke run of the tiny variant: --config=configs/hunyuanvideo.py:tiny
-
 `:81f`: 81 frames (21 latent frames) at 480x848 (`LONG_SIZES`), remat 'full', 4 training
 units per gradient chunk as at 33 frames. 33,390 video tokens (plus 256 text tokens) per unit,
 about 17 GB of activations per unit on one device (block inputs kept for the backward pass,
@@ -21,7 +18,7 @@ chunk and device next to the 25.6 GB of bf16 weights. Without sequence paralleli
 per chunk fit (`--config.rl.micro_batch_size=2`). With more sequence groups than one, raise
 `rl.micro_batch_size` by their number. The VAE decodes as diffusers' default does: 7 temporal
 tiles of 5 latent frames (17 frames), 3 apart, blended over 4 frames, no spatial tiles
-(`vae_hunyuan_video.DEFAULT_TILING`, docs/models.md section 4); its mid attention scores of
+(`models/hunyuan_video/vae.py` `DEFAULT_TILING`, docs/models.md section 4); its mid attention scores of
 one tile (31,800 pixels) take about 4 GB in fp32.
 """
 import ml_collections
@@ -32,7 +29,6 @@ from configs.sections import ATTENTION_MLP_TARGETS, long_video_overrides, tiny_o
 # Clip-length sizes (module docstring), each with the runtime.seq_parallel it sets.
 LONG_SIZES = {"81f": dict(num_frames=81, height=480, width=848, micro_batch_size=4, seq_parallel=2)}
 SIZES = ("full", "tiny", *LONG_SIZES)
-
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
     if size not in SIZES:

@@ -8,14 +8,11 @@ Real run (converted weights and an embedding cache, see README "Model-zoo config
         --config.model.checkpoint=/ckpt/qwen-image-jax --config.model.vae_checkpoint=/ckpt/qwen-image-vae-jax \
         --config.data.embedding_cache=/data/qwen-prompts
 
-Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
-CPU smoke run of the tiny variant: --config=configs/qwenimage.py:tiny
 """
 import ml_collections
 
 from configs import schema
 from configs.sections import ATTENTION_MLP_TARGETS, tiny_overrides
-
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c = schema.config("zoo")  # what differs from configs/schema.py's defaults:

@@ -36,7 +36,7 @@ FSDP_RULES = BATCH_RULES + (("embed", "data"),)
 KEYS: dict[str, Key] = {
     "seed": Key(0, "the run's seed: prompts, noises and step selection of iteration k derive from (seed, k)"),
     # ------------------------------------------------------------------ model
-    "model.family": Key("flux", "model family: a digen_jax.models.FAMILIES transformer with a zoo row (app/families.py)"),
+    "model.family": Key("flux", "model family: a digen_jax/models/specs.py family"),
     "model.variant": Key("dev", "with random_init: an entry of the family's VARIANTS table ('tiny' for CPU)", group="zoo"),
     "model.checkpoint": Key("", "converted transformer dir (convert/diffusers_to_orbax.py); configs/tiny.py: empty "
                                 "pretrains on its task (cached)"),

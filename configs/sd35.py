@@ -23,8 +23,6 @@ Real run (converted weights and an embedding cache; Flow-GRPO encodes T5 to 128 
         --config.model.checkpoint=/ckpt/sd35m-jax --config.model.vae_checkpoint=/ckpt/sd35m-vae-jax \
         --config.data.embedding_cache=/data/sd35-prompts
 
-Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
-CPU smoke run of the tiny variant: --config=configs/sd35.py:tiny
 """
 import ml_collections
 
@@ -34,7 +32,6 @@ from configs.sections import tiny_overrides
 # The reference's peft targets: the joint attention (`attn`) of every block, both streams
 # (in the last block, which drops its text outputs, the text keys and values only).
 JOINT_ATTENTION_TARGETS = (r"(dual|joint)_blocks/(\d+/)?attn/(to_|add_)", r"final_block/(\d+/)?attn/(to_|add_[kv])")
-
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c = schema.config("zoo")  # what differs from configs/schema.py's defaults:

@@ -1,12 +1,16 @@
 """Recipes the configs share, as data: the LoRA target sets of the model families, the CPU-size
 (`:tiny`), clip-length (`:81f...`) and TPU-slice overrides of the model-zoo configs, and the
 DiffusionNFT and full fine-tuning recipes of the `*_nft.py` and `*_full.py` zoo configs. Every key
-and its default: configs/schema.py."""
+and its default: configs/schema.py. Each variant config (`*_nft.py`, `*_full.py`) is a recipe
+applied to its base (`variant`)."""
 from __future__ import annotations
+
+from typing import Callable
 
 import ml_collections
 
 from configs.schema import FSDP_RULES
+from digen_jax.models.specs import SPECS
 
 
 def tpu_overrides(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -32,9 +36,10 @@ def nft_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     (NVlabs/DiffusionNFT config/nft.py over config/base.py; docs/algorithms.md section A12): ODE
     rollouts with DPM2 and no CFG, int(N * 0.99) trained levels per sample, beta 1, the 'ramp'
     decay, KL-to-base weight 1e-4, advantage clip 5, one update per batch, an evaluation EMA of
-    decay 0.9 updated every step. The reference's SD3.5-M ran 10 steps with 24 images x 48
-    prompts per update; the model, ladder, LoRA and batch stay `c`'s."""
+    decay 0.9 updated every step, 10 steps (the reference's SD3.5-M rollouts; it ran 24 images x 48
+    prompts per update). The model, ladder, LoRA and batch stay `c`'s."""
     c.rl.algorithm = "nft"
+    c.sampling.num_steps = 10
     c.rl.nft_solver, c.rl.nft_beta, c.rl.nft_decay, c.rl.nft_timesteps = "dpm2", 1.0, "ramp", 0
     c.rl.timestep_fraction = 0.99
     c.rl.kl_beta = 1e-4
@@ -64,25 +69,22 @@ def full_ft_recipe(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
-# The usual RL target set, "attention and MLP" of every block, per model family: every q/k/v and
-# output projection of the attentions and both MLP matmuls (FLUX/HunyuanVideo single blocks:
-# proj_mlp and the fused proj_out). Embedders, AdaLN modulation and HunyuanVideo's token
-# refiner stay frozen. `(\d+/)?` admits the block index of unrolled layouts (`blocks/3/ffn/...`).
-ATTENTION_MLP_TARGETS: dict[str, tuple[str, ...]] = {
-    "flux": (r"attn/(to_|add_)", r"/(ff|ff_context)/", r"single_blocks/(\d+/)?proj_(mlp|out)/"),
-    "qwenimage": (r"attn/(to_|add_)", r"/(img_mlp|txt_mlp)/"),
-    "wan": (r"blocks/(\d+/)?attn[12]/to_", r"blocks/(\d+/)?ffn/"),
-    "wan22": (r"blocks/(\d+/)?attn[12]/to_", r"blocks/(\d+/)?ffn/"),  # in both A14B experts alike
-    "hunyuan_video": (
-        r"(double|single)_blocks/(\d+/)?attn/(to_|add_)",
-        r"double_blocks/(\d+/)?(ff|ff_context)/",
-        r"single_blocks/(\d+/)?proj_(mlp|out)/",
-    ),
-    # Both attentions of the MMDiT-X blocks (attn, and attn2 where a block has it) and both MLPs;
-    # not the last block's text query projection, whose output that block discards.
-    "sd3": (r"(dual|joint)_blocks/(\d+/)?attn2?/(to_|add_)", r"final_block/(\d+/)?attn2?/(to_|add_[kv])",
-            r"/(ff|ff_context)/"),
-}
+# The usual RL target set, "attention and MLP" of every block, per model family (each family
+# spec's `lora_targets`, which imports no JAX): every q/k/v and output projection of the
+# attentions and both MLP matmuls; embedders and AdaLN modulation stay frozen.
+ATTENTION_MLP_TARGETS: dict[str, tuple[str, ...]] = {name: spec.lora_targets for name, spec in SPECS.items()}
+
+
+def variant(base, recipe: Callable[[ml_collections.ConfigDict], ml_collections.ConfigDict], *, trained_steps: int):
+    """The `get_config(size)` of a variant config: `recipe` (`nft_recipe`, `full_ft_recipe`) applied
+    to the full config of `base` (an image model-zoo config module); `:tiny` at CPU size, where the
+    recipe trains `trained_steps` steps per sample (`tiny_overrides`)."""
+
+    def get_config(size: str = "full") -> ml_collections.ConfigDict:
+        c = recipe(base.get_config())
+        return tiny_overrides(c, video=False, trained_steps=trained_steps) if size == "tiny" else c
+
+    return get_config
 
 
 def tiny_overrides(c: ml_collections.ConfigDict, *, video: bool, trained_steps: int) -> ml_collections.ConfigDict:

@@ -10,9 +10,6 @@ Real run (converted weights and an embedding cache, see README "Model-zoo config
         --config.model.checkpoint=/ckpt/wan21-14b-jax --config.model.vae_checkpoint=/ckpt/wan21-vae-jax \
         --config.data.embedding_cache=/data/wan-prompts
 
-Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
-CPU smoke run of the tiny variant: --config=configs/wan21.py:tiny
-
 81 frames (21 latent frames; `LONG_SIZES`), remat 'full', 2 training units per gradient chunk:
 
 * `:81f_480p`, 480x832: 32,760 tokens per video, twice that per unit with true CFG. Sets
@@ -37,7 +34,6 @@ LONG_SIZES = {
     "81f_720p": dict(num_frames=81, height=720, width=1280, micro_batch_size=2, seq_parallel=4),
 }
 SIZES = ("full", "tiny", *LONG_SIZES)
-
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
     if size not in SIZES:

@@ -24,13 +24,12 @@ Real run (converted weights and an embedding cache, see README "Model-zoo config
 T2V-A14B: convert both experts into one checkpoint (convert/diffusers_to_orbax.py --model_dir_2) and
 use the Wan2.1 VAE (configs/wan21.py's).
 
-Throughput run without weights: --config.model.random_init=True --config.data.random_embeddings=True.
-CPU smoke runs of the tiny variants: --config=configs/wan22.py:tiny (TI2V structure, tiny Wan2.2
+The tiny sizes: --config=configs/wan22.py:tiny (TI2V structure, tiny Wan2.2
 VAE), --config=configs/wan22.py:tiny_a14b (the pair of experts, tiny Wan2.1 VAE).
 """
 import ml_collections
 
-from configs import schema
+from configs import wan21
 from configs.sections import ATTENTION_MLP_TARGETS, tiny_overrides
 
 # The released models: transformer variant, sample_shift and guidance (Wan2.2's configs); A14B
@@ -46,34 +45,14 @@ def get_config(size: str = "ti2v_5b") -> ml_collections.ConfigDict:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r} for configs/wan22.py; one of {SIZES}")
     released = MODELS["t2v_a14b" if size in ("t2v_a14b", "tiny_a14b") else "ti2v_5b"]
-    c = schema.config("zoo", "video")  # what differs from configs/schema.py's defaults:
+    c = wan21.get_config()  # what differs from the Wan2.1 recipe:
     c.model.family = "wan22"
     c.model.variant = released["variant"]
-    c.model.vae_decode_batch = 1
-
-    c.sampling.height, c.sampling.width = 480, 832
-    c.sampling.num_steps = 20
-    c.sampling.ladder = "wan"
     c.sampling.ladder_options = {"flow_shift": released["flow_shift"]}
-    c.sampling.guidance = 0.0  # no embedded guidance
     c.sampling.cfg_scale = released["cfg_scale"]  # true CFG against the cache's negative prompt
     if "cfg_scale_2" in released:
         c.sampling.cfg_scale_2 = released["cfg_scale_2"]
-    c.sampling.sde_type = "wan"  # g = sigma_1 * sigma: no noise-level knob
-    c.sampling.noise_level = 1.0
-
-    c.rl.prompts_per_iteration = 16
-    c.rl.group_size = 4
-    c.rl.std_mode = "group"
-    c.rl.clip_range = 1e-3
-    c.rl.kl_beta = 0.004  # the true KL to the base
-    c.rl.micro_batch_size = 8
-    c.rl.learning_rate = 1e-4
-    c.rl.lora_rank, c.rl.lora_alpha = 32, 64.0
     c.rl.lora_targets = ATTENTION_MLP_TARGETS["wan22"]  # in both A14B experts alike
-
-    c.reward.frame_stride = 4  # reward = mean over frames 0, 4, ..., 32
-    c.train.image_every = 0  # a preview decodes the videos again
     if size in ("tiny", "tiny_a14b"):
         c = tiny_overrides(c, video=True, trained_steps=3)
         c.model.variant = size.replace("_", "-")

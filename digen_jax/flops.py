@@ -8,8 +8,9 @@ double-stream block pass through their own weights; counting per layer and per s
 makes these numbers smaller than the naive 2 P S.
 
 A model at a given input shape is a list of `Matmul` and `Attention` terms (`model_terms`),
-built by its family's `Formula` in `FORMULAS` (keyed by the model-family names; this module
-imports no model code, so the simulator can count FLOPs without the model zoo). From it:
+built by its family's `Formula` in `FORMULAS` (keyed by the model-family names, built from the
+family specs, which import no model code, so the simulator can count FLOPs without the model
+zoo). From it:
 
 * `forward`: one forward pass.
 * `lora_forward`: the forward with LoRA adapters applied factored, 2 n r (in + out) each.
@@ -38,6 +39,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.extend
+
+from digen_jax.models.specs import SPECS
 
 # What a matmul's input depends on, which decides whether the backward needs its gradient:
 # 'input' a model input (never), 'cond' conditioning derived from parameters outside the
@@ -419,15 +422,13 @@ class Formula:
     pixels_per_token: Callable[[Any], int] | None = None
 
 
-# The FLOP formula of each transformer family, by the family's name (`digen_jax.models.FAMILIES`).
+# The term builders, by architecture (a family spec's `flop_terms`).
+TERMS: dict[str, Callable[[Any, int, int, int], ModelTerms]] = {
+    "flux": _flux, "qwenimage": _qwenimage, "wan": _wan, "hunyuan_video": _hunyuan_video, "sd3": _sd3,
+}
+# The FLOP formula of each transformer family, by the family's name, from its spec.
 FORMULAS: dict[str, Formula] = {
-    "flux": Formula(_flux),
-    "qwenimage": Formula(_qwenimage),
-    "wan": Formula(_wan, lambda cfg: cfg.patch_size[0]),
-    # One forward runs one transformer (of the A14B pair, one expert); its VAE sets the token size.
-    "wan22": Formula(_wan, lambda cfg: cfg.patch_size[0], lambda cfg: cfg.vae_scale_factor_spatial * cfg.patch_size[1]),
-    "hunyuan_video": Formula(_hunyuan_video, lambda cfg: cfg.patch_size_t),
-    "sd3": Formula(_sd3),
+    name: Formula(TERMS[s.flop_terms], s.temporal_patch, s.pixels_per_token) for name, s in SPECS.items()
 }
 
 

@@ -27,10 +27,8 @@ library GEMM calls of its compiled program (`matmul_custom_calls`: cuBLASLt's FP
 
 Every JSON also records the XLA flags in effect (the launchers add the GPU defaults of
 `digen_jax/xla_flags.py`), the share of device memory JAX may take (`mem_fraction`, from
-XLA_PYTHON_CLIENT_MEM_FRACTION; `--mode=model` sets it to 0.95 unless it is set: JAX's default
-0.75 of an 80 GB card is too little for the largest documented measurement, LoRA fwd+bwd of
-Qwen-Image-20B with unrolled blocks, which needs about 72 GB) and `source_sha256`, a digest of
-the code that ran.
+XLA_PYTHON_CLIENT_MEM_FRACTION; `--mode=model` sets it to 0.95 unless it is set,
+`app/bench/results.py`) and `source_sha256`, a digest of the code that ran.
 
 A measurement that fails (out of memory, an unsupported kernel) is recorded with its error and
 the run goes on; the exit status is 1 if any failed. Modes are entries of `BENCHES`; their
@@ -38,9 +36,7 @@ parts are the modules of `digen_jax/app/bench/`.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
 from typing import Any, Callable
 
@@ -49,23 +45,19 @@ from ml_collections import config_flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
-from configs.sections import ATTENTION_MLP_TARGETS  # noqa: E402
 from digen_jax import cli  # noqa: E402  (imports neither jax nor torch)
-from digen_jax.app.bench import model, torch_peer  # noqa: E402  (jax and torch are imported where used)
-from digen_jax.app.bench.provenance import ROOT  # noqa: E402
+from digen_jax.app.bench import model, results, torch_peer  # noqa: E402  (jax and torch are imported where used)
+from digen_jax.app.bench.results import MODEL_MEM_FRACTION, default_out  # noqa: E402,F401  (public names of the script)
 from digen_jax.app.errors import ConfigError  # noqa: E402
+from digen_jax.models.specs import SPECS  # noqa: E402
 from digen_jax.runtime import plan  # noqa: E402
-
-# The device-memory share of `--mode=model` (XLA_PYTHON_CLIENT_MEM_FRACTION) unless the user set one.
-MODEL_MEM_FRACTION = "0.95"
 
 _MODE = flags.DEFINE_enum(
     "mode", "model", ["model", "system"],
     "What to benchmark: 'model' (one transformer on one device) or 'system' (RL iterations of --config in "
     "every schedule mode of --modes on all devices).",
 )
-_FAMILY = flags.DEFINE_enum("family", "flux", ["flux", "qwenimage", "wan", "wan22", "hunyuan_video", "sd3"],
-                            "Model family.")
+_FAMILY = flags.DEFINE_enum("family", "flux", list(SPECS), "Model family.")
 _VARIANT = flags.DEFINE_string(
     "variant", None, "Variant of the family's VARIANTS table: flux dev|schnell|tiny, qwenimage qwen-image|tiny, "
     "wan t2v-14b|tiny, wan22 ti2v-5b|t2v-a14b|tiny|tiny-a14b (sides multiples of 32 for ti2v-5b and tiny), "
@@ -81,7 +73,7 @@ _LORA_RANK = flags.DEFINE_integer("lora_rank", 64, "LoRA rank for lora_fwd_bwd."
 _LORA_ALPHA = flags.DEFINE_float("lora_alpha", 0.0, "LoRA alpha (scale alpha / rank); 0: 2 x rank.")
 _LORA_TARGETS = flags.DEFINE_multi_string(
     "lora_target", None, "LoRA target regex, repeatable (searched in params paths). Default: attention and MLP "
-    "of every block (configs/sections.py ATTENTION_MLP_TARGETS)."
+    "of every block (the family spec's lora_targets)."
 )
 _LORA_MODE = flags.DEFINE_enum("lora_mode", "factored", ["factored", "merged"], "How LoRA is applied in lora_fwd_bwd.")
 _REMAT = flags.DEFINE_string("remat_policy", "none", "Per-block remat policy: a key of models.stacking.REMAT_POLICIES.")
@@ -142,7 +134,7 @@ def _model_bench() -> model.ModelBench:
     return model.ModelBench(
         family=_FAMILY.value, variant=_VARIANT.value, batch=_BATCH.value, height=_HEIGHT.value, width=_WIDTH.value,
         frames=_FRAMES.value, text_len=_TEXT_LEN.value, what=tuple(_WHAT.value), lora_rank=_LORA_RANK.value,
-        lora_alpha=_LORA_ALPHA.value, lora_targets=tuple(_LORA_TARGETS.value or ATTENTION_MLP_TARGETS[_FAMILY.value]),
+        lora_alpha=_LORA_ALPHA.value, lora_targets=tuple(_LORA_TARGETS.value or SPECS[_FAMILY.value].lora_targets),
         lora_mode=_LORA_MODE.value, remat_policy=_REMAT.value, num_layers=_NUM_LAYERS.value,
         scan_layers=_SCAN_LAYERS.value, attention_impl=_ATTENTION.value, dtype=_DTYPE.value, repeats=_REPEATS.value,
         warmup=_WARMUP.value, seed=_SEED.value, seq_parallel=_SEQ_PARALLEL.value,
@@ -193,7 +185,7 @@ def run_system() -> dict[str, Any]:
         if jax.process_index() != 0:
             return
         path = _OUT.value or default_out(result)
-        _write_result(result, path)
+        results.write(result, path, _WORKDIR.value)
         print(f"wrote {path} ({len(result['modes'])} of {runs} runs)", flush=True)
 
     return system.measure(
@@ -206,38 +198,9 @@ def run_system() -> dict[str, Any]:
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {"model": run_model, "system": run_system}
 
 
-def default_out(result: dict[str, Any]) -> str:
-    """benchmarks/results/<mode>_<model>_..._<UTC time>.json of a result."""
-    stamp = result["created_utc"].replace(":", "").replace("-", "").split("+")[0]
-    if result["mode"] == "system":
-        config = result["config"]["model"]
-        nft = "_nft" if result["config"].get("rl", {}).get("algorithm") == "nft" else ""  # GRPO names as before
-        name = f"system_{config['family']}_{config.get('variant', 'custom')}{nft}_{result['device']['count']}dev_{stamp}.json"
-    else:
-        c = result["config"]
-        frames = f"x{c['frames']}" if c["family"] in ("wan", "hunyuan_video") else ""
-        name = f"{result['mode']}_{c['family']}_{c['variant']}_b{c['batch']}_{c['height']}x{c['width']}{frames}_{stamp}.json"
-    return os.path.join(ROOT, "benchmarks", "results", name)
-
-
-def _write_result(result: dict[str, Any], path: str) -> None:
-    """Write `result` as JSON to `path`; a system run's traces go next to it (they explain the bubbles)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    if result["mode"] == "system":
-        traces = os.path.splitext(path)[0] + "_traces"
-        os.makedirs(traces, exist_ok=True)
-        for record in result.get("modes", {}).values():
-            shutil.copy(os.path.join(_WORKDIR.value, record["trace"]), traces)
-
-
 def set_memory_fraction(environ=os.environ) -> str | None:
-    """`--mode=model`: XLA_PYTHON_CLIENT_MEM_FRACTION as MODEL_MEM_FRACTION unless already set (JAX
-    reads it when it first uses the GPU); returns the value in effect (None: JAX's default)."""
-    if _MODE.value == "model":
-        environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MODEL_MEM_FRACTION)
-    return environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    """`results.set_memory_fraction` for `--mode`."""
+    return results.set_memory_fraction(_MODE.value, environ)
 
 
 def run_from_flags() -> tuple[dict[str, Any], str | None]:
@@ -250,7 +213,7 @@ def run_from_flags() -> tuple[dict[str, Any], str | None]:
     if jax.process_index() != 0:  # process 0 writes a multi-process run's result
         return result, None
     path = _OUT.value or default_out(result)
-    _write_result(result, path)
+    results.write(result, path, _WORKDIR.value)
     return result, path
 
 

@@ -10,7 +10,8 @@ import torch
 from diffusers import AutoencoderKL, SD3Transformer2DModel
 
 from digen_jax import diffusion
-from digen_jax.models import from_diffusers, sd3, vae_flux
+from digen_jax.models import from_diffusers, sd3
+from digen_jax.models.flux import vae as vae_flux
 from digen_jax.models.conversion import convert_weights, torch_state_dict_arrays
 
 TINY = dict(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKL
 
-from digen_jax.models import vae_flux
+from digen_jax.models.flux import vae as vae_flux
 from digen_jax.models.conversion import ConversionError, convert_weights, torch_state_dict_arrays
 
 # The released FLUX.1 vae/config.json (dev and schnell ship the same VAE).

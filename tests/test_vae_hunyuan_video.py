@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
-from digen_jax.models import vae_hunyuan_video as vae_hv
+from digen_jax.models.hunyuan_video import vae as vae_hv
 from digen_jax.models.conversion import ConversionError, convert_weights, torch_state_dict_arrays
 
 # docs/models.md's tiny HunyuanVideo VAE: the released structure with 8-channel bases.

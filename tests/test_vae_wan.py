@@ -9,7 +9,8 @@ import pytest
 import torch
 from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 
-from digen_jax.models import convert_diffusers_folder, from_diffusers, load_checkpoint, vae_wan
+from digen_jax.models import convert_diffusers_folder, from_diffusers, load_checkpoint
+from digen_jax.models.wan import vae as vae_wan
 from digen_jax.models.conversion import ConversionError, convert_weights, torch_state_dict_arrays
 
 # docs/models.md's tiny Wan/Qwen VAE: the released structure with 8-channel bases and z_dim 4,

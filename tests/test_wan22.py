@@ -16,7 +16,8 @@ from diffusers import WanTransformer3DModel
 
 from digen_jax.app import families, loop
 from digen_jax.app.errors import ConfigError
-from digen_jax.models import FAMILIES, convert_expert_pair, load_checkpoint, make_apply_fn, vae_wan, wan, wan22
+from digen_jax.models import FAMILIES, convert_expert_pair, load_checkpoint, make_apply_fn, wan, wan22
+from digen_jax.models.wan import vae as vae_wan
 from digen_jax.models.conversion import ConversionError, convert_weights, torch_state_dict_arrays
 from digen_jax.rl import lora
 from digen_jax.rl.rollout import Conditioning, make_denoiser

@@ -40,7 +40,7 @@ from digen_jax.data.shapes import ShapesTask
 from digen_jax.diffusion import flux_image_ids, pack_latents
 from digen_jax.models import load_checkpoint, save_checkpoint
 from digen_jax.models.conversion import POLICY_FIELDS
-from digen_jax.models.flux import FAMILY, FluxConfig
+from digen_jax.models.flux.transformer import FAMILY, FluxConfig
 from digen_jax.rl.optim import make_optimizer
 
 PyTree = Any

@@ -54,19 +54,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from digen_jax.models.specs import SPECS
+
 FORMAT = "digen_jax.embeddings"
 VERSION = 1
 DTYPES = ("float32", "float16", "bfloat16")
 
-# Which arrays each family stores, and its true-CFG default negative prompt (None: no true CFG).
-EMBEDDING_LAYOUTS = {
-    "flux": {"pooled": True, "mask": False, "lengths": False, "negative": None},
-    "qwenimage": {"pooled": False, "mask": True, "lengths": True, "negative": " "},
-    "wan": {"pooled": False, "mask": False, "lengths": True, "negative": ""},
-    "wan22": {"pooled": False, "mask": False, "lengths": True, "negative": ""},  # Wan2.1's umT5 layout
-    "hunyuan_video": {"pooled": True, "mask": True, "lengths": True, "negative": None},
-    "sd3": {"pooled": True, "mask": False, "lengths": False, "negative": ""},
-}
+# Which arrays each family stores, and its true-CFG default negative prompt (None: no true CFG),
+# from the family specs.
+EMBEDDING_LAYOUTS = {name: spec.embedding for name, spec in SPECS.items()}
 
 _HOW_TO_CREATE = (
     "create it with: python convert/encode_prompts.py --family=FAMILY --prompts=PROMPTS.txt "

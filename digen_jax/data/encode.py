@@ -18,25 +18,12 @@ import numpy as np
 from absl import logging
 
 from digen_jax.data.embeddings import DTYPES, EMBEDDING_LAYOUTS, CacheWriter
+from digen_jax.models.specs import SPECS
 
 # family -> (diffusers pipeline class, {text-encoder subfolder: default transformers class},
-#            tokenizer subfolders, default max_sequence_length, hard cap of max_sequence_length).
-# The encoder class is read from the subfolder's config.json "architectures" when it has one.
-PIPELINES = {
-    "flux": ("FluxPipeline", {"text_encoder": "CLIPTextModel", "text_encoder_2": "T5EncoderModel"},
-             ("tokenizer", "tokenizer_2"), 512, 512),
-    "qwenimage": ("QwenImagePipeline", {"text_encoder": "Qwen2_5_VLForConditionalGeneration"},
-                  ("tokenizer",), 512, 1024),
-    "wan": ("WanPipeline", {"text_encoder": "UMT5EncoderModel"}, ("tokenizer",), 512, None),
-    "wan22": ("WanPipeline", {"text_encoder": "UMT5EncoderModel"}, ("tokenizer",), 512, None),
-    "hunyuan_video": ("HunyuanVideoPipeline", {"text_encoder": "LlamaModel", "text_encoder_2": "CLIPTextModel"},
-                      ("tokenizer", "tokenizer_2"), 256, None),
-    # The cap is T5's; the text the transformer receives is CLIP's 77 tokens longer.
-    "sd3": ("StableDiffusion3Pipeline", {"text_encoder": "CLIPTextModelWithProjection",
-                                         "text_encoder_2": "CLIPTextModelWithProjection",
-                                         "text_encoder_3": "T5EncoderModel"},
-            ("tokenizer", "tokenizer_2", "tokenizer_3"), 256, 512),
-}
+#            tokenizer subfolders, default max_sequence_length, hard cap of max_sequence_length),
+# from the family specs (`TextPipeline`).
+PIPELINES = {name: spec.text_pipeline for name, spec in SPECS.items()}
 # Sentinel for "the family's default negative prompt" (EMBEDDING_LAYOUTS[family]["negative"]).
 FAMILY_DEFAULT = object()
 
@@ -117,18 +104,21 @@ def encode_batch(pipe, family: str, prompts: Sequence[str], *, max_sequence_leng
     """
     import torch
 
-    max_len = max_sequence_length or PIPELINES[family][3]
+    if family not in PIPELINES:
+        raise ValueError(f"unknown model family {family!r}; expected one of {sorted(PIPELINES)}")
+    max_len = max_sequence_length or PIPELINES[family].default_len
+    pipeline = PIPELINES[family].pipeline
     prompts = list(prompts)
     with torch.inference_mode():
-        if family == "flux":
+        if pipeline == "FluxPipeline":
             text, pooled, _ = pipe.encode_prompt(prompts, device=torch.device(device), max_sequence_length=max_len)
             return {"text": _numpy(text), "pooled": _numpy(pooled)}
-        if family == "qwenimage":
+        if pipeline == "QwenImagePipeline":
             text, mask = pipe.encode_prompt(prompts, device=torch.device(device), max_sequence_length=max_len)
             # diffusers returns no mask when every position is real.
             mask = np.ones(text.shape[:2], bool) if mask is None else mask.cpu().numpy().astype(bool)
             return {"text": _numpy(text), "mask": mask, "lengths": mask.sum(1).astype(np.int32)}
-        if family in ("wan", "wan22"):
+        if pipeline == "WanPipeline":
             from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
             text, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=max_len,
@@ -138,17 +128,17 @@ def encode_batch(pipe, family: str, prompts: Sequence[str], *, max_sequence_leng
                                   truncation=True, add_special_tokens=True, return_attention_mask=True,
                                   return_tensors="np").attention_mask
             return {"text": _numpy(text), "lengths": mask.sum(1).astype(np.int32)}
-        if family == "hunyuan_video":
+        if pipeline == "HunyuanVideoPipeline":
             text, pooled, mask = pipe.encode_prompt(prompts, device=torch.device(device),
                                                     max_sequence_length=max_len)
             mask = mask.cpu().numpy().astype(bool)
             return {"text": _numpy(text), "pooled": _numpy(pooled), "mask": mask,
                     "lengths": mask.sum(1).astype(np.int32)}
-        if family == "sd3":
+        if pipeline == "StableDiffusion3Pipeline":
             text, _, pooled, _ = pipe.encode_prompt(prompts, None, None, device=torch.device(device),
                                                     do_classifier_free_guidance=False, max_sequence_length=max_len)
             return {"text": _numpy(text), "pooled": _numpy(pooled)}
-    raise ValueError(f"unknown model family {family!r}; expected one of {sorted(PIPELINES)}")
+    raise ValueError(f"{family}: no prompt encoding is written for {pipeline} (data/encode.py encode_batch)")
 
 
 def _qwen_lengths(pipe, prompts: Sequence[str], max_len: int) -> np.ndarray:
@@ -197,7 +187,7 @@ def encode_to_cache(pipe, family: str, prompts: Sequence[str], out: str, *, prom
     start_time = time.time()
     negative = None if negative_prompt is None else encode([negative_prompt])
     first = encode(prompts[:batch_size])
-    if family == "qwenimage":
+    if PIPELINES[family].pipeline == "QwenImagePipeline":
         # diffusers pads each batch to its longest prompt; the cache needs one L for all rows,
         # found by tokenising everything first (cheap next to encoding).
         lengths = _qwen_lengths(pipe, prompts, max_len)

@@ -12,7 +12,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from digen_jax.models import flux
+from digen_jax.models.flux import transformer as flux
 
 # FLUX and Qwen-Image VAEs downsample by 8; packing then needs even latent sides, hence 16 px.
 VAE_SCALE_FACTOR = 8

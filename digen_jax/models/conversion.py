@@ -78,6 +78,10 @@ class ModelFamily:
     # keyword arguments at noise level sigma in [0, 1] for a conditioning with `text`, `pooled` and
     # `mask`. None for the models that do not denoise (VAEs, CLIP).
     denoiser_inputs: Callable[..., Callable[..., dict]] | None = None
+    # A VAE decoder's decode as its pipelines call it: decode_frames(params, cfg, latents) ->
+    # (B, 3, F, H, W) for the denoiser's unpacked latents, (B, C, h, w) images (one frame) or
+    # (B, C, T', h, w) videos. None for the models that do not decode.
+    decode_frames: Callable[[Any, Any, Any], Any] | None = None
 
     def config_from_diffusers(self, diffusers_config: Mapping[str, Any], **policy) -> Any:
         """Build the family config from a diffusers `config.json` dict plus policy overrides.

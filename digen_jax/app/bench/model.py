@@ -25,13 +25,14 @@ from digen_jax.app.bench import peaks as peaks_lib
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.bench import profiler, provenance
 from digen_jax.app.bench.timing import summary, time_calls
+from digen_jax.models.specs import SPECS
 
 WHATS = ("forward", "forward_fp8", "lora_fwd_bwd", "full_fwd_bwd")
 # The measurements the PyTorch peer makes (it has no FP8 path).
 PEER_WHATS = ("forward", "lora_fwd_bwd", "full_fwd_bwd")
-# Text-encoder sequence lengths of the pipelines (docs/models.md section 7; Qwen-Image's is the
-# prompt length, assumed 128).
-DEFAULT_TEXT_LEN = {"flux": 512, "qwenimage": 128, "wan": 512, "wan22": 512, "hunyuan_video": 256, "sd3": 77 + 256}
+# Text-encoder sequence lengths of the pipelines (docs/models.md section 7), from the family specs;
+# Qwen-Image pads to the longest prompt, assumed 128 tokens.
+DEFAULT_TEXT_LEN = {name: s.text_prefix + s.text_pipeline.default_len for name, s in SPECS.items()} | {"qwenimage": 128}
 
 
 @dataclasses.dataclass(frozen=True)

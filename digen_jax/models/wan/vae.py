@@ -742,6 +742,12 @@ def encoder_weight_rules(cfg: WanVAEConfig) -> list[WeightRule]:
     return rules
 
 
+def decode_frames(params: dict, cfg: WanVAEConfig, z: jax.Array) -> jax.Array:
+    """`decode_latents` of (B, C, T, H, W) video latents, or of (B, C, H, W) image latents
+    (Qwen-Image's) as one-frame videos."""
+    return decode_latents(params, cfg, z[:, :, None] if z.ndim == 4 else z)
+
+
 FAMILY = ModelFamily(
     name="vae_wan",
     diffusers_class="AutoencoderKLWan",
@@ -751,6 +757,7 @@ FAMILY = ModelFamily(
     example_inputs=example_inputs,
     variants=VARIANTS,
     ignored_prefixes=IGNORED_PREFIXES,
+    decode_frames=decode_frames,
 )
 
 # Same decoder, keys and latent statistics; only the config spells the channels `input_channels`.

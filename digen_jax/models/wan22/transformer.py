@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax.models import wan
+from digen_jax.models.wan import transformer as wan
 from digen_jax.models.conversion import ModelFamily, WeightRule
 
 # diffusers' scheduler `num_train_timesteps`: the boundary timestep is boundary_ratio times it.

@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from digen_jax.models import attention, flux, layers, partitioning, rope, stacking
+from digen_jax.models import attention, layers, partitioning, rope, stacking
+from digen_jax.models.flux import transformer as flux
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
 
 ACT = ("activation_batch", "activation_length", "activation_embed")

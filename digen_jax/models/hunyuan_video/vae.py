@@ -482,4 +482,5 @@ FAMILY = ModelFamily(
     example_inputs=example_inputs,
     variants=VARIANTS,
     ignored_prefixes=IGNORED_PREFIXES,
+    decode_frames=decode_latents,  # videos only
 )

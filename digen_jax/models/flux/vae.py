@@ -317,6 +317,11 @@ def weight_rules(cfg: VAEConfig) -> list[WeightRule]:
     return rules
 
 
+def decode_frames(params: dict, cfg: VAEConfig, latents: jax.Array) -> jax.Array:
+    """`decode_latents` of (B, C, H, W) latents as one-frame videos (B, 3, 1, H, W)."""
+    return decode_latents(cfg, params, latents)[:, :, None]
+
+
 FAMILY = ModelFamily(
     name="vae_flux",
     diffusers_class="AutoencoderKL",
@@ -326,4 +331,5 @@ FAMILY = ModelFamily(
     example_inputs=example_inputs,
     variants=VARIANTS,
     ignored_prefixes=IGNORED_PREFIXES,
+    decode_frames=decode_frames,
 )
