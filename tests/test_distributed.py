@@ -39,6 +39,7 @@ from digen_jax import diffusion
 from digen_jax.app import loop, run_checkpoints
 from digen_jax.app.fingerprint import fingerprint
 from digen_jax.app import workload as workload_lib
+from digen_jax.app.settings import run_settings
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, Trajectory, initial_noise
 from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import mesh as mesh_lib
@@ -1219,7 +1220,7 @@ def run_split_worker(run: loop.Run, workdir: str, cache_dir: str) -> None:
     mode = "gap+tsp+tag+tcss"
     config = loop_config(cache_dir, mode)
     config.runtime.update(tag_microbatches=-1, prefetch_microbatches=-1)  # chosen from measured costs
-    executor = Executor(run, config=config, trace_path=os.path.join(workdir, "split_trace.json"), log=stage)
+    executor = Executor(run, settings=run_settings(config), trace_path=os.path.join(workdir, "split_trace.json"), log=stage)
     executor.measured = SLOW_ROLLOUT if jax.process_index() == 0 else SLOW_TRAIN
     own = plan_lib.choose_split(mode, config.runtime.micro_batches, executor.measured_costs())
     split = executor.split_for(1)
