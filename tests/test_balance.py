@@ -1,10 +1,13 @@
 """The balance between roles: splits that move part of a micro-batch, their plans, runs and resume."""
 import collections
+import dataclasses
 
 import jax
 import pytest
 
+from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime.settings import RuntimeSettings
 from tests import test_runtime as rt
 
 TAG_MODES = tuple(m for m in plan_lib.MODES if plan_lib.mode_flags(m).tag)
@@ -55,6 +58,36 @@ def test_pieces_are_runs_of_samples_every_role_s_batch_axis_divides():
     assert plan_lib.pieces_per_microbatch(8, [1, 3]) == 8  # 3 does not divide 8: the train role replicates anyway
     assert plan_lib.pieces_per_microbatch(12, [2, 3]) == 2
     assert plan_lib.pieces_per_microbatch(4, [4, 4]) == 1
+
+
+def test_batches_a_role_s_axis_does_not_divide_are_named_and_priced_as_replicated():
+    """1 rollout + 3 train devices, micro-batches of 16 samples, chunks of 16 units: neither the
+    trainer's pieces nor its chunks split over 3 devices, so each of the 3 computes all of them."""
+    widths = {"shared": 4, "rollout": 1, "train": 3}
+    assert plan_lib.replicated_work(plan_lib.BEST_MODE, 16, 16, widths) == {("train", "train"): 3, ("rollout", "train"): 3}
+    assert plan_lib.replicated_work("gap+tsp", 16, 16, widths) == {("train", "train"): 3}
+    assert plan_lib.replicated_work(plan_lib.BEST_MODE, 24, 24, widths) == {}
+    assert plan_lib.replicated_work("colocated", 16, 16, widths) == {}
+    assert plan_lib.replicated_work("colocated", 6, 16, widths) == {("rollout", "shared"): 4}
+    assert plan_lib.replicated_work("gap", 16, 48, {"rollout": 2, "train": 3}) == {("train", "train"): 3}  # a chunk: one step of every sample
+
+    from digen_jax.app import costs as app_costs
+    from configs.paper import qwenimage as paper_qwen
+    from digen_jax.runtime import simulator as sim
+    from digen_jax.runtime import cost_model as cm
+    w = dataclasses.replace(app_costs.iteration_work(paper_qwen.get_config()), prompts=6, group_size=8, micro_batch_size=16)
+    pool = cm.Pool.parse("h200:4")
+    split = sim.simulate(w, dataclasses.replace(pool, rollout_devices=1, train_devices=3), plan_lib.BEST_MODE, microbatches=3)
+    even = sim.simulate(w, dataclasses.replace(pool, rollout_devices=2, train_devices=2), plan_lib.BEST_MODE, microbatches=3)
+    assert split.samples_per_s < 0.7 * even.samples_per_s  # 2 + 2 divides 16; 1 + 3 triples the trainer's work
+
+    meshes = mesh_lib.build_role_meshes(RuntimeSettings(mode=plan_lib.BEST_MODE, micro_batches=3, rollout_devices=1, train_devices=3, reward_devices=0,
+                                                     staleness=1, tag_microbatches=-1, prefetch_microbatches=-1, reward_workers=1,
+                                                     trace=False), jax.devices()[:4])
+    (chunks, pieces) = sorted(mesh_lib.replicated_work_lines(meshes, plan_lib.BEST_MODE, 16, 16))
+    assert "3x the work" in chunks and "gradient chunk" in chunks and "rl.micro_batch_size" in chunks
+    assert "16 samples" in pieces and "runtime.rollout_devices/train_devices" in pieces
+    assert mesh_lib.replicated_work_lines(meshes, plan_lib.BEST_MODE, 24, 24) == []
 
 
 def _costs(rollout_r, rollout_t, train):

@@ -147,7 +147,7 @@ def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | Non
     peak = sum(pool.kind(r).bf16_flops * getattr(pool, f"{r}_devices") for r in ("rollout", "train"))
     best = None
     for m in choices:
-        costs = model_costs(_resolved(w, pool, m, eff), pool, mode, m, style=style, eff=eff)
+        costs = _replicated(model_costs(_resolved(w, pool, m, eff), pool, mode, m, style=style, eff=eff), w, pool, mode, m)
         grain = plan_lib.pieces_per_microbatch(
             w.samples // m, [max(getattr(pool, f"{r}_devices") // w.seq_parallel, 1) for r in ("rollout", "train")])
         p = predict(mode, costs, batch=w.samples, microbatches=m, devices=pool.total, updates=updates, grain=grain,
@@ -157,6 +157,20 @@ def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | Non
         if best is None or (p.fits, p.samples_per_s) > (best.fits, best.samples_per_s * (1 + 1e-9)):
             best = p
     return best
+
+
+def _replicated(costs: plan_lib.Costs, w: IterationWork, pool: Pool, mode: str, microbatches: int) -> plan_lib.Costs:
+    """`costs` with the work a group computes whole on each of its devices (`plan.replicated_work`)
+    multiplied by the group's data-axis size: each device does all of it."""
+    widths = {"shared": max(pool.total // w.seq_parallel, 1),
+              **{r: max(getattr(pool, f"{r}_devices") // w.seq_parallel, 1) for r in ("rollout", "train")}}
+    rollout, train = dict(costs.rollout), costs.train
+    for (kind, group), n in plan_lib.replicated_work(mode, w.samples // microbatches, w.micro_batch_size, widths).items():
+        if kind == "rollout":
+            rollout[group] *= n
+        else:
+            train *= n
+    return dataclasses.replace(costs, rollout=rollout, train=train)
 
 
 # ---------------------------------------------------------------------------------------- autosize
