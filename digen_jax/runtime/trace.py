@@ -18,10 +18,10 @@ the iteration whose update it carries, the one before the iteration it names (wh
 wait for it). The sync a run starts with, initial or resumed (`args.starting`), carries no
 update of that run: it belongs to the iteration it starts. An iteration's row of figures
 (`iteration_summary`) counts the sync carrying its update, one per iteration of a disaggregated
-run, the last one's too, and no starting sync: a resumed run's rows are the uninterrupted run's,
-and the first row of either counts one sync like every other (the starting sync's time shows as
-the rollout group's idle time in it). The starting sync stays in the trace, and in the task
-costs measured from it (the first of its kind, taken as compilation).
+run, the last one's too, and no starting sync: a resumed run's rows count the syncs the
+uninterrupted run's do, and the first row of either counts one sync like every other (the
+starting sync's time is part of its `seconds`). The starting sync stays in the trace, and in
+the task costs measured from it (the first of its kind, taken as compilation).
 
 `trace.json` is a Chrome trace (JSON array format, opens in Perfetto or chrome://tracing).
 Events are appended as they complete, one per line, and the closing bracket is left out
