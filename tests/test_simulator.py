@@ -253,7 +253,7 @@ def _emulated_bench(mode, costs, microbatches, batch, *, warmup=1, iterations=4)
             timeline = plan_lib.schedule(plans, jittered)
             measured = {}
             for key, start in timeline.start.items():
-                if key[1] == k - 1 or (key[0] == "sync" and key[1] == k):
+                if key[1] - (key[0] == "sync") == k - 1:  # a sync: the iteration whose update it carries
                     measured.setdefault((key[0], timeline.group[key]), []).append(timeline.end[key] - start)
             mean = lambda kind, group: statistics.mean(measured[(kind, group)]) if (kind, group) in measured else 0.0  # noqa: E731
             group = "shared" if mode == "colocated" else "rollout"

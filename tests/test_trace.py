@@ -127,6 +127,40 @@ def test_dispatch_time_is_recorded_and_summarised_per_group():
     np.testing.assert_allclose(summary["dispatch_frac"]["train"], 0.01 / 2.0)  # dispatched at 0.5, done at 2.5
 
 
+def test_each_row_counts_the_sync_carrying_its_update_once_across_resumes(tmp_path):
+    """A run's starting sync, named for the iteration whose rollouts wait for it, carries no
+    update of that run: no row counts it, so every row of a run resumed (twice) from checkpoint 1
+    counts the one sync carrying its update, as an uninterrupted run's rows do. The second resume
+    supersedes the first one's starting sync, not the sync of the checkpointed update."""
+    from digen_jax.runtime.trace import iteration_summary, read_trace
+
+    path, clock = str(tmp_path / "trace.json"), Clock()
+
+    def attempt(resume_from, tasks):
+        tracer = Tracer(path, clock=clock)
+        if resume_from is not None:
+            tracer.resume(resume_from, kept=set())
+        for task, extra in tasks:
+            start = tracer.now()
+            tracer.record_done(task, start, start + 1.0, **extra)
+        tracer.close()
+
+    def sync(k, starting=False):
+        return Task("sync", "link", k, 0, k), {"bytes": 10, **({"starting": True} if starting else {})}
+
+    update = lambda k: (Task("update", "train", k, 0, k + 1), {})  # noqa: E731
+    attempt(None, [sync(0, starting=True), update(0), sync(1)])  # killed in iteration 1
+    attempt(1, [sync(1, starting=True)])  # killed again before its update
+    attempt(1, [sync(1, starting=True), update(1), sync(2)])
+    events = read_trace(path)
+    for k in (0, 1):
+        summary = iteration_summary(events, k, (0.0, 1e3), ["rollout", "train"])
+        assert summary["sync_bytes"] == 10 and summary["sync_s"] == 1.0, (k, summary)
+    superseded = [e["args"] for e in read_trace(path, superseded=True) if e["args"].get("superseded")]
+    assert superseded == [{**sync(1, starting=True)[1], "group": "link", "kind": "sync", "iteration": 1,
+                           "microbatch": 0, "version": 1, "superseded": True}]
+
+
 # ---------------------------------------------------------------------------- several processes
 
 

@@ -43,7 +43,7 @@ from digen_jax.runtime.figures import iteration_metrics
 from digen_jax.runtime.microbatch import (MicroBatch, concatenated, cut_fn, joined, piece_args, piece_of,
                                          settle_from, step_units, unit_rows)
 from digen_jax.runtime.reward_scoring import RewardScoring
-from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, EventExchange, Tracer, iteration_summary
+from digen_jax.runtime.trace import TASK_KINDS, TRAJECTORY, EventExchange, Tracer, iteration_of, iteration_summary
 from digen_jax.runtime.transfer import crossing_bytes, to_every_process
 from digen_jax.runtime.settings import RunSettings
 from digen_jax.runtime.weight_sync import RoleWeights
@@ -182,14 +182,15 @@ class Executor(ElasticSplit, RewardScoring, Crossings):
         choice = self.settings.runtime.tag_precision
         return self.job.tag_precision if choice == "auto" else choice
 
-    def _sync(self, task: plan_lib.Task) -> None:
-        """Trainer -> rollout weight transfer of `task.version` (asynchronous; only adapters with LoRA)."""
+    def _sync(self, task: plan_lib.Task, **args: Any) -> None:
+        """Trainer -> rollout weight transfer of `task.version` (asynchronous; only adapters with
+        LoRA); `args` go into its trace event."""
         start = self.tracer.now()
         weights = self.job.trainer.rollout_weights(self.state)  # DiffusionNFT: the old policy
         moved_bytes = crossing_bytes(weights, self.meshes.rollout)
         with self.lanes.crossing(task):
             moved = self.weights.sync(weights, task.version)
-        self.tracer.record(task, moved, start, bytes=moved_bytes)
+        self.tracer.record(task, moved, start, bytes=moved_bytes, **args)
 
     def _params_on(self, group: str, version: int):
         if group == "rollout":
@@ -374,9 +375,11 @@ class Executor(ElasticSplit, RewardScoring, Crossings):
         first = next((t for t in plan.tasks if t.kind == "rollout" and t.group == "rollout"), None)
         if first is not None and self._synced_version != first.version:
             # The initial (or a resumed run's) weights, which no planned sync carries: before any
-            # lane runs, so every process issues this transfer at the same point.
+            # lane runs, so every process issues this transfer at the same point. Named for the
+            # iteration whose rollouts wait for it, like a planned sync; marked as a starting one,
+            # which no row of figures counts (trace.py).
             self.lanes.drain()
-            self._sync(plan_lib.Task("sync", "link", k, 0, first.version))
+            self._sync(plan_lib.Task("sync", "link", k, 0, first.version), starting=True)
             self._synced_version = first.version
         self._synced_version = max([t.version for t in plan.tasks if t.kind == "sync"], default=self._synced_version)
 
@@ -474,9 +477,13 @@ class Executor(ElasticSplit, RewardScoring, Crossings):
 
     def timing(self, k: int, plan: plan_lib.IterationPlan) -> dict:
         """Iteration k's measured figures (waits until its tasks completed: call it one step late)."""
+        # The sync carrying iteration k's update is dispatched from the rollout lane after k's own
+        # tasks, behind the next iteration's prefetched rollouts: once it is, `wait_through` waits
+        # for it too, so k's figures count it however early they are read (at a checkpoint, say).
+        self.lanes.wait([t.key for t in plan.of_kind("sync")])
         self.tracer.wait_through(k)
         events = self.tracer.events
-        mine = [e for e in events if e["args"]["iteration"] == k or (e["args"]["kind"] == "sync" and e["args"]["iteration"] == k + 1)]
+        mine = [e for e in events if iteration_of(e["args"]) == k]
         for e in sorted(mine, key=lambda e: e["ts"]):
             if e["args"]["kind"] not in TASK_KINDS:  # transfers the plan does not schedule (trajectory moves)
                 continue

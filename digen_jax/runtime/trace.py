@@ -13,6 +13,16 @@ Besides the plan's tasks, the `link` track carries the trajectory moves (`TRAJEC
 micro-batch rolled out on another role crossing to the trainer, timed like a task of the
 `link` group, with its bytes in `args.bytes` (sync tasks carry theirs too).
 
+Which iteration an event belongs to (`iteration_of`): its own, except a sync, which belongs to
+the iteration whose update it carries, the one before the iteration it names (whose rollouts
+wait for it). The sync a run starts with, initial or resumed (`args.starting`), carries no
+update of that run: it belongs to the iteration it starts. An iteration's row of figures
+(`iteration_summary`) counts the sync carrying its update, one per iteration of a disaggregated
+run, the last one's too, and no starting sync: a resumed run's rows count the syncs the
+uninterrupted run's do, and the first row of either counts one sync like every other (the
+starting sync's time is part of its `seconds`). The starting sync stays in the trace, and in
+the task costs measured from it (the first of its kind, taken as compilation).
+
 `trace.json` is a Chrome trace (JSON array format, opens in Perfetto or chrome://tracing).
 Events are appended as they complete, one per line, and the closing bracket is left out
 (the format allows it), so the trace of a killed run is still readable (`read_trace`). A
@@ -188,7 +198,7 @@ class Tracer:
     def resume(self, iteration: int, kept: set[tuple[int, int]]) -> None:
         """Mark the trace as resumed from the checkpoint taken before `iteration` (call it before
         recording anything). The earlier run's events past that checkpoint (of iterations >=
-        `iteration`; a sync counts with the update it carries), which this run does again, get
+        `iteration`, by `iteration_of`), which this run does again, get
         `args.superseded = true`, except the rollouts and rewards of the `kept` (iteration,
         micro-batch) pairs, which the checkpoint holds; a line cut by a kill is dropped. This run's
         clock goes on from the trace's last timestamp, and an instant event marks the resume (the
@@ -211,9 +221,8 @@ class Tracer:
                     continue
                 if event.get("ph") == "X":
                     args = event["args"]
-                    owner = args["iteration"] - 1 if args["kind"] == "sync" else args["iteration"]
                     held = args["kind"] in ("rollout", "reward") and (args["iteration"], args["microbatch"]) in kept
-                    if owner >= iteration and not held:
+                    if iteration_of(args) >= iteration and not held:
                         args["superseded"] = True
                     end_us = max(end_us, event["ts"] + event["dur"])
                 elif "ts" in event:
@@ -365,8 +374,9 @@ class Tracer:
             self._idle.notify_all()
 
     def _count(self, task: Task, delta: int) -> None:
-        # A sync belongs to the iteration whose update it carries.
-        it = task.iteration - 1 if task.kind == "sync" else task.iteration
+        # A starting sync counts here with the iteration before the one it starts (the task does
+        # not say it is one): `wait_through` of its own iteration waits for it all the same.
+        it = iteration_of({"kind": task.kind, "iteration": task.iteration})
         self._pending[it] = self._pending.get(it, 0) + delta
 
     def _check(self) -> None:
@@ -393,6 +403,12 @@ class Tracer:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def iteration_of(args: dict) -> int:
+    """The iteration a task belongs to, from its event's `args` (module docstring): its own, but
+    the one before for a sync that is no run's starting sync."""
+    return args["iteration"] - 1 if args["kind"] == "sync" and not args.get("starting") else args["iteration"]
 
 
 def read_trace(path: str, *, superseded: bool = False, phases: tuple[str, ...] = ("X",),
@@ -434,8 +450,9 @@ def iteration_summary(events: Sequence[dict], iteration: int, window: tuple[floa
     """bubble_frac per device group, staleness histogram, weight-sync and trajectory-move time
     and bytes of one iteration, and dispatch_frac per device group: host time spent in its tasks'
     dispatch calls over their device time (near 0 when dispatch is asynchronous, near 1 when
-    each call waits for its work). The syncs counted are those carrying the iteration's update
-    (iteration + 1), the trajectory moves those of the micro-batches it trained."""
+    each call waits for its work). The sync counted is the one carrying the iteration's update (a
+    run's starting sync is in no row: module docstring), the trajectory moves those of the
+    micro-batches it trained."""
     span = max(window[1] - window[0], 1e-12)
     busy = group_busy(events, window)
     dispatch, device = dict.fromkeys(device_groups, 0.0), dict.fromkeys(device_groups, 0.0)
@@ -449,7 +466,8 @@ def iteration_summary(events: Sequence[dict], iteration: int, window: tuple[floa
     for e in trained:
         lag = str(e["args"]["version"] - e["args"]["sample_version"])
         staleness[lag] = staleness.get(lag, 0) + len(e["args"].get("sample_ids", ()))  # trained samples
-    syncs = [e for e in events if e["args"]["kind"] == "sync" and e["args"]["iteration"] == iteration + 1]
+    syncs = [e for e in events if e["args"]["kind"] == "sync" and not e["args"].get("starting")
+             and iteration_of(e["args"]) == iteration]
     moves = [e for e in events if e["args"]["kind"] == TRAJECTORY and e["args"]["iteration"] == iteration]
     return {
         "bubble_frac": {g: max(0.0, 1.0 - busy.get(g, 0.0) / span) for g in device_groups},
