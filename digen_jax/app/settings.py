@@ -9,6 +9,7 @@ import dataclasses
 
 import ml_collections
 
+from digen_jax.app import renamed_keys
 from digen_jax.rl.advantages import AdvantageSettings
 from digen_jax.rl.timesteps import StepSettings
 from digen_jax.runtime.settings import RewardSettings, RunSettings, RuntimeSettings, ShardingRules
@@ -26,7 +27,7 @@ KEYS: dict[type, dict[str, str]] = {
                         "ddof": "rl.std_ddof"},
     RewardSettings: {"names": "reward.weights", "weights": "reward.weights", "mix": "reward.mix"},
     RunSettings: {"seed": "seed", "prompts_per_iteration": "rl.prompts_per_iteration", "group_size": "rl.group_size",
-                  "micro_batch_size": "rl.micro_batch_size", "num_updates_per_batch": "rl.num_updates_per_batch",
+                  "grad_chunk_size": "rl.grad_chunk_size", "num_updates_per_batch": "rl.num_updates_per_batch",
                   "lora_merge_for_sampling": "rl.lora_merge_for_sampling", "num_steps": "sampling.num_steps",
                   "noise_level": "sampling.noise_level"},
 }
@@ -63,7 +64,9 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
 
 
 def run_settings(config: ml_collections.ConfigDict) -> RunSettings:
-    """What the executor runs `config` with (validated first: `validation.validate_config`)."""
+    """What the executor runs `config` with (validated first: `validation.validate_config`). A key
+    set under its old name is moved to the new one first (`renamed_keys.resolve`)."""
+    renamed_keys.resolve(config)
     rules = _read(ShardingRules, config)
     weights = dict(config.reward.weights)
     names = tuple(sorted(weights))

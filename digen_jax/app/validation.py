@@ -23,7 +23,7 @@ import numpy as np
 from flax import traverse_util
 
 from digen_jax import diffusion
-from digen_jax.app import machine_checks, run_checkpoints
+from digen_jax.app import machine_checks, renamed_keys, run_checkpoints
 from digen_jax.app.config_ranges import check_ranges
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.precision import decoupled_loss, lora_base_precision, rollout_precision
@@ -53,7 +53,9 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
     (`machine_checks.check_fits`); False checks the config alone (one written for others).
     one_mode: the config runs in its own `runtime.mode`, so role sizes that mode ignores are
     refused; False: it is run in several modes (the system bench), its role sizes serving the
-    disaggregated ones."""
+    disaggregated ones. A key set under its old name is moved to the new one first
+    (`renamed_keys.resolve`, one warning line)."""
+    renamed_keys.resolve(config)
     check_ranges(config)
     _validate_workload(config)
     try:
@@ -89,9 +91,9 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
             f"rl.num_updates_per_batch={rl.num_updates_per_batch} must divide the {batch} samples of an iteration"
         )
     per_update = batch // rl.num_updates_per_batch * _trained_per_sample(config)
-    if rl.micro_batch_size < 1 or per_update % rl.micro_batch_size:
+    if rl.grad_chunk_size < 1 or per_update % rl.grad_chunk_size:
         raise ConfigError(
-            f"rl.micro_batch_size={rl.micro_batch_size} must divide the {per_update} training units of an update"
+            f"rl.grad_chunk_size={rl.grad_chunk_size} must divide the {per_update} training units of an update"
         )
     if rl.onpolicy_anchor not in ONPOLICY_ANCHORS:
         raise ConfigError(f"rl.onpolicy_anchor must be one of {ONPOLICY_ANCHORS}, got {rl.onpolicy_anchor!r}")
@@ -145,9 +147,9 @@ def validate_runtime_config(config, num_devices: int) -> None:
             f"{rt.micro_batches - prefetch} for its trainer rollouts (lower one, or use -1 to choose from measured costs)"
         )
     units = rl.prompts_per_iteration * rl.group_size // rt.micro_batches * _trained_per_sample(config)
-    if (flags.colocated or flags.tsp) and units % rl.micro_batch_size:
+    if (flags.colocated or flags.tsp) and units % rl.grad_chunk_size:
         raise ConfigError(
-            f"rl.micro_batch_size={rl.micro_batch_size} must divide the {units} training units of a micro-batch "
+            f"rl.grad_chunk_size={rl.grad_chunk_size} must divide the {units} training units of a micro-batch "
             f"(runtime.micro_batches={rt.micro_batches})"
         )
     for key in ("rollout_devices", "train_devices", "reward_devices"):
