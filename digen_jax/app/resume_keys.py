@@ -94,7 +94,7 @@ def changes(saved: dict | None, config: ml_collections.ConfigDict) -> dict:
     checkpoint records no settings). A checkpoint's key under an old name counts as its new name."""
     if not isinstance(saved, dict):
         return {}
-    saved = {renamed_keys.RENAMED.get(key, (key,))[0]: value for key, value in saved.items()}
+    saved = {renamed_keys.RENAMED.get(key, key): value for key, value in saved.items()}
     now = settings(config)
     return {key: [saved.get(key), now.get(key)] for key in dict.fromkeys([*saved, *now])
             if saved.get(key) != now.get(key) and kind(key) == "noted"}
