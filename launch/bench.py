@@ -170,11 +170,12 @@ def run_system() -> dict[str, Any]:
 
     The JSON (and the traces) are written after every mode, so a run cut short keeps what it measured.
     """
+    from digen_jax.app.settings import distributed_settings
     from digen_jax.runtime.multihost import initialize
 
     # Several processes (`--config.runtime.distributed=True`): each runs this same bench, process 0
     # writes the JSON and the traces.
-    initialize(_CONFIG.value)
+    initialize(distributed_settings(_CONFIG.value))
     import jax
 
     from digen_jax.app.bench import system
