@@ -45,7 +45,8 @@ from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.memory_plan import COLOCATED_SAMPLING, TAG_PRECISION
 
 
-def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = True, one_mode: bool = True) -> None:
+def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = True, one_mode: bool = True,
+                    modes: Sequence[str] | None = None) -> None:
     """Reject a bad config before any compute, naming the offending key (raises ConfigError).
 
     this_machine: also reject a run whose largest arrays exceed the memory of this machine's
@@ -53,8 +54,9 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
     (`machine_checks.check_fits`); False checks the config alone (one written for others).
     one_mode: the config runs in its own `runtime.mode`, so role sizes that mode ignores are
     refused; False: it is run in several modes (the system bench), its role sizes serving the
-    disaggregated ones. A key set under its old name is moved to the new one first
-    (`renamed_keys.resolve`, one warning line)."""
+    disaggregated ones. modes: the schedule modes it runs in, each one's runtime section, role
+    meshes and memory plan checked (default: `runtime.mode`). A key set under its old name is
+    moved to the new one first (`renamed_keys.resolve`, one warning line)."""
     renamed_keys.resolve(config)
     check_ranges(config)
     _validate_workload(config)
@@ -102,11 +104,18 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
     if config.train.on_corrupt_checkpoint not in run_checkpoints.ON_CORRUPT:
         raise ConfigError(f"train.on_corrupt_checkpoint={config.train.on_corrupt_checkpoint!r} must be one of "
                           f"{run_checkpoints.ON_CORRUPT}")
-    validate_runtime_config(config, len(jax.devices()))
-    machine_checks.check_devices(config, one_mode)
+    modes = (config.runtime.mode,) if modes is None else tuple(modes)
+    for mode in modes:
+        mode_config = config
+        if mode != config.runtime.mode:
+            mode_config = copy.deepcopy(config)
+            mode_config.runtime.mode = mode
+        validate_runtime_config(mode_config, len(jax.devices()))
+        machine_checks.check_devices(mode_config, one_mode)
     _validate_model_size(config, this_machine)
     if this_machine:
-        machine_checks.check_fits(config, jax.devices())  # a run that cannot fit its devices: one line
+        for mode in modes:  # a run that cannot fit its devices: one line
+            machine_checks.check_fits(config, jax.devices(), mode)  # runtime.check_memory=False skips it
 
 
 def validate_runtime_config(config, num_devices: int) -> None:
@@ -172,8 +181,8 @@ def validate_runtime_config(config, num_devices: int) -> None:
 def validate_bench_arguments(config, modes: Sequence[str], *, warmups: int, iterations: int,
                              onpolicy_anchors: Sequence[str] = ()) -> None:
     """A `ConfigError` naming the flag or key if the system bench cannot run `config` in these
-    modes, iterations and anchors: each mode's runtime section, role meshes and memory plan (the
-    config itself is validated once by the bench's `Run`, with `one_mode=False`)."""
+    modes, iterations and anchors: the config once, and each mode's runtime section, role meshes
+    and memory plan (`validate_config` with `modes`; its role sizes serve every mode)."""
     for mode in modes:
         try:
             plan_lib.mode_flags(mode)
@@ -184,12 +193,7 @@ def validate_bench_arguments(config, modes: Sequence[str], *, warmups: int, iter
                           "rl.algorithm='nft' (no log-prob ratio)")
     if warmups < 0 or iterations < 1:
         raise ConfigError(f"--warmup_iterations must be >= 0 and --iterations >= 1, got {warmups}, {iterations}")
-    for mode in modes:
-        mode_config = copy.deepcopy(config)
-        mode_config.runtime.mode = mode
-        validate_runtime_config(mode_config, len(jax.devices()))
-        machine_checks.check_devices(mode_config, one_mode=False)
-        machine_checks.check_fits(config, jax.devices(), mode)  # runtime.check_memory=False skips it
+    validate_config(config, one_mode=False, modes=modes)
 
 
 def validate_group_size(group_size: int) -> None:
