@@ -232,8 +232,7 @@ def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool
         + sampling_weights - gradients
     # The update (two programs, `Trainer.apply_update`): the check's float32 temporaries, a third of
     # the trainable weights' bytes as XLA compiled it for Qwen-Image-20B full fine-tuning with bf16
-    # weights and moments (3.4 of 10.2 GB per device on 4 GPUs, 4.5 of 13.6 on 3; the in-place
-    # step needs under 1 MB, benchmarks/results/compiled_memory_qwenimage_full_ft_4xh200.json);
+    # weights and moments (the in-place step needs almost none; docs/design.md, Memory plan);
     # and offloaded moments brought onto the devices.
     update_act = trainable / 3 + (moments if w.offload_optimizer else 0.0)
     activations = max(train_act, rollout_act, update_act)
