@@ -106,9 +106,10 @@ _PROFILE = flags.DEFINE_bool(
     "<out without .json>_profile/) and put its device time per kernel and per kernel class into the JSON.",
 )
 _PEER = flags.DEFINE_bool("peer", False, "Also time the diffusers PyTorch module (bf16, eager, SDPA) on the same card.")
-_CONFIG = config_flags.DEFINE_config_file(  # the default is the repository's, wherever the command runs from
-    "config", os.path.join(REPO_ROOT, "configs", "tiny.py"), "System mode: the training config (ml_collections; override keys as --config.a.b=v)."
-)
+with cli.config_override_errors():  # the default config reads the overrides here (renamed keys renamed first)
+    _CONFIG = config_flags.DEFINE_config_file(  # the default is the repository's, wherever the command runs from
+        "config", os.path.join(REPO_ROOT, "configs", "tiny.py"),
+        "System mode: the training config (ml_collections; override keys as --config.a.b=v).")
 _MODES = flags.DEFINE_list(
     "modes", list(plan.MODES),
     "System mode: the runtime.mode values to measure, one after another on the same devices.",
