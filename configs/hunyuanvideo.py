@@ -15,8 +15,8 @@ units per gradient chunk as at 33 frames. 33,390 video tokens (plus 256 text tok
 about 17 GB of activations per unit on one device (block inputs kept for the backward pass,
 12.4 GB, plus one block's recomputation). Sets `runtime.seq_parallel=2`: about 33 GB per
 chunk and device next to the 25.6 GB of bf16 weights. Without sequence parallelism two units
-per chunk fit (`--config.rl.micro_batch_size=2`). With more sequence groups than one, raise
-`rl.micro_batch_size` by their number. The VAE decodes as diffusers' default does: 7 temporal
+per chunk fit (`--config.rl.grad_chunk_size=2`). With more sequence groups than one, raise
+`rl.grad_chunk_size` by their number. The VAE decodes as diffusers' default does: 7 temporal
 tiles of 5 latent frames (17 frames), 3 apart, blended over 4 frames, no spatial tiles
 (`models/hunyuan_video/vae.py` `DEFAULT_TILING`, docs/models.md section 4); its mid attention scores of
 one tile (31,800 pixels) take about 4 GB in fp32.
@@ -27,7 +27,7 @@ from configs import schema
 from configs.sections import ATTENTION_MLP_TARGETS, long_video_overrides, tiny_overrides
 
 # Clip-length sizes (module docstring), each with the runtime.seq_parallel it sets.
-LONG_SIZES = {"81f": dict(num_frames=81, height=480, width=848, micro_batch_size=4, seq_parallel=2)}
+LONG_SIZES = {"81f": dict(num_frames=81, height=480, width=848, grad_chunk_size=4, seq_parallel=2)}
 SIZES = ("full", "tiny", *LONG_SIZES)
 
 def get_config(size: str = "full") -> ml_collections.ConfigDict:
@@ -53,7 +53,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.std_mode = "group"
     c.rl.std_ddof, c.rl.std_eps = 1, 1e-8  # DanceGRPO's torch.std and epsilon
     c.rl.num_updates_per_batch = 1
-    c.rl.micro_batch_size = 4
+    c.rl.grad_chunk_size = 4
     # Attention + MLP of the double and single blocks, not the text refiner's.
     c.rl.lora_targets = ATTENTION_MLP_TARGETS["hunyuan_video"]
     c.rl.ema = False

@@ -32,7 +32,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.step_selection = "window"  # SDE on (and training of) a 2-step window drawn in [0, 5) per iteration
     c.rl.clip_range = 1e-5
     c.rl.num_updates_per_batch = 1  # one update per 32 prompts x 16 samples
-    c.rl.micro_batch_size = 16
+    c.rl.grad_chunk_size = 16
     c.rl.lora_targets = ATTENTION_MLP_TARGETS["qwenimage"]
     c.rl.ema = False
 

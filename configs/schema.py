@@ -120,7 +120,7 @@ KEYS: dict[str, Key] = {
     "rl.kl_beta": Key(0.0, "weight of the KL to the base (LoRA) or initial (full fine-tuning) policy"),
     "rl.num_updates_per_batch": Key(2, "optimizer updates per iteration, each on a consecutive share of its "
                                        "micro-batches (the later ones trained off-policy)"),
-    "rl.micro_batch_size": Key(24, "training units (sample, step) per gradient chunk"),
+    "rl.grad_chunk_size": Key(24, "training units (sample, step) per gradient chunk"),
     "rl.decoupled": Key(_placeholder(bool), "decoupled PPO (proximal policy) for off-policy updates; None: on with "
                                             "model.rollout_precision='fp8'"),
     "rl.is_cap": Key(_placeholder(float), "truncation of the decoupled importance weights; None: none (2 for FP8 "

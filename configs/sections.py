@@ -106,7 +106,7 @@ def tiny_overrides(c: ml_collections.ConfigDict, *, video: bool, trained_steps: 
     c.rl.prompts_per_iteration, c.rl.group_size = 2, 2
     c.rl.num_updates_per_batch = 1
     c.runtime.micro_batches = 1
-    c.rl.micro_batch_size = c.rl.prompts_per_iteration * c.rl.group_size * trained_steps
+    c.rl.grad_chunk_size = c.rl.prompts_per_iteration * c.rl.group_size * trained_steps
     c.rl.lora_rank = min(c.rl.lora_rank, 2)
     c.model.vae_decode_batch = 4
     c.train.iterations = 1
@@ -116,10 +116,10 @@ def tiny_overrides(c: ml_collections.ConfigDict, *, video: bool, trained_steps: 
 
 
 def long_video_overrides(
-    c: ml_collections.ConfigDict, *, num_frames: int, height: int, width: int, micro_batch_size: int, seq_parallel: int
+    c: ml_collections.ConfigDict, *, num_frames: int, height: int, width: int, grad_chunk_size: int, seq_parallel: int
 ) -> ml_collections.ConfigDict:
     """`c` (a video model-zoo config) at clip length: `num_frames` frames at `height` x `width`,
-    every block recomputed in the backward pass (remat 'full'), `micro_batch_size` training
+    every block recomputed in the backward pass (remat 'full'), `grad_chunk_size` training
     units per gradient chunk (what one sequence group holds on the devices the size is written
     for).
 
@@ -127,6 +127,6 @@ def long_video_overrides(
     """
     c.sampling.num_frames, c.sampling.height, c.sampling.width = num_frames, height, width
     c.model.remat_policy = "full"
-    c.rl.micro_batch_size = micro_batch_size
+    c.rl.grad_chunk_size = grad_chunk_size
     c.runtime.seq_parallel = seq_parallel
     return c

@@ -27,7 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.rl.prompts_per_iteration = 8
     c.rl.group_size = 8
-    c.rl.micro_batch_size = 112
+    c.rl.grad_chunk_size = 112
     c.rl.lora_rank = 0  # full fine-tuning
     c.rl.lora_alpha = 0.0
     c.rl.lora_merge_for_sampling = True

@@ -16,11 +16,11 @@ Real run (converted weights and an embedding cache, see README "Model-zoo config
   `runtime.seq_parallel=2`: about 18 GB of activations per unit and device (block inputs kept
   for the backward pass, 13.4 GB, plus one block's recomputation), 36 GB per chunk next to the
   28.6 GB of bf16 weights. Without sequence parallelism one unit per chunk fits
-  (`--config.rl.micro_batch_size=1`, about 36 GB).
+  (`--config.rl.grad_chunk_size=1`, about 36 GB).
 * `:81f_720p`, 720x1280: 75,600 tokens per video, about 84 GB of activations per unit on one
   device. Sets `runtime.seq_parallel=4` (about 42 GB per chunk and device; 8 gives 21 GB).
 
-With more sequence groups than one, raise `rl.micro_batch_size` by their number. The Wan VAE
+With more sequence groups than one, raise `rl.grad_chunk_size` by their number. The Wan VAE
 decodes frame by frame with causal caches at any length (docs/models.md section 4).
 """
 import ml_collections
@@ -30,8 +30,8 @@ from configs.sections import ATTENTION_MLP_TARGETS, long_video_overrides, tiny_o
 
 # Clip-length sizes (module docstring), each with the runtime.seq_parallel it sets.
 LONG_SIZES = {
-    "81f_480p": dict(num_frames=81, height=480, width=832, micro_batch_size=2, seq_parallel=2),
-    "81f_720p": dict(num_frames=81, height=720, width=1280, micro_batch_size=2, seq_parallel=4),
+    "81f_480p": dict(num_frames=81, height=480, width=832, grad_chunk_size=2, seq_parallel=2),
+    "81f_720p": dict(num_frames=81, height=720, width=1280, grad_chunk_size=2, seq_parallel=4),
 }
 SIZES = ("full", "tiny", *LONG_SIZES)
 
@@ -56,7 +56,7 @@ def get_config(size: str = "full") -> ml_collections.ConfigDict:
     c.rl.std_mode = "group"
     c.rl.clip_range = 1e-3
     c.rl.kl_beta = 0.004  # the true KL to the base
-    c.rl.micro_batch_size = 8
+    c.rl.grad_chunk_size = 8
     c.rl.learning_rate = 1e-4
     c.rl.lora_rank, c.rl.lora_alpha = 32, 64.0
     c.rl.lora_targets = ATTENTION_MLP_TARGETS["wan"]

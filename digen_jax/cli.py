@@ -9,6 +9,9 @@ from typing import Callable, Iterator, Sequence
 
 from absl import app, flags
 
+from digen_jax.app import renamed_keys
+from digen_jax.app.errors import ConfigError
+
 USAGE_ERROR = 2  # exit status of a command line that cannot run
 INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as shells report it
 _SHORT_HELP = ("--help", "-help", "--helpshort", "-helpshort", "-h", "-?")
@@ -29,8 +32,12 @@ def _missing_key(error: BaseException) -> str | None:
 def config_override_errors(argv: Sequence[str] | None = None, flag: str = "config") -> Iterator[None]:
     """Turn a `--config.KEY=value` override of a key the config lacks into one line on stderr and
     exit status 2, instead of ml_collections' chained traceback. Wrap both the config flag's
-    definition (it reads the overrides when no --config is given) and the flag parsing."""
+    definition (it reads the overrides when no --config is given) and the flag parsing.
+
+    On entry, overrides of renamed keys take their new names (`renamed_keys.rename_overrides`, one
+    warning line); both names given with different values: one error line and exit status 2."""
     try:
+        _rename_overrides(argv, flag)
         yield
     except (AttributeError, KeyError) as e:
         text = _missing_key(e)
@@ -41,6 +48,23 @@ def config_override_errors(argv: Sequence[str] | None = None, flag: str = "confi
         named = [a for a in overrides if name.strip("'\"") in a.split("=", 1)[0].split(".")]
         where = ", ".join(named or overrides) or f"--{flag}"
         print(f"error: {where}: the config has no key {name}. {hint}".rstrip(), file=sys.stderr)
+        sys.exit(USAGE_ERROR)
+
+
+_RENAMED_ON_COMMAND_LINE: list[str] = []  # new keys an old-named override was rewritten to
+
+
+def _rename_overrides(argv: Sequence[str] | None, flag: str) -> None:
+    """Rewrite renamed keys' overrides in sys.argv (what the config flag reads) and in `argv`; a
+    warning line for each key renamed."""
+    try:
+        for args in [sys.argv] + ([argv] if argv is not None and argv is not sys.argv else []):
+            for old, new in renamed_keys.rename_overrides(args, flag):
+                if new not in _RENAMED_ON_COMMAND_LINE:
+                    _RENAMED_ON_COMMAND_LINE.append(new)
+                    print(renamed_keys.warning(old, new), file=sys.stderr, flush=True)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(USAGE_ERROR)
 
 
@@ -90,6 +114,9 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
         config = flags.FLAGS["config"].value if "config" in flags.FLAGS else None
         if config is not None:
             config.get  # a config file that failed to load raises here, not in main
+            overridden = [a.split("=", 1)[0].lstrip("-").removeprefix("config.") for a in argv
+                          if a.lstrip("-").startswith("config.")]
+            renamed_keys.resolve(config, command_line=overridden, renamed_on_command_line=_RENAMED_ON_COMMAND_LINE)
         return args
 
 

@@ -1,10 +1,9 @@
 """XLA flags the launchers set before the first device is touched (XLA reads them once, then).
 
-GPU defaults, each measured (benchmarks/results, benchmarks/README.md):
+GPU defaults, each chosen by measurement (docs/design.md section 5, XLA flags):
   --xla_gpu_enable_triton_gemm=false: cuBLAS for every matmul. Triton picked the per-block
       modulation projections (batch-sized rows against 3072 x 18432 weights) and ran them far
-      below memory bandwidth; with cuBLAS, Qwen-Image-20B at batch 4, 512x512 on one H100 went
-      from 152.4 to 145.7 ms per forward and from 497 to 481 ms per LoRA forward+backward.
+      below memory bandwidth; cuBLAS runs them near it, and forward and backward are faster.
 
 A flag already in XLA_FLAGS is left as the user set it. Setting them on a CPU-only machine is
 harmless: XLA parses GPU flags everywhere and the CPU backend ignores them.

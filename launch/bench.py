@@ -106,9 +106,10 @@ _PROFILE = flags.DEFINE_bool(
     "<out without .json>_profile/) and put its device time per kernel and per kernel class into the JSON.",
 )
 _PEER = flags.DEFINE_bool("peer", False, "Also time the diffusers PyTorch module (bf16, eager, SDPA) on the same card.")
-_CONFIG = config_flags.DEFINE_config_file(  # the default is the repository's, wherever the command runs from
-    "config", os.path.join(REPO_ROOT, "configs", "tiny.py"), "System mode: the training config (ml_collections; override keys as --config.a.b=v)."
-)
+with cli.config_override_errors():  # the default config reads the overrides here (renamed keys renamed first)
+    _CONFIG = config_flags.DEFINE_config_file(  # the default is the repository's, wherever the command runs from
+        "config", os.path.join(REPO_ROOT, "configs", "tiny.py"),
+        "System mode: the training config (ml_collections; override keys as --config.a.b=v).")
 _MODES = flags.DEFINE_list(
     "modes", list(plan.MODES),
     "System mode: the runtime.mode values to measure, one after another on the same devices.",
@@ -170,11 +171,12 @@ def run_system() -> dict[str, Any]:
 
     The JSON (and the traces) are written after every mode, so a run cut short keeps what it measured.
     """
+    from digen_jax.app.settings import distributed_settings
     from digen_jax.runtime.multihost import initialize
 
     # Several processes (`--config.runtime.distributed=True`): each runs this same bench, process 0
     # writes the JSON and the traces.
-    initialize(_CONFIG.value)
+    initialize(distributed_settings(_CONFIG.value))
     import jax
 
     from digen_jax.app.bench import system

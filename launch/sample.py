@@ -30,9 +30,11 @@ from digen_jax.app.errors import RunStopped
 from digen_jax.app.loop import Run
 from digen_jax.grid import image_grid
 
-# The default is the repository's, wherever the command runs from.
-_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(REPO_ROOT, "configs", "tiny.py"),
-                                          "Config file (ml_collections).")
+# The default is the repository's, wherever the command runs from; it reads the overrides here
+# (renamed keys renamed first).
+with cli.config_override_errors():
+    _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(REPO_ROOT, "configs", "tiny.py"),
+                                              "Config file (ml_collections).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir to sample from.", required=True)
 _NOISE = flags.DEFINE_float("noise_level", 0.0, "Sampler noise level; 0 is the deterministic ODE.")
 

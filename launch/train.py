@@ -54,6 +54,7 @@ from digen_jax.rewards.remote import RemoteRewardError
 from digen_jax.app.errors import ConfigError, RunStopped
 from digen_jax.app.loop import train
 from digen_jax.app import console, costs, precision, report
+from digen_jax.app.settings import distributed_settings
 from digen_jax.app.validation import validate_config
 from digen_jax.runtime.multihost import initialize
 from digen_jax.runtime.peer_watchdog import await_verdict, end_after_failure, watching
@@ -114,7 +115,7 @@ def main(argv):
     if not _PRINT_CONFIG.value:
         if not _WORKDIR.value:
             sys.exit("error: --workdir is required (the run's output directory); --print_config needs none")
-        if initialize(_CONFIG.value).num_processes > 1:  # multi-process runs join before any JAX work
+        if initialize(distributed_settings(_CONFIG.value)).num_processes > 1:  # multi-process runs join before any JAX work
             console.quiet(jax.process_index())  # process 0 reports; the others print their errors
     try:
         if _CONFIG.value.runtime.mode == costs.AUTO_MODE:

@@ -133,7 +133,7 @@ def test_ctrl_c_names_the_last_checkpoint(tmp_path, pretrain_cache_dir):
     command = [sys.executable, TRAIN, f"--workdir={workdir}", f"--config.pretrain.cache_dir={pretrain_cache_dir}",
                # runtime_config of tests/test_runtime.py: its pretrained model is shared
                "--config.pretrain.steps=3", "--config.pretrain.batch_size=8", "--config.sampling.num_steps=4",
-               "--config.rl.prompts_per_iteration=2", "--config.rl.group_size=2", "--config.rl.micro_batch_size=3",
+               "--config.rl.prompts_per_iteration=2", "--config.rl.group_size=2", "--config.rl.grad_chunk_size=3",
                "--config.rl.num_updates_per_batch=1", "--config.runtime.micro_batches=1",
                "--config.train.eval_every=0", "--config.train.image_every=0", "--config.train.checkpoint_every=1",
                "--config.train.keep_checkpoints=100", "--config.train.iterations=100000"]

@@ -213,7 +213,7 @@ def test_system_mode_writes_every_mode_with_costs_and_traces(tmp_path, capsys):
     config_file = _tiny_qwenimage_config(
         tmp_path / "system_config.py",
         "    c.runtime.rollout_devices, c.runtime.micro_batches = 4, 2  # the other 4 train\n"
-        "    c.rl.prompts_per_iteration, c.rl.micro_batch_size = 4, 4\n",
+        "    c.rl.prompts_per_iteration, c.rl.grad_chunk_size = 4, 4\n",
     )
     parse(
         "--mode=system", f"--config={config_file}", f"--modes={','.join(modes)}", "--iterations=2",
@@ -250,7 +250,7 @@ def test_system_mode_runs_diffusionnft(tmp_path, capsys):
     config_file = _tiny_qwenimage_config(
         tmp_path / "nft_config.py",
         "    c.runtime.rollout_devices, c.runtime.micro_batches = 4, 2  # the other 4 train\n"
-        "    c.rl.prompts_per_iteration, c.rl.micro_batch_size = 4, 12  # 2 prompts x 2 samples x 3 levels\n",
+        "    c.rl.prompts_per_iteration, c.rl.grad_chunk_size = 4, 12  # 2 prompts x 2 samples x 3 levels\n",
         module="qwenimage_nft",
     )
     parse(

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from digen_jax.app import loop, machine_checks, random_init, validation, workload
+from digen_jax.app.bench import system
 from digen_jax.models import FAMILIES
 from digen_jax.runtime import executor as executor_lib
 from test_train_loop import small_config
@@ -44,9 +45,18 @@ def test_config_checks_are_defined_in_at_most_three_app_files():
     assert len(where) <= 3
 
 
-def test_a_run_checks_its_config_once(pretrain_cache_dir, tmp_path, monkeypatch):
-    """`loop.train` up to its first iteration (random weights for pretraining, one block): every
-    check ran exactly once."""
+CHECKS = {validation: ("check_ranges", "validate_runtime_config", "validate_rollout_precision", "validate_group_size",
+                        "validate_policy_loss", "validate_step_selection"),
+          machine_checks: ("check_devices", "check_memory", "check_fits", "check_pretrain_cache")}
+
+
+class Stop(Exception):
+    pass
+
+
+def _counted_checks(monkeypatch, pretrain_cache_dir, *entry_points) -> tuple:
+    """A small config whose run stops at its first iteration (random weights for pretraining, one
+    block), and the calls of every check (and of `entry_points`, (module, name) pairs) counted."""
     monkeypatch.setattr(workload, "pretrained_params",
                         lambda model_cfg, task, *, seed, **_: random_init.random_params(FAMILIES["flux"], model_cfg, seed))
     config = small_config(pretrain_cache_dir)
@@ -62,20 +72,33 @@ def test_a_run_checks_its_config_once(pretrain_cache_dir, tmp_path, monkeypatch)
 
         monkeypatch.setattr(module, name, wrapper)
 
-    counted(loop, "validate_config")
-    for name in ("check_ranges", "validate_runtime_config", "validate_rollout_precision", "validate_group_size",
-                 "validate_policy_loss", "validate_step_selection"):
-        counted(validation, name)
-    for name in ("check_devices", "check_memory", "check_fits", "check_pretrain_cache"):
-        counted(machine_checks, name)
-
-    class Stop(Exception):
-        pass
+    for module, name in entry_points:
+        counted(module, name)
+    for module, names in CHECKS.items():
+        for name in names:
+            counted(module, name)
 
     def first_iteration(self, k):
         raise Stop
 
     monkeypatch.setattr(executor_lib.Executor, "iteration", first_iteration)
+    return config, calls
+
+
+def test_a_run_checks_its_config_once(pretrain_cache_dir, tmp_path, monkeypatch):
+    """`loop.train` up to its first iteration: every check ran exactly once."""
+    config, calls = _counted_checks(monkeypatch, pretrain_cache_dir, (loop, "validate_config"))
     with pytest.raises(Stop):
         loop.train(config, str(tmp_path / "run"), log=lambda _: None)
     assert calls == {name: 1 for name in calls} and len(calls) == 11, calls
+
+
+def test_the_system_bench_checks_its_config_once(pretrain_cache_dir, tmp_path, monkeypatch):
+    """The system bench (`run_modes`) in the config's own mode, up to its first iteration: the
+    config and that mode's runtime checked exactly once each."""
+    config, calls = _counted_checks(monkeypatch, pretrain_cache_dir, (system, "validate_bench_arguments"),
+                                    (validation, "validate_config"))
+    with pytest.raises(Stop):
+        system.run_modes(config, [config.runtime.mode], str(tmp_path / "bench"), warmups=0, iterations=1,
+                         log=lambda _: None)
+    assert calls == {name: 1 for name in calls} and len(calls) == 12, calls

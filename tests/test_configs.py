@@ -82,7 +82,7 @@ def test_full_size_config_validates_and_fits_its_model(family, size):
         frames, height, width, seq_parallel = LONG_SIZES[family, size]
         assert (s.num_frames, s.height, s.width, c.model.remat_policy) == (frames, height, width, "full")
         assert c.runtime.seq_parallel == seq_parallel
-        assert c.rl.micro_batch_size <= get_config(family).rl.micro_batch_size  # longer clips: no more units per chunk
+        assert c.rl.grad_chunk_size <= get_config(family).rl.grad_chunk_size  # longer clips: no more units per chunk
     if zoo.video:
         assert shape == (16, (s.num_frames - 1) // 4 + 1, s.height // 8, s.width // 8)  # 33 frames -> 9 latent frames
     else:
@@ -225,7 +225,7 @@ def test_real_user_path_checkpoints_and_embedding_cache(tmp_path):
     c.model.random_init = False
     c.model.checkpoint, c.model.vae_checkpoint = str(tmp_path / "qwenimage"), str(tmp_path / "vae_qwenimage")
     c.data.random_embeddings, c.data.embedding_cache = False, cache
-    c.rl.prompts_per_iteration, c.rl.micro_batch_size = 3, 12  # 3 prompts x 2 samples x 2 window steps
+    c.rl.prompts_per_iteration, c.rl.grad_chunk_size = 3, 12  # 3 prompts x 2 samples x 2 window steps
     run = loop.Run(c, str(tmp_path / "run"), log=lambda _: None)
     jax.tree.map(np.testing.assert_array_equal, run.workload.base_params, saved["checkpoint"])
     jax.tree.map(np.testing.assert_array_equal, run.workload.vae_params, saved["vae_checkpoint"])

@@ -39,7 +39,7 @@ from digen_jax import diffusion
 from digen_jax.app import loop, run_checkpoints
 from digen_jax.app.fingerprint import fingerprint
 from digen_jax.app import workload as workload_lib
-from digen_jax.app.settings import run_settings
+from digen_jax.app.settings import distributed_settings, run_settings
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, Trajectory, initial_noise
 from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import mesh as mesh_lib
@@ -169,8 +169,8 @@ def test_explicit_env_and_single_process():
     # ml_collections-style config: runtime.distributed is a bool or a section.
     config = {"runtime": {"distributed": {"enabled": True, "num_processes": 2, "process_id": 0,
                                           "coordinator_address": "h:1", "local_device_ids": [0, 1]}}}
-    assert DistributedSettings.from_config(config) == DistributedSettings(True, "h:1", 2, 0, (0, 1))
-    assert DistributedSettings.from_config({"runtime": {"distributed": False}}).enabled is False
+    assert distributed_settings(config) == DistributedSettings(True, "h:1", 2, 0, (0, 1))
+    assert distributed_settings({"runtime": {"distributed": False}}).enabled is False
 
 
 @pytest.mark.parametrize(
@@ -195,7 +195,7 @@ def test_inconsistent_settings_fail_clearly(settings, env, message):
 
 
 def test_single_process_initialize_is_a_no_op():
-    assert multihost.initialize({"runtime": {"distributed": False}}, env=slurm_env()) == ProcessLayout("single")
+    assert multihost.initialize(DistributedSettings(enabled=False), env=slurm_env()) == ProcessLayout("single")
     assert multihost.initialize(env={}) == ProcessLayout("single")
     assert not jax.distributed.is_initialized()
 
@@ -211,13 +211,13 @@ def test_tpu_vm_starts_jax_distributed_without_arguments(monkeypatch):
     assert resolve_settings(DistributedSettings(enabled=True), {}, tpu_vm=True) == ProcessLayout("tpu-vm")
     assert resolve_settings(DistributedSettings(enabled="auto"), {}, tpu_vm=True) == ProcessLayout("single")
     assert resolve_settings(DistributedSettings(enabled=True), slurm_env(), tpu_vm=True).source == "slurm-task-per-gpu"
-    layout = multihost.initialize({"runtime": {"distributed": True}}, env={})
+    layout = multihost.initialize(DistributedSettings(enabled=True), env={})
     assert calls == [((), {})] and (layout.source, layout.num_processes) == ("tpu-vm", 1)
 
 
 def test_unknown_config_key():
     with pytest.raises(ValueError, match=r"unknown keys runtime.distributed.\['port'\]"):
-        DistributedSettings.from_config({"runtime": {"distributed": {"port": 1}}})
+        distributed_settings({"runtime": {"distributed": {"port": 1}}})
 
 
 class FakeStore:
@@ -1389,7 +1389,7 @@ def wait_for(condition, proc: subprocess.Popen, timeout_s: float, output: str) -
 def run_sleep_worker(peer_timeout_s: str) -> None:
     """One process that joins a 2-process run with a peer timeout, then idles until it is killed."""
     config = {"runtime": {"distributed": True, "peer_timeout_s": float(peer_timeout_s)}}
-    assert multihost.initialize(config).num_processes == 2
+    assert multihost.initialize(distributed_settings(config)).num_processes == 2
     stage(f"process {jax.process_index()} joined")
     time.sleep(LOOP_TIMEOUT_S)
 
@@ -1433,7 +1433,7 @@ def run_raise_worker(peer_timeout_s: str, raiser: str) -> None:
     """One process of an idle 2-process run (`run_sleep_worker`); process `raiser` raises once
     both have joined, and nothing of this program catches it."""
     config = {"runtime": {"distributed": True, "peer_timeout_s": float(peer_timeout_s)}}
-    assert multihost.initialize(config).num_processes == 2
+    assert multihost.initialize(distributed_settings(config)).num_processes == 2
     stage(f"process {jax.process_index()} joined")
     if jax.process_index() == int(raiser):
         raise RuntimeError(f"injected failure in process {raiser}")

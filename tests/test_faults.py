@@ -431,7 +431,7 @@ def test_measured_costs_travel_with_the_checkpoint(pretrain_cache_dir, tmp_path)
     costs its checkpoint recorded, as the uninterrupted run would, not from none."""
     c = train_loop.small_config(pretrain_cache_dir)
     c.runtime.update(mode="gap+tsp+tag", micro_batches=2, rollout_devices=4, train_devices=4, tag_microbatches=-1)
-    c.rl.micro_batch_size = 4
+    c.rl.grad_chunk_size = 4
     run = loop.Run(c, str(tmp_path), log=lambda _: None)
     first = Executor(run, log=lambda _: None)
     first.measured = {("rollout", "rollout"): [4.0, 4.2], ("train", "train"): [1.0], ("rollout", "train"): [4.0]}

@@ -186,7 +186,7 @@ def runtime_config(cache_dir, mode, **runtime):
     c.sampling.num_steps = 4
     c.rl.prompts_per_iteration = 4
     c.rl.group_size = 4
-    c.rl.micro_batch_size = 4  # 4 samples x 3 trained steps = 12 units per micro-batch
+    c.rl.grad_chunk_size = 4  # 4 samples x 3 trained steps = 12 units per micro-batch
     c.rl.learning_rate = 1e-3
     c.rl.std_mode = "group"
     c.rl.num_updates_per_batch = 1  # every mode makes the same single update
@@ -513,7 +513,7 @@ def nft_config(cache_dir, mode):
     """`runtime_config` with DiffusionNFT: 2 of the 4 levels trained per sample, 4 samples' units
     (8) per gradient micro-batch."""
     c = runtime_config(cache_dir, mode)
-    c.rl.update(algorithm="nft", nft_timesteps=2, micro_batch_size=8)
+    c.rl.update(algorithm="nft", nft_timesteps=2, grad_chunk_size=8)
     return c
 
 
@@ -716,7 +716,7 @@ def test_bf16_rollout_log_probs_differ_and_the_trainer_anchor_removes_the_gap(ca
     config = runtime_config(cache_dir, "colocated")
     config.model.dtype = "bfloat16"
     config.rl.onpolicy_anchor = "rollout"
-    config.rl.micro_batch_size = 3  # chunks unlike the rollout's batch of 4 samples
+    config.rl.grad_chunk_size = 3  # chunks unlike the rollout's batch of 4 samples
     run = loop.Run(config, str(tmp_path), log=lambda _: None)
     rows = {}
     for anchor in ("rollout", "trainer"):
@@ -777,7 +777,7 @@ def test_bad_runtime_config_names_the_key(cache_dir, override, key):
         (dict(nft_decay="linear"), "rl.nft_decay"),
         (dict(nft_beta=0.0), "rl.nft_beta"),
         (dict(nft_timesteps=5), "rl.nft_timesteps=5"),
-        (dict(micro_batch_size=3), "rl.micro_batch_size=3"),
+        (dict(grad_chunk_size=3), "rl.grad_chunk_size=3"),
         (dict(decoupled=True), "rl.decoupled=True"),
     ],
 )

@@ -116,7 +116,7 @@ def runtime_config(family: str, mode: str, seq_parallel: int, lora: bool = True)
     c = tiny_config(family)
     c.runtime.mode = mode
     c.runtime.micro_batches = 2
-    c.rl.micro_batch_size = 2
+    c.rl.grad_chunk_size = 2
     if mode != "colocated":
         c.runtime.rollout_devices = c.runtime.train_devices = 4
     c.runtime.tag_microbatches = 1 if "tag" in mode else 0

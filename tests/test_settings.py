@@ -14,6 +14,10 @@ from digen_jax.runtime.settings import RunSettings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = {"rl", "sampling", "runtime", "model", "train", "reward", "data", "sharding", "task", "pretrain"}
+# Sections looked up by name (`x.get("runtime")`, `x["runtime"]`): not those that are also role or
+# attribute names ('train', 'reward', 'sharding'), nor 'rl' (the simulator reads bench results'
+# recorded config, a JSON record).
+LOOKED_UP = SECTIONS - {"train", "reward", "sharding", "rl"}
 
 
 def _modules():
@@ -36,6 +40,13 @@ def test_rl_and_runtime_neither_import_ml_collections_nor_read_config_sections()
             if (isinstance(node, ast.Attribute) and node.attr in SECTIONS and isinstance(node.value, ast.Name)
                     and node.value.id == "config"):
                 found.append(f"{path}:{node.lineno} reads config.{node.attr}")
+            keys = []
+            if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in (
+                    "get", "_get", "getattr"):
+                keys = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                keys = [node.slice.value]
+            found += [f"{path}:{node.lineno} looks up section {key!r}" for key in keys if key in LOOKED_UP]
     assert not found, found
 
 

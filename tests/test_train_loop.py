@@ -30,7 +30,7 @@ def small_config(cache_dir, **train):
     c.sampling.num_steps = 4
     c.rl.prompts_per_iteration = 4
     c.rl.group_size = 2
-    c.rl.micro_batch_size = 8
+    c.rl.grad_chunk_size = 8
     c.rl.num_updates_per_batch = 1
     c.runtime.micro_batches = 1
     c.rl.learning_rate = 1e-3
@@ -80,7 +80,7 @@ def test_outputs_and_resume_match_an_uninterrupted_run(cache_dir, tmp_path):
         ("rl.group_size", 1, "rl.group_size"),
         ("rl.timestep_fraction", 1.0, "trains the last step"),
         ("sampling.sde_type", "langevin", "sampling.sde_type"),
-        ("rl.micro_batch_size", 5, "rl.micro_batch_size"),
+        ("rl.grad_chunk_size", 5, "rl.grad_chunk_size"),
         ("rl.policy_loss", "trpo", "rl.policy_loss"),
         ("rl.mean_mode", "batch", "rl.mean_mode"),
         ("rl.std_mode", "prompt", "rl.std_mode"),
@@ -273,7 +273,7 @@ def lora_config(cache_dir, **train):
     c.rl.lora_merge_for_sampling = False
     c.rl.num_updates_per_batch, c.rl.decoupled, c.rl.is_cap = 2, True, 2.0
     c.runtime.micro_batches = 2  # each update trains one micro-batch
-    c.rl.micro_batch_size = 6  # 4 prompts x 2 samples x 3 trained steps, halved per update
+    c.rl.grad_chunk_size = 6  # 4 prompts x 2 samples x 3 trained steps, halved per update
     c.rl.clip_range = 1e-3
     c.train.update(train)
     return c
@@ -299,7 +299,7 @@ def test_lora_kl_and_off_policy_updates_run_in_the_loop(cache_dir, tmp_path, mon
 def _overrides(config) -> list[str]:
     """`--config.a.b=v` flags that turn configs/tiny.py into `config` (the keys small_config sets)."""
     keys = ("pretrain.steps", "pretrain.batch_size", "pretrain.cache_dir", "task.resolution", "sampling.num_steps",
-            "rl.prompts_per_iteration", "rl.group_size", "rl.micro_batch_size", "rl.num_updates_per_batch",
+            "rl.prompts_per_iteration", "rl.group_size", "rl.grad_chunk_size", "rl.num_updates_per_batch",
             "runtime.micro_batches", "rl.learning_rate", "train.eval_prompts")
     return [f"--config.{key}={config[key.split('.')[0]][key.split('.')[1]]}" for key in keys]
 

@@ -143,7 +143,7 @@ def _memory_terms(config, terms: flops.ModelTerms) -> dict:
         kl_reference=rl.kl_beta > 0,
         old_policy=_is_nft(rl),
         layers=layers,
-        micro_batch_size=rl.micro_batch_size,
+        grad_chunk_size=rl.grad_chunk_size,
         cfg_forwards=2 if config.sampling.cfg_scale != 1.0 else 1,
         saved_activation_bytes=saved,
         layer_activation_bytes=layer_outputs,
@@ -235,7 +235,7 @@ def _runs(config):
     """Whether a run of `config` accepts `m` micro-batches (`validate_runtime_config`'s rules)."""
     rl = config.rl
     units = rl.prompts_per_iteration * rl.group_size * _trained_steps(config)
-    return lambda m: rl.prompts_per_iteration % m == 0 and (units // m) % rl.micro_batch_size == 0
+    return lambda m: rl.prompts_per_iteration % m == 0 and (units // m) % rl.grad_chunk_size == 0
 
 
 def choose_mode(config, spec: str, devices: Sequence[Any]) -> str:

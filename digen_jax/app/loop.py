@@ -47,11 +47,11 @@ class Run:
     It is the `Job` the runtime's executor runs (`runtime.executor.Job`)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print,
-                 one_mode: bool = True, validated: bool = False):
-        """`validated`: `validate_config` passed `config` already (`train`); else it runs here
-        (one_mode=False: run in several modes, `validate_config`)."""
+                 validated: bool = False):
+        """`validated`: `validate_config` passed `config` already (`train`, the system bench's
+        `validate_bench_arguments`); else it runs here."""
         if not validated:
-            validate_config(config, one_mode=one_mode)
+            validate_config(config)
         self.settings = settings_lib.run_settings(config)  # what the executor reads of the config
         self.colocated_sampling = costs.colocated_sampling(config, jax.devices())  # 'auto' on these devices
         self.tag_precision = costs.tag_precision(config, jax.devices())  # 'auto' on these devices

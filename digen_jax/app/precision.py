@@ -16,8 +16,8 @@ loss only through the samples.
 with (one frozen copy, no bf16 base). The trainer and the rollouts then run the same layers, but
 not the same batches: in bf16 a value's last bit depends on its batch, and the activations'
 rounding to e4m3 (3 mantissa bits) turns such a bit into a step of 2^-4 where it flips a
-rounding. Their log-probs differ by 1.4e-3 on average on an H200 (Qwen-Image-20B), as much as
-FP8 rollouts over a bf16 base, so the same decoupled default applies.
+rounding. Their log-probs differ as much as those of FP8 rollouts over a bf16 base
+(docs/fp8_rollouts.md), so the same decoupled default applies.
 """
 from __future__ import annotations
 

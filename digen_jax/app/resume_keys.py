@@ -19,6 +19,8 @@ import json
 
 import ml_collections
 
+from digen_jax.app import renamed_keys
+
 REFUSED = (
     "seed",  # the base model of random or pretrained weights, and every prompt and noise
     "model.family", "model.variant", "model.num_layers", "model.num_single_layers", "model.arch",
@@ -89,9 +91,10 @@ def settings(config: ml_collections.ConfigDict) -> dict:
 
 def changes(saved: dict | None, config: ml_collections.ConfigDict) -> dict:
     """{key: [value in the checkpoint, value now]} for each noted key that differs (none when the
-    checkpoint records no settings)."""
+    checkpoint records no settings). A checkpoint's key under an old name counts as its new name."""
     if not isinstance(saved, dict):
         return {}
+    saved = {renamed_keys.RENAMED.get(key, key): value for key, value in saved.items()}
     now = settings(config)
     return {key: [saved.get(key), now.get(key)] for key in dict.fromkeys([*saved, *now])
             if saved.get(key) != now.get(key) and kind(key) == "noted"}

@@ -9,8 +9,10 @@ import dataclasses
 
 import ml_collections
 
+from digen_jax.app import renamed_keys
 from digen_jax.rl.advantages import AdvantageSettings
 from digen_jax.rl.timesteps import StepSettings
+from digen_jax.runtime.multihost import DistributedSettings
 from digen_jax.runtime.settings import RewardSettings, RunSettings, RuntimeSettings, ShardingRules
 
 # Config key of every field, per settings class (the rewards' names and weights both come from
@@ -26,7 +28,7 @@ KEYS: dict[type, dict[str, str]] = {
                         "ddof": "rl.std_ddof"},
     RewardSettings: {"names": "reward.weights", "weights": "reward.weights", "mix": "reward.mix"},
     RunSettings: {"seed": "seed", "prompts_per_iteration": "rl.prompts_per_iteration", "group_size": "rl.group_size",
-                  "micro_batch_size": "rl.micro_batch_size", "num_updates_per_batch": "rl.num_updates_per_batch",
+                  "grad_chunk_size": "rl.grad_chunk_size", "num_updates_per_batch": "rl.num_updates_per_batch",
                   "lora_merge_for_sampling": "rl.lora_merge_for_sampling", "num_steps": "sampling.num_steps",
                   "noise_level": "sampling.noise_level"},
 }
@@ -63,7 +65,9 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
 
 
 def run_settings(config: ml_collections.ConfigDict) -> RunSettings:
-    """What the executor runs `config` with (validated first: `validation.validate_config`)."""
+    """What the executor runs `config` with (validated first: `validation.validate_config`). A key
+    set under its old name is moved to the new one first (`renamed_keys.resolve`)."""
+    renamed_keys.resolve(config)
     rules = _read(ShardingRules, config)
     weights = dict(config.reward.weights)
     names = tuple(sorted(weights))
@@ -82,3 +86,21 @@ def lora_alpha(config: ml_collections.ConfigDict) -> float:
     """`rl.lora_alpha`, where 0 means twice `rl.lora_rank`."""
     rl = config.rl
     return float(rl.lora_alpha or 2.0 * rl.lora_rank)
+
+
+def distributed_settings(config) -> DistributedSettings:
+    """How this process joins a multi-process run: `runtime.distributed` (absent: 'auto'; a bool,
+    'auto', or a section of `DistributedSettings`' fields) and `runtime.peer_timeout_s`. Read
+    before the config is validated (a run joins its processes first): a mapping will do."""
+    runtime = config.get("runtime") or {}
+    section, peer_timeout_s = runtime.get("distributed"), runtime.get("peer_timeout_s")
+    if section is None or isinstance(section, (bool, str)):
+        return DistributedSettings(**({} if section is None else {"enabled": section}), peer_timeout_s=peer_timeout_s)
+    known = {f.name for f in dataclasses.fields(DistributedSettings)} - {"peer_timeout_s"}
+    values = dict(section.items())
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown keys runtime.distributed.{unknown}; known: {sorted(known)}")
+    if values.get("local_device_ids") is not None:
+        values["local_device_ids"] = tuple(int(i) for i in values["local_device_ids"])
+    return DistributedSettings(**values, peer_timeout_s=peer_timeout_s)

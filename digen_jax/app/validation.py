@@ -23,7 +23,7 @@ import numpy as np
 from flax import traverse_util
 
 from digen_jax import diffusion
-from digen_jax.app import machine_checks, run_checkpoints
+from digen_jax.app import machine_checks, renamed_keys, run_checkpoints
 from digen_jax.app.config_ranges import check_ranges
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.precision import decoupled_loss, lora_base_precision, rollout_precision
@@ -45,7 +45,8 @@ from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.memory_plan import COLOCATED_SAMPLING, TAG_PRECISION
 
 
-def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = True, one_mode: bool = True) -> None:
+def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = True, one_mode: bool = True,
+                    modes: Sequence[str] | None = None) -> None:
     """Reject a bad config before any compute, naming the offending key (raises ConfigError).
 
     this_machine: also reject a run whose largest arrays exceed the memory of this machine's
@@ -53,7 +54,10 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
     (`machine_checks.check_fits`); False checks the config alone (one written for others).
     one_mode: the config runs in its own `runtime.mode`, so role sizes that mode ignores are
     refused; False: it is run in several modes (the system bench), its role sizes serving the
-    disaggregated ones."""
+    disaggregated ones. modes: the schedule modes it runs in, each one's runtime section, role
+    meshes and memory plan checked (default: `runtime.mode`). A key set under its old name is
+    moved to the new one first (`renamed_keys.resolve`, one warning line)."""
+    renamed_keys.resolve(config)
     check_ranges(config)
     _validate_workload(config)
     try:
@@ -89,9 +93,9 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
             f"rl.num_updates_per_batch={rl.num_updates_per_batch} must divide the {batch} samples of an iteration"
         )
     per_update = batch // rl.num_updates_per_batch * _trained_per_sample(config)
-    if rl.micro_batch_size < 1 or per_update % rl.micro_batch_size:
+    if rl.grad_chunk_size < 1 or per_update % rl.grad_chunk_size:
         raise ConfigError(
-            f"rl.micro_batch_size={rl.micro_batch_size} must divide the {per_update} training units of an update"
+            f"rl.grad_chunk_size={rl.grad_chunk_size} must divide the {per_update} training units of an update"
         )
     if rl.onpolicy_anchor not in ONPOLICY_ANCHORS:
         raise ConfigError(f"rl.onpolicy_anchor must be one of {ONPOLICY_ANCHORS}, got {rl.onpolicy_anchor!r}")
@@ -100,11 +104,18 @@ def validate_config(config: ml_collections.ConfigDict, *, this_machine: bool = T
     if config.train.on_corrupt_checkpoint not in run_checkpoints.ON_CORRUPT:
         raise ConfigError(f"train.on_corrupt_checkpoint={config.train.on_corrupt_checkpoint!r} must be one of "
                           f"{run_checkpoints.ON_CORRUPT}")
-    validate_runtime_config(config, len(jax.devices()))
-    machine_checks.check_devices(config, one_mode)
+    modes = (config.runtime.mode,) if modes is None else tuple(modes)
+    for mode in modes:
+        mode_config = config
+        if mode != config.runtime.mode:
+            mode_config = copy.deepcopy(config)
+            mode_config.runtime.mode = mode
+        validate_runtime_config(mode_config, len(jax.devices()))
+        machine_checks.check_devices(mode_config, one_mode)
     _validate_model_size(config, this_machine)
     if this_machine:
-        machine_checks.check_fits(config, jax.devices())  # a run that cannot fit its devices: one line
+        for mode in modes:  # a run that cannot fit its devices: one line
+            machine_checks.check_fits(config, jax.devices(), mode)  # runtime.check_memory=False skips it
 
 
 def validate_runtime_config(config, num_devices: int) -> None:
@@ -145,9 +156,9 @@ def validate_runtime_config(config, num_devices: int) -> None:
             f"{rt.micro_batches - prefetch} for its trainer rollouts (lower one, or use -1 to choose from measured costs)"
         )
     units = rl.prompts_per_iteration * rl.group_size // rt.micro_batches * _trained_per_sample(config)
-    if (flags.colocated or flags.tsp) and units % rl.micro_batch_size:
+    if (flags.colocated or flags.tsp) and units % rl.grad_chunk_size:
         raise ConfigError(
-            f"rl.micro_batch_size={rl.micro_batch_size} must divide the {units} training units of a micro-batch "
+            f"rl.grad_chunk_size={rl.grad_chunk_size} must divide the {units} training units of a micro-batch "
             f"(runtime.micro_batches={rt.micro_batches})"
         )
     for key in ("rollout_devices", "train_devices", "reward_devices"):
@@ -170,8 +181,8 @@ def validate_runtime_config(config, num_devices: int) -> None:
 def validate_bench_arguments(config, modes: Sequence[str], *, warmups: int, iterations: int,
                              onpolicy_anchors: Sequence[str] = ()) -> None:
     """A `ConfigError` naming the flag or key if the system bench cannot run `config` in these
-    modes, iterations and anchors: each mode's runtime section, role meshes and memory plan (the
-    config itself is validated once by the bench's `Run`, with `one_mode=False`)."""
+    modes, iterations and anchors: the config once, and each mode's runtime section, role meshes
+    and memory plan (`validate_config` with `modes`; its role sizes serve every mode)."""
     for mode in modes:
         try:
             plan_lib.mode_flags(mode)
@@ -182,12 +193,7 @@ def validate_bench_arguments(config, modes: Sequence[str], *, warmups: int, iter
                           "rl.algorithm='nft' (no log-prob ratio)")
     if warmups < 0 or iterations < 1:
         raise ConfigError(f"--warmup_iterations must be >= 0 and --iterations >= 1, got {warmups}, {iterations}")
-    for mode in modes:
-        mode_config = copy.deepcopy(config)
-        mode_config.runtime.mode = mode
-        validate_runtime_config(mode_config, len(jax.devices()))
-        machine_checks.check_devices(mode_config, one_mode=False)
-        machine_checks.check_fits(config, jax.devices(), mode)  # runtime.check_memory=False skips it
+    validate_config(config, one_mode=False, modes=modes)
 
 
 def validate_group_size(group_size: int) -> None:

@@ -22,8 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from digen_jax.models import stacking
-
-POLICY_FIELDS = ("dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers")
+from digen_jax.models.transformer_config import POLICY_FIELDS
 
 # Layout changes from PyTorch to Flax, by name.
 TRANSFORMS: dict[str, Callable[[np.ndarray], np.ndarray]] = {

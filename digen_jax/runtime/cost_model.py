@@ -15,7 +15,7 @@ FSDP weights, gathered every step. Without TSP the training grain is the traject
 one trained step of all the micro-batch's samples at a time, split over samples only; with
 TSP (and colocated, as the executor does) units are flattened over samples x steps first.
 Chunks hold at most `Efficiency.train_units_per_device` units per device (activation memory)
-rather than `rl.micro_batch_size`, which is sized for the devices a config was written for.
+rather than `rl.grad_chunk_size`, which is sized for the devices a config was written for.
 
 Colocated runs come in two styles: `fsdp_sampling` (the executor's own colocated mode, as in
 GenRL: sampling with the FSDP training weights, all-gathered every step) and `offload` (as in
@@ -290,7 +290,7 @@ class IterationWork:
     kl_reference: bool = False  # rl.kl_beta > 0: a frozen reference copy (full fine-tuning)
     old_policy: bool = False  # DiffusionNFT's old-policy copy of the trainable weights
     layers: int = 1  # transformer blocks (the FSDP gathers move one at a time)
-    micro_batch_size: int = 1  # training units per gradient chunk (rl.micro_batch_size)
+    grad_chunk_size: int = 1  # training units per gradient chunk (rl.grad_chunk_size)
     cfg_forwards: int = 1  # forwards per rollout step (2 with CFG)
     saved_activation_bytes: float = 0.0  # per training unit: the block inputs kept for the backward pass
     layer_activation_bytes: float = 0.0  # per sample: one block's matmul outputs

@@ -266,13 +266,13 @@ class Executor(ElasticSplit, RewardScoring, Crossings):
     def _chunks(self, units, per_sample: int) -> list:
         """Gradient micro-batches of a micro-batch's units, batch-split over the train mesh.
 
-        TSP: units (samples x trained steps) flattened and cut into `rl.micro_batch_size`
+        TSP: units (samples x trained steps) flattened and cut into `rl.grad_chunk_size`
         pieces split over every trainer device. Without TSP the grain is the trajectory: one
         trained step of all the micro-batch's samples at a time, split over samples only.
         One program cuts and places each chunk (not one per leaf plus a reshard: see `_train`).
         """
         if self.flags.tsp or self.flags.colocated:
-            size = self.settings.micro_batch_size
+            size = self.settings.grad_chunk_size
             cut = cut_fn(unit_rows, size, mesh_lib.batch_sharding(self.meshes.train, (size,)))
             return [cut(units, start) for start in range(0, units.size, size)]
         cut = cut_fn(step_units, per_sample, mesh_lib.batch_sharding(self.meshes.train, (units.size // per_sample,)))

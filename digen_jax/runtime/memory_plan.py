@@ -148,7 +148,7 @@ def advice(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff: Effi
             fixes.append(text)
     if not plan_lib.mode_flags(mode).colocated and memory_plan(w, pool, plan_lib.COLOCATED, microbatches, eff).fits:
         fixes.append("--config.runtime.mode=colocated")
-    fixes = fixes or [f"more {'train ' if r.role == 'train' else ''}devices, or a smaller rl.micro_batch_size"]
+    fixes = fixes or [f"more {'train ' if r.role == 'train' else ''}devices, or a smaller rl.grad_chunk_size"]
     return (f"runtime.mode={mode!r}: the {r.role} role needs {r.device_bytes / GIB:.1f} GiB per device of "
             f"{r.capacity / GIB:.1f} GiB usable (launch/simulate.py prints the plan); try {' or '.join(fixes)} "
             "(runtime.check_memory=False runs anyway)")
@@ -219,7 +219,7 @@ def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool
     # an FP8 LoRA base is itself the copy the rollouts read
     rollout_copy = w.params / shard if fp8 and not gathered and not fp8_base else 0.0
     gathered_layers = 2 * 2 * w.params * pb / max(w.layers, 1) if shard > 1 else 0.0  # one layer and the next, forward and backward
-    units = -(-w.micro_batch_size * w.seq_parallel // n) / w.seq_parallel  # a unit's tokens split over a sequence group
+    units = -(-w.grad_chunk_size * w.seq_parallel // n) / w.seq_parallel  # a unit's tokens split over a sequence group
     chunks = _chunks_per_update(w)
     # Working sets beyond the resident state, per phase. Training: a chunk's gradients beside the
     # running sum (several chunks per update), its units' activations and the gathered layers.
@@ -232,8 +232,7 @@ def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool
         + sampling_weights - gradients
     # The update (two programs, `Trainer.apply_update`): the check's float32 temporaries, a third of
     # the trainable weights' bytes as XLA compiled it for Qwen-Image-20B full fine-tuning with bf16
-    # weights and moments (3.4 of 10.2 GB per device on 4 GPUs, 4.5 of 13.6 on 3; the in-place
-    # step needs under 1 MB, benchmarks/results/compiled_memory_qwenimage_full_ft_4xh200.json);
+    # weights and moments (the in-place step needs almost none; docs/design.md, Memory plan);
     # and offloaded moments brought onto the devices.
     update_act = trainable / 3 + (moments if w.offload_optimizer else 0.0)
     activations = max(train_act, rollout_act, update_act)
@@ -264,4 +263,4 @@ def _per_device(samples: int, devices: int, seq_parallel: int) -> float:
 
 def _chunks_per_update(w: IterationWork) -> int:
     units = w.samples * w.trained_steps // max(w.updates, 1)
-    return max(1, -(-units // max(w.micro_batch_size, 1)))
+    return max(1, -(-units // max(w.grad_chunk_size, 1)))

@@ -2,7 +2,7 @@
 
 Every process runs the same program (multi-controller JAX, docs/design.md section 2). The pieces:
 
-* `initialize` starts `jax.distributed` from explicit settings (config or `JAX_*` env), from
+* `initialize` starts `jax.distributed` from explicit settings (typed, or `JAX_*` env), from
   a SLURM step (one task per GPU, or one task per node owning all its GPUs) or, on a Cloud TPU
   VM, with no arguments (JAX reads the slice's hosts from the TPU metadata), and the peer
   watchdog (`peer_watchdog`: a dead process ends the others); a single process is a no-op.
@@ -41,7 +41,8 @@ _SLURM_REQUIRED = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALI
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSettings:
-    """How this process joins a multi-process run (config section `runtime.distributed`).
+    """How this process joins a multi-process run (config section `runtime.distributed` and
+    `runtime.peer_timeout_s`, read by `app.settings.distributed_settings`).
 
     enabled: 'auto' (SLURM step or `JAX_*` env if present, else one process), True (must
       find a multi-process setting), False (never initialise).
@@ -51,6 +52,8 @@ class DistributedSettings:
       SLURM local rank unless CUDA_VISIBLE_DEVICES already names a single GPU, one task per
       node gets every visible GPU.
     initialization_timeout: seconds to wait for every process to join.
+    peer_timeout_s: seconds within which every process stops when one dies or freezes (the
+      peer watchdog's); None: `peer_watchdog.PEER_TIMEOUT_S`.
     """
 
     enabled: bool | str = "auto"
@@ -59,24 +62,7 @@ class DistributedSettings:
     process_id: int | None = None
     local_device_ids: tuple[int, ...] | None = None
     initialization_timeout: int = 300
-
-    @classmethod
-    def from_config(cls, config) -> "DistributedSettings":
-        """Read `config.runtime.distributed` (absent section or keys: defaults)."""
-        section = _get(_get(config, "runtime"), "distributed")
-        if section is None:
-            return cls()
-        if isinstance(section, (bool, str)):
-            return cls(enabled=section)
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = dict(section.items() if hasattr(section, "items") else vars(section))
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown keys runtime.distributed.{unknown}; known: {sorted(known)}")
-        ids = values.get("local_device_ids")
-        if ids is not None:
-            values["local_device_ids"] = tuple(int(i) for i in ids)
-        return cls(**values)
+    peer_timeout_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,17 +78,6 @@ class ProcessLayout:
     process_id: int = 0
     coordinator_address: str | None = None
     local_device_ids: tuple[int, ...] | None = None
-
-
-def _get(section, key):
-    if section is None:
-        return None
-    if isinstance(section, Mapping):
-        return section.get(key)
-    try:
-        return section[key]  # ml_collections.ConfigDict
-    except (KeyError, TypeError, AttributeError):
-        return getattr(section, key, None)
 
 
 def _int_env(env: Mapping[str, str], name: str) -> int | None:
@@ -244,21 +219,16 @@ def resolve_settings(settings: DistributedSettings, env: Mapping[str, str], tpu_
     return ProcessLayout(source, num, pid, address, ids)
 
 
-def initialize(config_or_settings=None, env: Mapping[str, str] | None = None) -> ProcessLayout:
-    """Join the multi-process run described by a config (`runtime.distributed`), settings or env.
+def initialize(settings: DistributedSettings | None = None, env: Mapping[str, str] | None = None) -> ProcessLayout:
+    """Join the multi-process run `settings` describe (None: the defaults, from env or SLURM).
 
     Call before any other JAX work. A single process returns without touching
     `jax.distributed`. On CPU, collectives across processes go over gloo. Several processes
     also start the peer watchdog (`peer_watchdog`): a process that dies or freezes ends every
-    other one within `runtime.peer_timeout_s` (of a config; else `peer_watchdog.PEER_TIMEOUT_S`).
+    other one within `settings.peer_timeout_s`.
     """
-    if isinstance(config_or_settings, DistributedSettings):
-        settings, peer_timeout_s = config_or_settings, None
-    elif config_or_settings is None:
-        settings, peer_timeout_s = DistributedSettings(), None
-    else:
-        settings = DistributedSettings.from_config(config_or_settings)
-        peer_timeout_s = _get(_get(config_or_settings, "runtime"), "peer_timeout_s")
+    settings = settings or DistributedSettings()
+    peer_timeout_s = settings.peer_timeout_s
     layout = resolve_settings(settings, os.environ if env is None else env, tpu_vm=on_tpu_vm())
     if layout.source == "tpu-vm":  # every host of the slice runs the same command
         if not jax.distributed.is_initialized():

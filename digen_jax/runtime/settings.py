@@ -59,7 +59,7 @@ class RunSettings:
     seed: int
     prompts_per_iteration: int
     group_size: int
-    micro_batch_size: int  # training units per gradient chunk (`rl.micro_batch_size`)
+    grad_chunk_size: int  # training units per gradient chunk (`rl.grad_chunk_size`)
     num_updates_per_batch: int
     lora_merge_for_sampling: bool
     num_steps: int  # sampling steps of a rollout

@@ -40,11 +40,8 @@ What moves data across processes (measured with jax 0.10.2 on CPU, 2 processes x
   next: a device needs the data it holds or receives plus the buffers of one piece (and,
   where the destination's layout differs, the piece as moved until its reshard), not a
   second copy of the whole tree. A tree within the bound (LoRA adapters, a micro-batch's
-  trajectories) moves in one call, so dispatch stays cheap for trees of many leaves.
-  Measured on the 2-core CPU machine under load (gloo over loopback, 64 MiB in 16 leaves,
-  timed on the receiving process): 4 -> 4 devices FSDP -> FSDP 130-150 ms, FSDP ->
-  replicated (move, then all-gather) about 300 ms, 4 -> 2 devices replicated 180-230 ms; an
-  in-process device_put of the same tree between two 2-device meshes 30 ms.
+  trajectories) moves in one call, so dispatch stays cheap for trees of many leaves
+  (timings on CPU: docs/design.md section 2).
 """
 from __future__ import annotations
 
@@ -161,9 +158,9 @@ def _through_host(x: jax.Array, dst) -> bool:
     """Whether `jax.device_put(x, dst)` inside one process would copy `x` through host memory:
     between disjoint device sets it copies device to device only where shard k of the source is
     shard k of the destination; any other layout (FSDP shards over 3 train devices onto 1
-    rollout device) reads the whole array back to the host and puts it again (35 s for
-    Qwen-Image-20B's 41 GB on 4 H200s, the host thread blocked throughout). Such moves go over
-    a mesh spanning both sets, as across processes."""
+    rollout device) reads the whole array back to the host and puts it again, the host thread
+    blocked throughout (docs/design.md section 2). Such moves go over a mesh spanning both sets,
+    as across processes."""
     src = x.sharding
     if not (x.committed and isinstance(src, NamedSharding) and isinstance(dst, NamedSharding)):
         return False

@@ -135,7 +135,7 @@ def run_modes(
     algorithm = config.rl.get("algorithm", "grpo")
     os.makedirs(workdir, exist_ok=True)
     started = time.time()
-    run = loop.Run(config, workdir, log=log, one_mode=False)  # its role sizes serve the disaggregated modes
+    run = loop.Run(config, workdir, log=log, validated=True)  # validate_bench_arguments checked every mode
     log(f"built the run in {time.time() - started:.1f} s")
     per_sample = sample_flops(config, run.workload.model_cfg)
     batch = config.rl.prompts_per_iteration * config.rl.group_size

@@ -26,13 +26,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from digen_jax.models import attention, layers, partitioning, rope, stacking
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
+from digen_jax.models.transformer_config import TransformerConfig
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
 
 
 @dataclasses.dataclass(frozen=True)
-class FluxConfig:
-    """Architecture (the diffusers config fields) plus the execution policy."""
+class FluxConfig(TransformerConfig):
+    """Architecture (the diffusers config fields); the execution policy is `TransformerConfig`'s."""
 
     patch_size: int = 1
     in_channels: int = 64
@@ -45,12 +46,6 @@ class FluxConfig:
     pooled_projection_dim: int = 768
     guidance_embeds: bool = False
     axes_dims_rope: tuple[int, ...] = (16, 56, 56)
-    # Execution policy: not part of the weights.
-    dtype: str = "bfloat16"  # compute dtype of matmuls and the residual stream
-    param_dtype: str = "float32"  # master weights
-    attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla' | 'splash'
-    remat_policy: str = "none"  # a key of stacking.REMAT_POLICIES
-    scan_layers: bool = True  # False: blocks unrolled (stacking.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
@@ -58,12 +53,7 @@ class FluxConfig:
             raise ValueError(
                 f"sum(axes_dims_rope)={sum(self.axes_dims_rope)} must equal attention_head_dim={self.attention_head_dim}"
             )
-        if self.remat_policy not in stacking.REMAT_POLICIES:
-            raise ValueError(f"remat_policy must be one of {sorted(stacking.REMAT_POLICIES)}, got {self.remat_policy!r}")
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
+        super().__post_init__()
 
     @property
     def mlp_dim(self) -> int:
@@ -72,10 +62,6 @@ class FluxConfig:
     @property
     def out_dim(self) -> int:
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
-
-    @property
-    def kw(self) -> dict:
-        return dict(dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype))
 
 
 VARIANTS = {

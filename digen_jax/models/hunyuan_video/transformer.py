@@ -51,13 +51,14 @@ from jax.ad_checkpoint import checkpoint_name
 from digen_jax.models import attention, layers, partitioning, rope, stacking
 from digen_jax.models.flux import transformer as flux
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
+from digen_jax.models.transformer_config import TransformerConfig
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
 
 
 @dataclasses.dataclass(frozen=True)
-class HunyuanVideoConfig:
-    """Architecture (the diffusers config fields) plus the execution policy."""
+class HunyuanVideoConfig(TransformerConfig):
+    """Architecture (the diffusers config fields); the execution policy is `TransformerConfig`'s."""
 
     in_channels: int = 16
     out_channels: int | None = 16
@@ -76,12 +77,6 @@ class HunyuanVideoConfig:
     rope_theta: float = 256.0
     rope_axes_dim: tuple[int, ...] = (16, 56, 56)
     image_condition_type: str | None = None
-    # Execution policy: not part of the weights.
-    dtype: str = "bfloat16"  # compute dtype of matmuls and the residual stream
-    param_dtype: str = "float32"  # master weights
-    attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla' | 'splash'
-    remat_policy: str = "none"  # a key of stacking.REMAT_POLICIES
-    scan_layers: bool = True  # False: blocks unrolled (stacking.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "rope_axes_dim", tuple(self.rope_axes_dim))
@@ -96,12 +91,7 @@ class HunyuanVideoConfig:
             raise ValueError(
                 f"rope_axes_dim={self.rope_axes_dim} must have 3 axes summing to attention_head_dim={self.attention_head_dim}"
             )
-        if self.remat_policy not in stacking.REMAT_POLICIES:
-            raise ValueError(f"remat_policy must be one of {sorted(stacking.REMAT_POLICIES)}, got {self.remat_policy!r}")
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
+        super().__post_init__()
 
     @property
     def mlp_dim(self) -> int:
@@ -120,10 +110,6 @@ class HunyuanVideoConfig:
     @property
     def out_dim(self) -> int:
         return int(np.prod(self.patch)) * (self.out_channels or self.in_channels)
-
-    @property
-    def kw(self) -> dict:
-        return dict(dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype))
 
 
 VARIANTS = {

@@ -47,14 +47,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from digen_jax.models import attention, layers, partitioning, rope, stacking
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
+from digen_jax.models.transformer_config import TransformerConfig
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
 ROPE_THETA = 10000.0
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenImageConfig:
-    """Architecture (the diffusers config fields) plus the execution policy."""
+class QwenImageConfig(TransformerConfig):
+    """Architecture (the diffusers config fields); the execution policy is `TransformerConfig`'s."""
 
     patch_size: int = 2
     in_channels: int = 64
@@ -72,12 +73,6 @@ class QwenImageConfig:
     use_layer3d_rope: bool = False
     # A legacy key of the released config.json that diffusers ignores.
     pooled_projection_dim: int | None = None
-    # Execution policy: not part of the weights.
-    dtype: str = "bfloat16"  # compute dtype of matmuls and the residual stream
-    param_dtype: str = "float32"  # master weights
-    attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla' | 'splash'
-    remat_policy: str = "none"  # a key of stacking.REMAT_POLICIES
-    scan_layers: bool = True  # False: blocks unrolled (stacking.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
@@ -90,12 +85,7 @@ class QwenImageConfig:
         unsupported = [f for f in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope") if getattr(self, f)]
         if unsupported:
             raise ValueError(f"the Qwen-Image port does not implement {unsupported}; only the base model (all False)")
-        if self.remat_policy not in stacking.REMAT_POLICIES:
-            raise ValueError(f"remat_policy must be one of {sorted(stacking.REMAT_POLICIES)}, got {self.remat_policy!r}")
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
+        super().__post_init__()
 
     @property
     def mlp_dim(self) -> int:
@@ -104,10 +94,6 @@ class QwenImageConfig:
     @property
     def out_dim(self) -> int:
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
-
-    @property
-    def kw(self) -> dict:
-        return dict(dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype))
 
 
 VARIANTS = {

@@ -44,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from digen_jax.models import attention, layers, partitioning, stacking
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
+from digen_jax.models.transformer_config import TransformerConfig
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
 # The full-grid position table, recomputed for the crop each input needs (module docstring).
@@ -52,8 +53,8 @@ QK_NORMS = (None, "rms_norm")
 
 
 @dataclasses.dataclass(frozen=True)
-class SD3Config:
-    """Architecture (the diffusers config fields) plus the execution policy."""
+class SD3Config(TransformerConfig):
+    """Architecture (the diffusers config fields); the execution policy is `TransformerConfig`'s."""
 
     sample_size: int = 128
     patch_size: int = 2
@@ -68,12 +69,6 @@ class SD3Config:
     pos_embed_max_size: int = 96
     dual_attention_layers: tuple[int, ...] = ()
     qk_norm: str | None = None
-    # Execution policy: not part of the weights.
-    dtype: str = "bfloat16"  # compute dtype of matmuls and the residual stream
-    param_dtype: str = "float32"  # master weights
-    attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla' | 'splash'
-    remat_policy: str = "none"  # a key of stacking.REMAT_POLICIES
-    scan_layers: bool = True  # False: blocks unrolled (stacking.scan_blocks)
 
     def __post_init__(self):
         if self.num_layers < 1:
@@ -91,12 +86,7 @@ class SD3Config:
             raise ValueError(
                 f"dual_attention_layers must be the first k blocks (0, 1, ..., k-1) as in every release, "
                 f"got {self.dual_attention_layers}")
-        if self.remat_policy not in stacking.REMAT_POLICIES:
-            raise ValueError(f"remat_policy must be one of {sorted(stacking.REMAT_POLICIES)}, got {self.remat_policy!r}")
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
+        super().__post_init__()
 
     @property
     def mlp_dim(self) -> int:
@@ -123,10 +113,6 @@ class SD3Config:
                 ("joint_blocks", min(self.num_dual, last), last - min(self.num_dual, last), False),
                 ("final_block", last, 1, self.num_dual == self.num_layers))
         return tuple(run for run in runs if run[2])
-
-    @property
-    def kw(self) -> dict:
-        return dict(dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype))
 
 
 _SD35 = dict(num_layers=24, num_attention_heads=24, caption_projection_dim=1536, qk_norm="rms_norm")

@@ -49,6 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from digen_jax.models import attention, layers, partitioning, rope, stacking
 from digen_jax.models.conversion import ModelFamily, WeightRule, linear_rules
+from digen_jax.models.transformer_config import TransformerConfig
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
 
@@ -57,8 +58,8 @@ _IMAGE_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
 
 
 @dataclasses.dataclass(frozen=True)
-class WanConfig:
-    """Architecture (the diffusers config fields) plus the execution policy."""
+class WanConfig(TransformerConfig):
+    """Architecture (the diffusers config fields); the execution policy is `TransformerConfig`'s."""
 
     patch_size: tuple[int, int, int] = (1, 2, 2)
     num_attention_heads: int = 40
@@ -78,12 +79,6 @@ class WanConfig:
     added_kv_proj_dim: int | None = None
     rope_max_seq_len: int = 1024
     pos_embed_seq_len: int | None = None
-    # Execution policy: not part of the weights.
-    dtype: str = "bfloat16"  # compute dtype of matmuls and the residual stream
-    param_dtype: str = "float32"  # master weights
-    attention_impl: str = "auto"  # 'auto' | 'cudnn' | 'xla' | 'splash'
-    remat_policy: str = "none"  # a key of stacking.REMAT_POLICIES
-    scan_layers: bool = True  # False: blocks unrolled (stacking.scan_blocks): slower compile, no weight slicing
 
     def __post_init__(self):
         object.__setattr__(self, "patch_size", tuple(self.patch_size))
@@ -96,12 +91,7 @@ class WanConfig:
             )
         if self.attention_head_dim % 2:
             raise ValueError(f"attention_head_dim must be even for RoPE, got {self.attention_head_dim}")
-        if self.remat_policy not in stacking.REMAT_POLICIES:
-            raise ValueError(f"remat_policy must be one of {sorted(stacking.REMAT_POLICIES)}, got {self.remat_policy!r}")
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
+        super().__post_init__()
 
     @property
     def patch(self) -> tuple[int, int, int]:
@@ -117,10 +107,6 @@ class WanConfig:
         """Wan's (t, h, w) split of the head dim: h = w = 2 * (head_dim // 6), t the rest."""
         hw = 2 * (self.attention_head_dim // 6)
         return (self.attention_head_dim - 2 * hw, hw, hw)
-
-    @property
-    def kw(self) -> dict:
-        return dict(dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype))
 
 
 VARIANTS = {
