@@ -75,7 +75,7 @@ def test_batches_a_role_s_axis_does_not_divide_are_named_and_priced_as_replicate
     from configs.paper import qwenimage as paper_qwen
     from digen_jax.runtime import simulator as sim
     from digen_jax.runtime import cost_model as cm
-    w = dataclasses.replace(app_costs.iteration_work(paper_qwen.get_config()), prompts=6, group_size=8, micro_batch_size=16)
+    w = dataclasses.replace(app_costs.iteration_work(paper_qwen.get_config()), prompts=6, group_size=8, grad_chunk_size=16)
     pool = cm.Pool.parse("h200:4")
     split = sim.simulate(w, dataclasses.replace(pool, rollout_devices=1, train_devices=3), plan_lib.BEST_MODE, microbatches=3)
     even = sim.simulate(w, dataclasses.replace(pool, rollout_devices=2, train_devices=2), plan_lib.BEST_MODE, microbatches=3)
@@ -85,7 +85,7 @@ def test_batches_a_role_s_axis_does_not_divide_are_named_and_priced_as_replicate
                                                      staleness=1, tag_microbatches=-1, prefetch_microbatches=-1, reward_workers=1,
                                                      trace=False), jax.devices()[:4])
     (chunks, pieces) = sorted(mesh_lib.replicated_work_lines(meshes, plan_lib.BEST_MODE, 16, 16))
-    assert "3x the work" in chunks and "gradient chunk" in chunks and "rl.micro_batch_size" in chunks
+    assert "3x the work" in chunks and "gradient chunk" in chunks and "rl.grad_chunk_size" in chunks
     assert "16 samples" in pieces and "runtime.rollout_devices/train_devices" in pieces
     assert mesh_lib.replicated_work_lines(meshes, plan_lib.BEST_MODE, 24, 24) == []
 

@@ -119,7 +119,7 @@ class Executor(ElasticSplit, RewardScoring, Crossings):
         # pieces per micro-batch of the trainer's rollouts
         self.grain = mesh_lib.split_grain(self.meshes, rt.mode, self.settings.batch // rt.micro_batches)
         for line in mesh_lib.replicated_work_lines(self.meshes, rt.mode, self.settings.batch // rt.micro_batches,
-                                                   self.settings.micro_batch_size):
+                                                   self.settings.grad_chunk_size):
             log(f"warning: {line}")
         # Each process times the tasks on its own devices and takes the others' events from their
         # processes (trace.EventExchange); process 0 writes them all to the trace.

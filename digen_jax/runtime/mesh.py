@@ -101,15 +101,15 @@ def split_grain(meshes: RoleMeshes, mode: str, samples: int) -> int:
     return plan_lib.pieces_per_microbatch(samples, [meshes.for_group(g).shape[AXIS] for g in ("rollout", "train")])
 
 
-def replicated_work_lines(meshes: RoleMeshes, mode: str, samples: int, micro_batch_size: int) -> list[str]:
+def replicated_work_lines(meshes: RoleMeshes, mode: str, samples: int, grad_chunk_size: int) -> list[str]:
     """One line per batch a role of `meshes` computes whole on every device instead of splitting
     (`plan.replicated_work`), naming the keys that avoid it."""
     widths = {g: meshes.for_group(g).shape[AXIS] for g in ("shared", "rollout", "train")}
     what = {"rollout": f"the rollouts of a micro-batch ({samples} samples)", "train": "a gradient chunk"}
     return [f"{what[kind]} on the {group} role run whole on each of its {n} devices, {n}x the work: its data axis "
-            f"does not divide them; choose runtime.micro_batches, rl.micro_batch_size and role sizes "
+            f"does not divide them; choose runtime.micro_batches, rl.grad_chunk_size and role sizes "
             f"(runtime.rollout_devices/train_devices) that it divides"
-            for (kind, group), n in plan_lib.replicated_work(mode, samples, micro_batch_size, widths).items()]
+            for (kind, group), n in plan_lib.replicated_work(mode, samples, grad_chunk_size, widths).items()]
 
 
 def host_device() -> jax.Device:

@@ -205,17 +205,17 @@ def pieces_per_microbatch(samples: int, batch_axes: Sequence[int]) -> int:
     return samples // unit if samples % unit == 0 else 1
 
 
-def replicated_work(mode: str, samples: int, micro_batch_size: int, widths: Mapping[str, int]) -> dict[tuple[str, str], int]:
+def replicated_work(mode: str, samples: int, grad_chunk_size: int, widths: Mapping[str, int]) -> dict[tuple[str, str], int]:
     """The work a run of `mode` computes whole on every device of a group instead of splitting
     it, as {(task kind, group): that group's data-axis size}. A batch whose size a group's data
     axis does not divide is replicated over the group (`mesh.batch_sharding`): each of its n
     devices computes all of it, n times the work. `samples`: one micro-batch's samples;
-    `micro_batch_size`: the units of a gradient chunk where units are cut by count (TSP,
+    `grad_chunk_size`: the units of a gradient chunk where units are cut by count (TSP,
     colocated), else a chunk is one trained step of every sample; `widths`: group -> its
     data-axis size ('shared' for colocated)."""
     flags = mode_flags(mode)
     rollout_group, train_group = ("shared", "shared") if flags.colocated else ("rollout", "train")
-    chunk = micro_batch_size if flags.tsp or flags.colocated else samples
+    chunk = grad_chunk_size if flags.tsp or flags.colocated else samples
     work = [("rollout", rollout_group, samples), ("train", train_group, chunk)]
     if flags.tag:  # the trainer's pieces: multiples of its axis only where that divides the micro-batch
         work.append(("rollout", "train", samples))

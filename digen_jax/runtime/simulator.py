@@ -165,7 +165,7 @@ def _replicated(costs: plan_lib.Costs, w: IterationWork, pool: Pool, mode: str, 
     widths = {"shared": max(pool.total // w.seq_parallel, 1),
               **{r: max(getattr(pool, f"{r}_devices") // w.seq_parallel, 1) for r in ("rollout", "train")}}
     rollout, train = dict(costs.rollout), costs.train
-    for (kind, group), n in plan_lib.replicated_work(mode, w.samples // microbatches, w.micro_batch_size, widths).items():
+    for (kind, group), n in plan_lib.replicated_work(mode, w.samples // microbatches, w.grad_chunk_size, widths).items():
         if kind == "rollout":
             rollout[group] *= n
         else:
