@@ -31,7 +31,7 @@ from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning
 from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
 from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
-from digen_jax.app import costs, machine_checks, precision, run_checkpoints, warm_start
+from digen_jax.app import machine_checks, precision, run_checkpoints, run_sizing, warm_start
 from digen_jax.app import settings as settings_lib
 from digen_jax.app import workdir as workdir_lib
 from digen_jax.app.errors import RunStopped
@@ -53,8 +53,8 @@ class Run:
         if not validated:
             validate_config(config, one_mode=one_mode)
         self.settings = settings_lib.run_settings(config)  # what the executor reads of the config
-        self.colocated_sampling = costs.colocated_sampling(config, jax.devices())  # 'auto' on these devices
-        self.tag_precision = costs.tag_precision(config, jax.devices())  # 'auto' on these devices
+        self.colocated_sampling = run_sizing.colocated_sampling(config, jax.devices())  # 'auto' on these devices
+        self.tag_precision = run_sizing.tag_precision(config, jax.devices())  # 'auto' on these devices
         self.config, self.workdir, self.log = config, workdir, log
         os.makedirs(workdir, exist_ok=True)
         rl = config.rl
@@ -255,12 +255,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
     default); its figures (samples/s, bubbles, staleness, sync time) are read one iteration late.
     Expected faults (a workdir in use, a checkpoint of another config or unreadable, a full disk,
     a failed save) raise `RunStopped` with a message. `runtime.mode='auto'` is resolved first, on
-    this run's devices (`costs.choose_mode`), and the choice logged. `validated`: the caller
+    this run's devices (`run_sizing.choose_mode`), and the choice logged. `validated`: the caller
     resolved the mode and ran `validate_config` on `config` already (launch/train.py).
     """
     if not validated:
-        if config.runtime.mode == costs.AUTO_MODE:
-            log(costs.choose_mode(config, "local", jax.devices()))
+        if config.runtime.mode == run_sizing.AUTO_MODE:
+            log(run_sizing.choose_mode(config, "local", jax.devices()))
         validate_config(config)
     # Several processes share the workdir; process 0 writes the metrics, trace and TensorBoard files.
     writes_files = jax.process_index() == 0

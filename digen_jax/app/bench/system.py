@@ -31,7 +31,7 @@ import numpy as np
 from digen_jax.app import loop
 from digen_jax.app.bench import provenance
 from digen_jax.app.bench.peaks import datasheet_peak, matmul_size_for, measure_matmul_peak
-from digen_jax.app.costs import sample_flops
+from digen_jax.app.run_sizing import sample_flops
 from digen_jax.app.settings import run_settings
 from digen_jax.app.validation import validate_bench_arguments
 from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
