@@ -27,23 +27,14 @@ Which layers: the kernels whose logical axes (models/partitioning.py) are in `QU
 attention projections and MLPs of the blocks, which carry nearly all of a forward's FLOPs. The
 input embedders, the output projection, the AdaLN modulation and the timestep/text embedders
 stay in the compute dtype, as do norms, attention itself and the sampler's step math.
-
-Parameter trees: the rollout role of an FP8 run samples with a tree in which every block kernel
-`quantized_kernel_paths` picks is replaced by its e4m3 form and per-output-channel scales
-(`quantize_params`); the dense layers read that form as FP8 layers (models/layers.py
-`AdaptableDense`). LoRA adapters stay as they are and apply factored on top (rl/lora.py
-`factored_variables`). runtime/weight_sync.py decides when a tree is quantised.
+`rl/quantized_params.py` picks and quantises them in a parameter tree.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import traverse_util
-from jax.sharding import NamedSharding, PartitionSpec
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -128,48 +119,3 @@ fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 def _to_e4m3(v: jax.Array) -> jax.Array:
     # e4m3fn has no infinity: a value past the largest finite one would convert to NaN.
     return jnp.clip(v, -E4M3_MAX, E4M3_MAX).astype(E4M3)
-
-
-def quantized_kernel_paths(abstract_params: Mapping) -> frozenset[str]:
-    """'/'-joined paths of the `kernel` leaves of boxed (logically partitioned) parameters whose last
-    two logical axes are in `QUANTIZED_AXES` (a scanned kernel's leading `layers` axis aside)."""
-    flat = traverse_util.flatten_dict(abstract_params, sep="/", is_leaf=lambda _, v: isinstance(v, nn.Partitioned))
-    return frozenset(
-        path for path, leaf in flat.items()
-        if path.rsplit("/", 1)[-1] == "kernel" and isinstance(leaf, nn.Partitioned)
-        and tuple(leaf.names[-2:]) in QUANTIZED_AXES
-    )
-
-
-def quantize_params(params: Mapping, paths: frozenset[str]) -> dict[str, Any]:
-    """`params` (unboxed) with every kernel at `paths` replaced by its `QUANTIZED` e4m3 kernel and
-    `SCALE` per-output-channel scales (`quantize_weight`); every other leaf is the same
-    object."""
-    flat = traverse_util.flatten_dict(params, sep="/")
-    missing = sorted(p for p in paths if p not in flat)
-    if missing:
-        raise ValueError(f"parameters to quantise are missing (another block layout?): {missing[:4]}")
-    for path in paths:
-        prefix = path[: -len("kernel")]  # the module's path and '/', or '' for a lone layer's params
-        flat[prefix + QUANTIZED], flat[prefix + SCALE] = quantize_weight(flat.pop(path))
-    return traverse_util.unflatten_dict(flat, sep="/")
-
-
-def is_quantized(params: Mapping, paths: frozenset[str]) -> bool:
-    """Whether `params` (unboxed) hold the e4m3 form of the kernels at `paths` (`quantize_params`)."""
-    flat = traverse_util.flatten_dict(params, sep="/")
-    return bool(paths) and all(p[: -len("kernel")] + QUANTIZED in flat for p in paths)
-
-
-def quantized_shardings(shardings: Mapping, params: Mapping, paths: frozenset[str]) -> dict[str, Any]:
-    """The shardings of `quantize_params(params, paths)` from `params`' own (`shardings`): each
-    e4m3 kernel like its kernel, each per-output-channel scale like the kernel without its input
-    axis."""
-    flat = traverse_util.flatten_dict(shardings, sep="/")
-    shapes = traverse_util.flatten_dict(params, sep="/")
-    for path in paths:
-        prefix, sharding = path[: -len("kernel")], flat.pop(path)
-        spec = tuple(sharding.spec) + (None,) * (shapes[path].ndim - len(sharding.spec))
-        flat[prefix + QUANTIZED] = sharding
-        flat[prefix + SCALE] = NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], spec[-1]))
-    return traverse_util.unflatten_dict(flat, sep="/")

@@ -6,7 +6,7 @@ sample's tokens split over them as `runtime.seq_parallel` splits them (Ulysses a
 FLOPs, memory and MFU are then per device.
 
 `forward_fp8` is the rollout role's FP8 forward (`model.rollout_precision='fp8'`, models/fp8.py):
-the same weights with the blocks' kernels quantised to e4m3 (`models.fp8.quantize_params`), the same inputs.
+the same weights with the blocks' kernels quantised to e4m3 (`rl.quantized_params`), the same inputs.
 With `forward` in the same run the result's `fp8` entry gives its speed-up over the bf16 forward
 and the relative error of its velocity against the bf16 one."""
 from __future__ import annotations
@@ -249,8 +249,8 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from digen_jax import model_flops
-    from digen_jax.models import fp8, stacking
-    from digen_jax.rl import lora
+    from digen_jax.models import stacking
+    from digen_jax.rl import lora, quantized_params
     from digen_jax.app.families import ZOO
     from digen_jax.rl.rollout import make_denoiser
 
@@ -295,8 +295,8 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
         "full_fwd_bwd": (full_grad, (params, latents, cond, sigma)),
     }
     if "forward_fp8" in bench.what:
-        paths = fp8.quantized_kernel_paths(fam.abstract_params(cfg))
-        params_fp8 = jax.block_until_ready(jax.jit(lambda p: fp8.quantize_params(p, paths))(params))
+        paths = quantized_params.quantized_kernel_paths(fam.abstract_params(cfg))
+        params_fp8 = jax.block_until_ready(jax.jit(lambda p: quantized_params.quantize_params(p, paths))(params))
         fns["forward_fp8"] = (denoise, (params_fp8, latents, cond, sigma))
     if "lora_fwd_bwd" in bench.what:
         # Drawn in the stored (stacked) layout like the weights, then split: drawn per block, one
