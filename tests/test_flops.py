@@ -206,7 +206,7 @@ def test_nft_sample_counts_equal_the_trainer_programs(tmp_path, kl_beta):
     samples = FinalSamples(final=jnp.zeros((batch, *run.latent_shape)), sample_keys=keys, version=jnp.int32(0))
     trained = jnp.tile(jnp.arange(k, dtype=jnp.int32), (batch, 1))
     units = trainer.build_units(samples, cond, jnp.zeros((batch,)), trained)
-    grad = jax.value_and_grad(trainer._nft_loss, has_aux=True)
+    grad = jax.value_and_grad(trainer._loss, has_aux=True)
     traced = model_flops.jaxpr_matmul_flops(grad, state.trainable, state.old, trainer.frozen, units)
     assert traced == batch * counted["train"]
     model_cfg = run.workload.model_cfg

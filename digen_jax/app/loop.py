@@ -29,8 +29,9 @@ from digen_jax.grid import image_grid
 from digen_jax.rl import lora, optim
 from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning
+from digen_jax.rl.grpo_trainer import GrpoTrainer
 from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
-from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
+from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, TrainState
 from digen_jax.app import machine_checks, precision, run_checkpoints, run_sizing, warm_start
 from digen_jax.app import settings as settings_lib
 from digen_jax.app import workdir as workdir_lib
@@ -95,7 +96,7 @@ class Run:
             self.trainer = NftTrainer(self.sampler, frozen, optimizer, loss_cfg,
                                       NftConfig(rl.nft_solver, rl.nft_beta, rl.nft_decay))
         else:
-            self.trainer = Trainer(self.sampler, frozen, optimizer, loss_cfg)
+            self.trainer = GrpoTrainer(self.sampler, frozen, optimizer, loss_cfg)
         # The initial state, in host memory (the CPU backend); the executor places it on its train
         # devices' shardings and holds the live one. Built on one accelerator, full fine-tuning's
         # weights and Adam moments (Qwen-Image-20B: 82 GB in bf16) would not fit it, and the copy
