@@ -69,7 +69,7 @@ KEYS: dict[str, Key] = {
                                              "e4m3 form, one copy (needs rollout_precision='fp8')", ("bf16", "fp8")),
     "model.vae_decode_batch": Key(8, "samples per VAE decode call", group="zoo"),
     # ------------------------------------------------------------------ the shapes task (configs/tiny.py)
-    "task.name": Key("shapes", "the synthetic task (digen_jax.data.shapes.ShapesTask)", ("shapes",), group="shapes"),
+    "task.name": Key("shapes", "the synthetic task (digen_jax.data.shapes_task.ShapesTask)", ("shapes",), group="shapes"),
     "task.resolution": Key(16, "pixels per side (a multiple of 4, >= 16)", group="shapes"),
     "task.text_len": Key(8, "prompt tokens", group="shapes"),
     "task.label_noise": Key(0.25, "share of pretraining renders that contradict their prompt", group="shapes"),

@@ -13,7 +13,7 @@ For each of `--what` (forward; forward_fp8: the rollout role's FP8 forward,
 same run when both are listed; lora_fwd_bwd: forward and backward w.r.t. LoRA adapters over
 the frozen base; full_fwd_bwd: w.r.t. every weight) it records the compile time, every timed
 repeat after `--warmup` untimed calls (each synchronised with `block_until_ready`), the median,
-the exact FLOPs (`digen_jax.flops`), the achieved FLOP rate and the MFU against both the
+the exact FLOPs (`digen_jax.model_flops`), the achieved FLOP rate and the MFU against both the
 datasheet bf16 dense peak of the card and a bf16 matmul peak measured in the same run. The
 traced matmul count (`flops.jaxpr_matmul_flops`, which includes remat recomputation but not
 fused attention kernels) is recorded beside it. `--peer` first runs the diffusers PyTorch module

@@ -10,7 +10,7 @@ colocated in the GenRL style (sampling on the FSDP training weights), then the d
 ablation disagg_sync, +GAP, +TSP, +TAG, +TCSS at the testbed's role split, and the full mode
 with role sizes, micro-batches and TAG share from `simulator.autosize`.
 
-Every number is simulated (digen_jax/runtime/simulator.py, digen_jax/runtime/cost_model.py):
+Every number is simulated (digen_jax/runtime/simulator.py, digen_jax/runtime/task_costs.py):
 exact FLOPs of each model, the device table and the default `Efficiency` factors, scheduled by
 the executor's planner. Each system runs at its best micro-batch count (a divisor of the
 prompts, <= 16). Writes `tables.md`, `speedup_<testbed>.png` and
@@ -31,8 +31,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from digen_jax import cli  # noqa: E402
-from digen_jax.app import costs  # noqa: E402
-from digen_jax.runtime import cost_model, simulator  # noqa: E402
+from digen_jax.app import run_sizing  # noqa: E402
+from digen_jax.runtime import simulator, task_costs  # noqa: E402
 from digen_jax.runtime import plan as plan_lib  # noqa: E402
 
 MODELS = (("FLUX.1-12B", "flux"), ("Qwen-Image-20B", "qwenimage"), ("Wan2.1-14B", "wan21"), ("HunyuanVideo-13B", "hunyuanvideo"))
@@ -63,11 +63,11 @@ NO_MATPLOTLIB = ("plots skipped: matplotlib is not installed (python3 -m pip ins
                  "requirements-dev.txt); the tables are complete")
 
 
-def testbeds() -> list[tuple[str, cost_model.Pool]]:
+def testbeds() -> list[tuple[str, task_costs.Pool]]:
     out = []
     for t in importlib.import_module("configs.paper.testbeds").get_config().testbeds:
-        pool = cost_model.Pool.parse(t["pool"], devices_per_host=t["devices_per_host"], cross_host_bw=t["cross_host_bw"],
-                                     devices=cost_model.with_prices(t["prices"]))
+        pool = task_costs.Pool.parse(t["pool"], devices_per_host=t["devices_per_host"], cross_host_bw=t["cross_host_bw"],
+                                     devices=task_costs.with_prices(t["prices"]))
         out.append((t["name"], pool))
     return out
 
@@ -85,7 +85,7 @@ def run_grid() -> Grid:
     grid = Grid({}, {})
     beds = testbeds()
     for title, module in MODELS:
-        work = costs.iteration_work(importlib.import_module(f"configs.paper.{module}").get_config())
+        work = run_sizing.iteration_work(importlib.import_module(f"configs.paper.{module}").get_config())
         for bed, pool in beds:
             row = {name: simulator.simulate(work, pool, mode, style=style or "fsdp_sampling") for name, mode, style in SYSTEMS}
             # role sizes in half-host steps: a finer search gains little and would take minutes

@@ -1,7 +1,7 @@
 r"""Predict the throughput of every schedule mode for a config on a device pool (no devices used).
 
 The simulator (digen_jax/runtime/simulator.py) runs the executor's planner against a cost
-model (digen_jax/runtime/cost_model.py: exact FLOPs of the config's model and a device table),
+model (digen_jax/runtime/task_costs.py: exact FLOPs of the config's model and a device table),
 or against the task costs a system bench run measured:
 
     python launch/simulate.py --config=configs/qwenimage.py --pool=h800:16
@@ -32,9 +32,9 @@ from ml_collections import config_flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from digen_jax import cli  # noqa: E402
-from digen_jax.app import costs  # noqa: E402
+from digen_jax.app import run_sizing  # noqa: E402
 from digen_jax.runtime import plan as plan_lib  # noqa: E402
-from digen_jax.runtime import cost_model, simulator  # noqa: E402
+from digen_jax.runtime import simulator, task_costs  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Model-zoo config file (ml_collections), e.g. configs/qwenimage.py.")
 _POOL = flags.DEFINE_string("pool", "h100:16", "Device pool: KIND:N, KIND:N/rollout=R or rollout=KIND:N,train=KIND:N.")
@@ -43,7 +43,7 @@ _MICRO = flags.DEFINE_integer("micro_batches", None, "Micro-batches per iteratio
 _HOSTS = flags.DEFINE_integer("devices_per_host", 8, "Devices per host (role groups beyond one host cross the network).")
 _XBW = flags.DEFINE_float("cross_host_gbps", 200.0, "Network bandwidth between hosts, Gb/s per GPU.")
 _PRICE = flags.DEFINE_multi_string("price", [], "KIND=DOLLARS per device-hour, repeatable (overrides the device table).")
-_EFF = flags.DEFINE_multi_string("efficiency", [], "NAME=VALUE overriding cost_model.Efficiency (e.g. rollout=0.45), repeatable.")
+_EFF = flags.DEFINE_multi_string("efficiency", [], "NAME=VALUE overriding task_costs.Efficiency (e.g. rollout=0.45), repeatable.")
 _AUTOSIZE = flags.DEFINE_boolean("autosize", False, "Also search role sizes, micro-batches and TAG share for the full mode, "
                                   "and rank every mode at its best sizing (what runtime.mode=auto runs).")
 _JSON = flags.DEFINE_string("json", None, "Also write the predictions to this JSON file.")
@@ -62,11 +62,11 @@ def _pairs(values: list[str], flag: str) -> dict[str, float]:
     return out
 
 
-def pool_from_flags() -> cost_model.Pool:
+def pool_from_flags() -> task_costs.Pool:
     try:
-        return cost_model.Pool.parse(
+        return task_costs.Pool.parse(
             _POOL.value, devices_per_host=_HOSTS.value, cross_host_bw=_XBW.value * 1e9 / 8,
-            devices=cost_model.with_prices(_pairs(_PRICE.value, "price")),
+            devices=task_costs.with_prices(_pairs(_PRICE.value, "price")),
         )
     except ValueError as e:
         raise app.UsageError(f"--pool: {e}") from None
@@ -83,8 +83,8 @@ def table(predictions: list[simulator.Prediction]) -> str:
         name = p.mode + (f" ({p.style})" if p.style else "")
         if not p.fits:
             r = p.memory.over()
-            lines.append(f"| {name} | does not fit: {r.role} needs {r.device_bytes / cost_model.GIB:.1f} of "
-                         f"{r.capacity / cost_model.GIB:.1f} GiB | - | - | - | - | {p.microbatches} | - | - |")
+            lines.append(f"| {name} | does not fit: {r.role} needs {r.device_bytes / task_costs.GIB:.1f} of "
+                         f"{r.capacity / task_costs.GIB:.1f} GiB | - | - | - | - | {p.microbatches} | - | - |")
             continue
         bubble = ", ".join(f"{g} {f:.0%}" for g, f in p.bubble_frac.items())
         speedup = f"{p.samples_per_s / base:.2f}x" if base else "-"
@@ -121,13 +121,13 @@ def main(argv):
         raise app.UsageError("--config (a model-zoo config file) or --profile is required")
     pool = pool_from_flags()
     try:
-        eff = cost_model.Efficiency(**_pairs(_EFF.value, "efficiency"))
+        eff = task_costs.Efficiency(**_pairs(_EFF.value, "efficiency"))
     except TypeError as e:
         raise app.UsageError(f"--efficiency: {e}") from None
     try:
-        work = costs.iteration_work(_CONFIG.value)
+        work = run_sizing.iteration_work(_CONFIG.value)
         predictions = [simulator.simulate(work, pool, plan_lib.COLOCATED, style=s, eff=eff, microbatches=_MICRO.value)
-                       for s in cost_model.COLOCATED_STYLES]
+                       for s in task_costs.COLOCATED_STYLES]
         predictions += [simulator.simulate(work, pool, m, eff=eff, microbatches=_MICRO.value)
                         for m in plan_lib.DISAGGREGATED_MODES]
     except ValueError as e:  # a config / pool combination that cannot run: say which key
@@ -152,7 +152,7 @@ def main(argv):
             ranked = simulator.choose_mode(work, pool, eff=eff)
         except ValueError as e:
             raise app.UsageError(str(e)) from None
-        print(costs.mode_line(pool, ranked))
+        print(run_sizing.mode_line(pool, ranked))
         out["auto"] = [{**s.runtime_overrides(), "samples_per_s": s.prediction.samples_per_s, "fits": s.prediction.fits}
                        for s in ranked]
     if _JSON.value:

@@ -53,7 +53,7 @@ from digen_jax import cli, xla_flags
 from digen_jax.rewards.remote import RemoteRewardError
 from digen_jax.app.errors import ConfigError, RunStopped
 from digen_jax.app.loop import train
-from digen_jax.app import console, costs, precision, report
+from digen_jax.app import console, precision, report, run_sizing
 from digen_jax.app.settings import distributed_settings
 from digen_jax.app.validation import validate_config
 from digen_jax.runtime.multihost import initialize
@@ -85,7 +85,7 @@ _TRACEBACK = flags.DEFINE_bool(
 def autosize_line(config, spec: str) -> str:
     """--autosize: size `config`'s roles in place; a line saying what was chosen."""
     try:
-        pool, sizing = costs.size_config(config, spec, jax.devices())
+        pool, sizing = run_sizing.size_config(config, spec, jax.devices())
     except ValueError as e:
         raise ConfigError(f"--autosize={spec}: {e}") from None
     rt = config.runtime
@@ -118,8 +118,8 @@ def main(argv):
         if initialize(distributed_settings(_CONFIG.value)).num_processes > 1:  # multi-process runs join before any JAX work
             console.quiet(jax.process_index())  # process 0 reports; the others print their errors
     try:
-        if _CONFIG.value.runtime.mode == costs.AUTO_MODE:
-            print(costs.choose_mode(_CONFIG.value, _AUTOSIZE.value or "local", jax.devices()), flush=True)
+        if _CONFIG.value.runtime.mode == run_sizing.AUTO_MODE:
+            print(run_sizing.choose_mode(_CONFIG.value, _AUTOSIZE.value or "local", jax.devices()), flush=True)
         elif _AUTOSIZE.value:
             print(autosize_line(_CONFIG.value, _AUTOSIZE.value), flush=True)
         if _PRINT_CONFIG.value:

@@ -5,8 +5,12 @@ import dataclasses
 import jax
 import pytest
 
+from configs.paper import qwenimage as paper_qwen
+from digen_jax.app import run_sizing
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import plan as plan_lib
+from digen_jax.runtime import simulator as sim
+from digen_jax.runtime import task_costs
 from digen_jax.runtime.settings import RuntimeSettings
 from tests import test_runtime as rt
 
@@ -71,12 +75,8 @@ def test_batches_a_role_s_axis_does_not_divide_are_named_and_priced_as_replicate
     assert plan_lib.replicated_work("colocated", 6, 16, widths) == {("rollout", "shared"): 4}
     assert plan_lib.replicated_work("gap", 16, 48, {"rollout": 2, "train": 3}) == {("train", "train"): 3}  # a chunk: one step of every sample
 
-    from digen_jax.app import costs as app_costs
-    from configs.paper import qwenimage as paper_qwen
-    from digen_jax.runtime import simulator as sim
-    from digen_jax.runtime import cost_model as cm
-    w = dataclasses.replace(app_costs.iteration_work(paper_qwen.get_config()), prompts=6, group_size=8, grad_chunk_size=16)
-    pool = cm.Pool.parse("h200:4")
+    w = dataclasses.replace(run_sizing.iteration_work(paper_qwen.get_config()), prompts=6, group_size=8, grad_chunk_size=16)
+    pool = task_costs.Pool.parse("h200:4")
     split = sim.simulate(w, dataclasses.replace(pool, rollout_devices=1, train_devices=3), plan_lib.BEST_MODE, microbatches=3)
     even = sim.simulate(w, dataclasses.replace(pool, rollout_devices=2, train_devices=2), plan_lib.BEST_MODE, microbatches=3)
     assert split.samples_per_s < 0.7 * even.samples_per_s  # 2 + 2 divides 16; 1 + 3 triples the trainer's work
@@ -224,11 +224,11 @@ def _zoo_config(precision="fp8"):
 def test_the_simulator_predicts_a_split_microbatch_where_it_balances_the_roles():
     """Qwen-Image-20B, 32 images on 1 + 1 H200s with FP8 rollouts (both roles sampling FP8): the
     full mode's best split moves part of a micro-batch, and beats the best whole split."""
-    from digen_jax.app import costs
-    from digen_jax.runtime import cost_model, simulator
+    from digen_jax.app import run_sizing
+    from digen_jax.runtime import simulator, task_costs
 
-    w = costs.iteration_work(_zoo_config())
-    pool = cost_model.Pool.parse("h200:2")
+    w = run_sizing.iteration_work(_zoo_config())
+    pool = task_costs.Pool.parse("h200:2")
     p = simulator.simulate(w, pool, plan_lib.BEST_MODE, microbatches=4)
     assert p.tag != int(p.tag) and p.fits, p.tag
     whole = simulator.predict(plan_lib.BEST_MODE, p.costs, batch=w.samples, microbatches=4, devices=2)
@@ -238,14 +238,14 @@ def test_the_simulator_predicts_a_split_microbatch_where_it_balances_the_roles()
 
 
 def test_auto_mode_chooses_the_fastest_predicted_mode_and_reports_the_runners_up(cache_dir):
-    from digen_jax.app import costs
+    from digen_jax.app import run_sizing
     from digen_jax.app.errors import ConfigError
-    from digen_jax.runtime import cost_model, simulator
+    from digen_jax.runtime import simulator, task_costs
 
     config = _zoo_config()
     config.runtime.mode = "auto"
-    line = costs.choose_mode(config, "h200:8", jax.devices())
-    ranked = simulator.choose_mode(costs.iteration_work(config), cost_model.Pool.parse("h200:8"), allowed=costs._runs(config))
+    line = run_sizing.choose_mode(config, "h200:8", jax.devices())
+    ranked = simulator.choose_mode(run_sizing.iteration_work(config), task_costs.Pool.parse("h200:8"), allowed=run_sizing._runs(config))
     best = ranked[0]
     assert config.runtime.mode == best.prediction.mode and config.runtime.micro_batches == best.microbatches
     assert (config.runtime.rollout_devices, config.runtime.train_devices) == (best.rollout_devices, best.train_devices)
@@ -256,7 +256,7 @@ def test_auto_mode_chooses_the_fastest_predicted_mode_and_reports_the_runners_up
     assert sorted(r.split(" ")[0] for r in runners) == sorted(set(plan_lib.MODES) - {best.prediction.mode})
     assert [s.prediction.samples_per_s for s in ranked] == sorted((s.prediction.samples_per_s for s in ranked), reverse=True)
     # Colocated competes like any mode: alone with the sync baseline it wins, with the shared group's sizing.
-    (colo, sync) = simulator.choose_mode(costs.iteration_work(_zoo_config()), cost_model.Pool.parse("h200:2"),
+    (colo, sync) = simulator.choose_mode(run_sizing.iteration_work(_zoo_config()), task_costs.Pool.parse("h200:2"),
                                          modes=(plan_lib.COLOCATED, plan_lib.SYNC_BASELINE))
     assert colo.prediction.mode == plan_lib.COLOCATED and colo.runtime_overrides()["mode"] == plan_lib.COLOCATED
     # What the simulator cannot price is one line naming the key.
@@ -264,7 +264,7 @@ def test_auto_mode_chooses_the_fastest_predicted_mode_and_reports_the_runners_up
     tiny_config.runtime.mode = "auto"
     with pytest.raises(ConfigError, match=r"^runtime.mode='auto' is chosen from the simulator's predictions, which fail here: "
                                           r"the simulator needs a model-zoo config") as e:
-        costs.choose_mode(tiny_config, "h200:8", jax.devices())
+        run_sizing.choose_mode(tiny_config, "h200:8", jax.devices())
     assert "\n" not in str(e.value)
 
 

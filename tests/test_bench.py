@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from configs.sections import ATTENTION_MLP_TARGETS
-from digen_jax import flops
+from digen_jax import model_flops
 from digen_jax.app.bench import model, peaks, profiler, provenance
 from digen_jax.models import FAMILIES
 
@@ -46,7 +46,7 @@ def test_model_mode_writes_every_figure(tmp_path, monkeypatch):
     assert written["peer"] is None
 
     cfg = FAMILIES["qwenimage"].variants["tiny"]
-    terms = flops.model_terms("qwenimage", cfg, batch=2, height=64, width=32, text_len=6)
+    terms = model_flops.model_terms("qwenimage", cfg, batch=2, height=64, width=32, text_len=6)
     want = {
         "forward": terms.forward().total,
         "lora_fwd_bwd": terms.lora_fwd_bwd(2, ATTENTION_MLP_TARGETS["qwenimage"]).total,
@@ -108,7 +108,7 @@ def test_model_mode_unrolled_blocks_time_the_same_program(tmp_path):
     assert unrolled["lora_param_count"] == scanned["lora_param_count"] > 0
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES.keys() & set(flops.FORMULAS)))
+@pytest.mark.parametrize("family", sorted(FAMILIES.keys() & set(model_flops.FORMULAS)))
 def test_peer_runs_the_diffusers_module(family, tmp_path):
     """The PyTorch peer in-process: the same config and shapes, LoRA on the same layers."""
     frames = ["--frames=5"] if family in ("wan", "hunyuan_video") else []
@@ -243,7 +243,7 @@ def test_system_mode_runs_diffusionnft(tmp_path, capsys):
     NFT's (CFG-free rollout, K = 3 levels a sample); the default file name says nft."""
     from digen_jax.app import families
     from digen_jax.app.bench import system
-    from digen_jax.app.costs import sample_flops
+    from digen_jax.app.run_sizing import sample_flops
     from digen_jax.runtime import simulator
 
     out = tmp_path / "nft.json"
@@ -272,7 +272,7 @@ def test_system_mode_runs_diffusionnft(tmp_path, capsys):
     config.model.num_layers = 1
     model_cfg = families.model_config(config)
     assert model_cfg.num_layers == 1 and record["flops_per_sample"] == sample_flops(config, model_cfg)
-    terms = flops.model_terms("qwenimage", model_cfg, batch=1, height=32, width=32, text_len=config.data.text_len)
+    terms = model_flops.model_terms("qwenimage", model_cfg, batch=1, height=32, width=32, text_len=config.data.text_len)
     assert record["flops_per_sample"]["rollout"] == 4 * terms.forward().total  # no CFG batch
     assert set(simulator.predict_from_profile(written)) == {"gap+tsp+tag+tcss"}
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from configs.sections import ATTENTION_MLP_TARGETS
-from digen_jax import diffusion, flops
+from digen_jax import diffusion, model_flops
 from digen_jax.app.families import ZOO
 from digen_jax.data.embeddings import EMBEDDING_LAYOUTS
 from digen_jax.data.encode import PIPELINES
@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_the_tables_have_exactly_the_specs_families():
-    for table in (ZOO, flops.FORMULAS, EMBEDDING_LAYOUTS, PIPELINES, ATTENTION_MLP_TARGETS):
+    for table in (ZOO, model_flops.FORMULAS, EMBEDDING_LAYOUTS, PIPELINES, ATTENTION_MLP_TARGETS):
         assert list(table) == list(SPECS)
 
 
@@ -30,8 +30,8 @@ def test_each_table_row_is_the_specs(name):
     zoo = ZOO[name]
     assert zoo.spec is spec and zoo.transformer is FAMILIES[name] and zoo.vae is FAMILIES[spec.vae]
     assert zoo.decode is FAMILIES[spec.vae].decode_frames is not None
-    formula = flops.FORMULAS[name]
-    assert formula.terms is flops.TERMS[spec.flop_terms]
+    formula = model_flops.FORMULAS[name]
+    assert formula.terms is model_flops.TERMS[spec.flop_terms]
     assert (formula.temporal_patch, formula.pixels_per_token) == (spec.temporal_patch, spec.pixels_per_token)
     assert spec.video == (spec.temporal_patch is not None)
     assert EMBEDDING_LAYOUTS[name] is spec.embedding
@@ -45,8 +45,8 @@ def test_each_table_row_is_the_specs(name):
     assert set(spec.vae_families) <= set(FAMILIES)
     cfg = FAMILIES[name].variants["tiny"]
     frames = 5 if spec.video else 1
-    side = spec.pixels_per_token(cfg) if spec.pixels_per_token else flops.PIXELS_PER_TOKEN
-    terms = flops.model_terms(name, cfg, batch=1, height=2 * side, width=2 * side, frames=frames, text_len=4)
+    side = spec.pixels_per_token(cfg) if spec.pixels_per_token else model_flops.PIXELS_PER_TOKEN
+    terms = model_flops.model_terms(name, cfg, batch=1, height=2 * side, width=2 * side, frames=frames, text_len=4)
     assert terms.adapted(spec.lora_targets)
 
 
@@ -59,12 +59,12 @@ from digen_jax.models.flux import transformer
 specs.SPECS["new"] = dataclasses.replace(specs.SPECS["flux"], name="new")
 FAMILIES["new"] = dataclasses.replace(transformer.FAMILY, name="new")
 from configs.sections import ATTENTION_MLP_TARGETS
-from digen_jax import flops
+from digen_jax import model_flops
 from digen_jax.app.families import ZOO
 from digen_jax.data.embeddings import EMBEDDING_LAYOUTS
 from digen_jax.data.encode import PIPELINES
 print([sorted(t) == sorted(specs.SPECS) and "new" in t
-       for t in (ZOO, flops.FORMULAS, EMBEDDING_LAYOUTS, PIPELINES, ATTENTION_MLP_TARGETS)])
+       for t in (ZOO, model_flops.FORMULAS, EMBEDDING_LAYOUTS, PIPELINES, ATTENTION_MLP_TARGETS)])
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str([True] * 5)

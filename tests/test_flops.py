@@ -1,6 +1,6 @@
 """Exact FLOP counts: against the traced program's own matmuls, XLA's cost analysis and docs/models.md.
 
-The analytic count (`flops.model_terms`) is built from the configs alone; the checks trace
+The analytic count (`model_flops.model_terms`) is built from the configs alone; the checks trace
 the real modules (`jax.make_jaxpr` on abstract inputs, no FLOPs run) and sum every
 dot_general, forward and differentiated, so a missed, misnamed or miscounted layer fails.
 """
@@ -14,7 +14,7 @@ import pytest
 from flax import traverse_util
 
 from configs.sections import ATTENTION_MLP_TARGETS
-from digen_jax import flops
+from digen_jax import model_flops
 from digen_jax.models import FAMILIES
 from digen_jax.rl import lora
 
@@ -32,7 +32,7 @@ SHAPES = {
 def abstract_model(family, cfg, shape, batch=BATCH, text_len=TEXT_LEN):
     """(module, abstract params, abstract inputs) of `family` at a pixel `shape`."""
     fam = FAMILIES[family]
-    frames, rows, cols = flops.latent_grid(family, cfg, **shape)
+    frames, rows, cols = model_flops.latent_grid(family, cfg, **shape)
     if family in ("flux", "qwenimage", "sd3"):
         inputs = fam.example_inputs(cfg, batch, rows * cols, text_len)
     else:
@@ -46,7 +46,7 @@ def abstract_model(family, cfg, shape, batch=BATCH, text_len=TEXT_LEN):
 def test_counts_equal_the_traced_matmuls(family):
     cfg = FAMILIES[family].variants["tiny"]
     module, params, inputs = abstract_model(family, cfg, SHAPES[family])
-    terms = flops.model_terms(family, cfg, batch=BATCH, text_len=TEXT_LEN, **SHAPES[family])
+    terms = model_flops.model_terms(family, cfg, batch=BATCH, text_len=TEXT_LEN, **SHAPES[family])
 
     # Every kernel of the model is one term, with its (layers, in, out) shape.
     kernels = {p[: -len("/kernel")]: v.shape for p, v in traverse_util.flatten_dict(params, sep="/").items()
@@ -60,17 +60,17 @@ def test_counts_equal_the_traced_matmuls(family):
         assert (math.prod(shape[lead:-1]), shape[-1]) == (m.fan_in, m.fan_out), path
 
     forward = lambda p, x: module.apply({"params": p}, **x)  # noqa: E731
-    assert flops.jaxpr_matmul_flops(forward, params, inputs) == terms.forward().total
+    assert model_flops.jaxpr_matmul_flops(forward, params, inputs) == terms.forward().total
 
     targets = ATTENTION_MLP_TARGETS[family]
     adapters = jax.eval_shape(lambda p: lora.init_lora(p, rank=RANK, target_patterns=targets, key=jax.random.key(0)), params)
     lora_loss = lambda a, p, x: jnp.sum(module.apply(lora.factored_variables(p, a, scale=0.5), **x))  # noqa: E731
-    assert flops.jaxpr_matmul_flops(lora_loss, adapters, params, inputs) == terms.lora_forward(RANK, targets).total
-    assert flops.jaxpr_matmul_flops(jax.grad(lora_loss), adapters, params, inputs) == terms.lora_fwd_bwd(RANK, targets).total
+    assert model_flops.jaxpr_matmul_flops(lora_loss, adapters, params, inputs) == terms.lora_forward(RANK, targets).total
+    assert model_flops.jaxpr_matmul_flops(jax.grad(lora_loss), adapters, params, inputs) == terms.lora_fwd_bwd(RANK, targets).total
 
     full_loss = lambda p, x: jnp.sum(forward(p, x))  # noqa: E731
     full = terms.full_fwd_bwd()
-    assert flops.jaxpr_matmul_flops(jax.grad(full_loss), params, inputs) == full.total
+    assert model_flops.jaxpr_matmul_flops(jax.grad(full_loss), params, inputs) == full.total
     forward_total = terms.forward().total
     assert full.attention == 3 * terms.forward().attention and 2.5 * forward_total < full.total < 3 * forward_total
 
@@ -86,7 +86,7 @@ def test_xla_cost_analysis_agrees_on_the_forward():
     module, params, inputs = abstract_model("flux", cfg, shape, text_len=8)
     cost = jax.jit(lambda p, x: module.apply({"params": p}, **x)).lower(params, inputs).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    ours = flops.model_terms("flux", cfg, batch=BATCH, text_len=8, **shape).forward().total
+    ours = model_flops.model_terms("flux", cfg, batch=BATCH, text_len=8, **shape).forward().total
     assert ours <= cost["flops"] <= 1.02 * ours
 
 
@@ -108,7 +108,7 @@ MODELS_MD = [
 @pytest.mark.parametrize("family,variant,height,width,frames,text,total,linear,attention", MODELS_MD)
 def test_full_size_forward_reproduces_models_md(family, variant, height, width, frames, text, total, linear, attention):
     cfg = FAMILIES[family].variants[variant]
-    got = flops.model_terms(family, cfg, batch=1, height=height, width=width, frames=frames, text_len=text).forward()
+    got = model_flops.model_terms(family, cfg, batch=1, height=height, width=width, frames=frames, text_len=text).forward()
     for value, want in ((got.total, total), (got.linear, linear), (got.attention, attention)):
         assert abs(value / 1e12 - want) <= 0.051 * (1 if want < 100 else 10), (value / 1e12, want)
 
@@ -125,13 +125,13 @@ def test_full_size_counts_equal_the_traced_program(family, variant, shape, text_
     LoRA forward+backward, the benchmark's two main measurements."""
     cfg = dataclasses.replace(FAMILIES[family].variants[variant], dtype="bfloat16", param_dtype="bfloat16")
     module, params, inputs = abstract_model(family, cfg, shape, batch=1, text_len=text_len)
-    terms = flops.model_terms(family, cfg, batch=1, text_len=text_len, **shape)
+    terms = model_flops.model_terms(family, cfg, batch=1, text_len=text_len, **shape)
     forward = lambda p, x: module.apply({"params": p}, **x)  # noqa: E731
-    assert flops.jaxpr_matmul_flops(forward, params, inputs) == terms.forward().total
+    assert model_flops.jaxpr_matmul_flops(forward, params, inputs) == terms.forward().total
     targets = ATTENTION_MLP_TARGETS[family]
     adapters = jax.eval_shape(lambda p: lora.init_lora(p, rank=64, target_patterns=targets, key=jax.random.key(0)), params)
     lora_loss = lambda a, p, x: jnp.sum(module.apply(lora.factored_variables(p, a, scale=2.0), **x))  # noqa: E731
-    assert flops.jaxpr_matmul_flops(jax.grad(lora_loss), adapters, params, inputs) == terms.lora_fwd_bwd(64, targets).total
+    assert model_flops.jaxpr_matmul_flops(jax.grad(lora_loss), adapters, params, inputs) == terms.lora_fwd_bwd(64, targets).total
 
 
 def test_rl_sample_of_the_qwen_image_setting():
@@ -139,12 +139,12 @@ def test_rl_sample_of_the_qwen_image_setting():
     about 534 TFLOP per image when training counts 3x the forward."""
     cfg = FAMILIES["qwenimage"].variants["qwen-image"]
     common = dict(height=512, width=512, text_len=128, num_steps=10, trained_steps=2, cfg_forwards=2)
-    full = flops.rl_sample_flops("qwenimage", cfg, **common)
-    forward = flops.model_terms("qwenimage", cfg, batch=1, height=512, width=512, text_len=128).forward().total
+    full = model_flops.rl_sample_flops("qwenimage", cfg, **common)
+    forward = model_flops.model_terms("qwenimage", cfg, batch=1, height=512, width=512, text_len=128).forward().total
     assert full["rollout"] == 20 * forward and full["train_full_convention"] == 12 * forward
     assert abs(full["rollout"] + full["train_full_convention"] - 534e12) < 0.005 * 534e12
     assert full["train"] < full["train_full_convention"]  # no input gradients for the embedders
-    lora64 = flops.rl_sample_flops(
+    lora64 = model_flops.rl_sample_flops(
         "qwenimage", cfg, **common, lora_rank=64, lora_targets=ATTENTION_MLP_TARGETS["qwenimage"]
     )
     assert lora64["rollout"] == full["rollout"] and 0.6 * full["train"] < lora64["train"] < 0.8 * full["train"]
@@ -153,12 +153,12 @@ def test_rl_sample_of_the_qwen_image_setting():
 def test_bad_input_is_named():
     cfg = FAMILIES["wan"].variants["tiny"]
     with pytest.raises(ValueError, match="multiples of 16"):
-        flops.model_terms("wan", cfg, batch=1, height=60, width=64, frames=5, text_len=4)
+        model_flops.model_terms("wan", cfg, batch=1, height=60, width=64, frames=5, text_len=4)
     with pytest.raises(ValueError, match="4k \\+ 1"):
-        flops.model_terms("wan", cfg, batch=1, height=64, width=64, frames=4, text_len=4)
+        model_flops.model_terms("wan", cfg, batch=1, height=64, width=64, frames=4, text_len=4)
     with pytest.raises(ValueError, match="model family"):
-        flops.model_terms("sdxl", cfg, batch=1, height=64, width=64, text_len=4)
-    terms = flops.model_terms("wan", cfg, batch=1, height=64, width=64, frames=5, text_len=4)
+        model_flops.model_terms("sdxl", cfg, batch=1, height=64, width=64, text_len=4)
+    terms = model_flops.model_terms("wan", cfg, batch=1, height=64, width=64, frames=5, text_len=4)
     with pytest.raises(ValueError, match="matches no matmul"):
         terms.lora_fwd_bwd(4, ["attn3/"])
     with pytest.raises(ValueError, match="blocks and proj_out"):
@@ -185,7 +185,7 @@ def test_nft_sample_counts_equal_the_trainer_programs(tmp_path, kl_beta):
     either ODE solver; a training unit is the LoRA forward+backward of the trained adapters, the
     old adapters' forward and, with rl.kl_beta > 0, the base model's forward, as the traced
     programs of `NftTrainer.rollout` and its loss gradient say."""
-    from digen_jax.app.costs import _trained_steps, sample_flops
+    from digen_jax.app.run_sizing import _trained_steps, sample_flops
     from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
     from digen_jax.rl.rollout import FinalSamples
 
@@ -201,16 +201,16 @@ def test_nft_sample_counts_equal_the_trainer_programs(tmp_path, kl_beta):
         solver_trainer = NftTrainer(trainer.sampler, trainer.frozen, trainer.optimizer, trainer.cfg,
                                     NftConfig(solver, config.rl.nft_beta, config.rl.nft_decay))
         rollout = lambda p: solver_trainer.rollout(p, cond, keys, None, run.latent_shape, 0).final  # noqa: E731
-        assert flops.jaxpr_matmul_flops(rollout, merged) == batch * counted["rollout"], solver
+        assert model_flops.jaxpr_matmul_flops(rollout, merged) == batch * counted["rollout"], solver
 
     samples = FinalSamples(final=jnp.zeros((batch, *run.latent_shape)), sample_keys=keys, version=jnp.int32(0))
     trained = jnp.tile(jnp.arange(k, dtype=jnp.int32), (batch, 1))
     units = trainer.build_units(samples, cond, jnp.zeros((batch,)), trained)
-    grad = jax.value_and_grad(trainer._nft_loss, has_aux=True)
-    traced = flops.jaxpr_matmul_flops(grad, state.trainable, state.old, trainer.frozen, units)
+    grad = jax.value_and_grad(trainer._loss, has_aux=True)
+    traced = model_flops.jaxpr_matmul_flops(grad, state.trainable, state.old, trainer.frozen, units)
     assert traced == batch * counted["train"]
     model_cfg = run.workload.model_cfg
-    terms = flops.model_terms("qwenimage", model_cfg, batch=1, height=config.sampling.height,
+    terms = model_flops.model_terms("qwenimage", model_cfg, batch=1, height=config.sampling.height,
                               width=config.sampling.width, text_len=config.data.text_len)
     targets = list(config.rl.lora_targets)
     rank = config.rl.lora_rank
@@ -225,7 +225,7 @@ def test_grpo_unit_counts_the_reference_forward(tmp_path):
     gradient says."""
     import numpy as np
 
-    from digen_jax.app.costs import _trained_steps, sample_flops
+    from digen_jax.app.run_sizing import _trained_steps, sample_flops
     from digen_jax.rl.rollout import Trajectory
 
     config, run = _tiny_run(tmp_path, "qwenimage", kl_beta=0.01)
@@ -241,9 +241,9 @@ def test_grpo_unit_counts_the_reference_forward(tmp_path):
     )
     units = trainer.build_units(traj, cond, jnp.zeros((batch,)), jnp.tile(jnp.arange(k, dtype=jnp.int32), (batch, 1)))
     grad = jax.value_and_grad(trainer._loss, has_aux=True)
-    traced = flops.jaxpr_matmul_flops(grad, state.trainable, trainer.frozen, units, np.bool_(False))
+    traced = model_flops.jaxpr_matmul_flops(grad, state.trainable, trainer.frozen, units, np.bool_(False))
     assert traced == batch * counted["train"]
-    terms = flops.model_terms("qwenimage", run.workload.model_cfg, batch=2, height=config.sampling.height,
+    terms = model_flops.model_terms("qwenimage", run.workload.model_cfg, batch=2, height=config.sampling.height,
                               width=config.sampling.width, text_len=config.data.text_len)
     without_reference = k * terms.lora_fwd_bwd(config.rl.lora_rank, list(config.rl.lora_targets)).total
     assert counted["train"] == without_reference + k * terms.forward().total

@@ -1,4 +1,4 @@
-"""FP8 rollout numerics (models/fp8.py, rl/fp8_weights.py): the FP8 dense layer against a float64 numpy
+"""FP8 rollout numerics (models/fp8.py, rl/quantized_params.py): the FP8 dense layer against a float64 numpy
 fake-quantisation restatement, a tiny FLUX's velocity against its float32 one, LoRA on an FP8
 base, and the `model.rollout_precision` config key."""
 import dataclasses
@@ -18,7 +18,7 @@ from digen_jax.app.settings import runtime_settings
 from digen_jax.app.validation import validate_config
 from digen_jax.models import flux, fp8
 from digen_jax.models.layers import logical_dense
-from digen_jax.rl import fp8_weights, lora
+from digen_jax.rl import lora, quantized_params
 from digen_jax.runtime import mesh as mesh_lib, weight_sync
 from digen_jax.runtime.executor import Executor
 
@@ -61,7 +61,7 @@ def _dense_and_params(seed=0):
 
 
 def _quantized(params):
-    return fp8_weights.quantize_params(params, frozenset({"kernel"}))
+    return quantized_params.quantize_params(params, frozenset({"kernel"}))
 
 
 def test_quantized_dense_matches_float64_fake_quantisation():
@@ -104,10 +104,10 @@ def test_tiny_flux_velocity_in_fp8_is_close_and_batch_invariant():
     """Only the blocks' attention and MLP kernels are quantised; the velocity moves by a few
     percent (e4m3 keeps 3 mantissa bits); a sample's velocity does not depend on its batch."""
     params = make_params()
-    paths = fp8_weights.quantized_kernel_paths(flux.FAMILY.abstract_params(CFG))
+    paths = quantized_params.quantized_kernel_paths(flux.FAMILY.abstract_params(CFG))
     assert paths and all(p.startswith(("double_blocks/", "single_blocks/")) for p in paths)
     assert not any("norm" in p for p in paths)  # AdaLN modulation stays in the compute dtype
-    q = fp8_weights.quantize_params(params, paths)
+    q = quantized_params.quantize_params(params, paths)
     velocity, cond = jax.jit(make_sampler().velocity), make_cond(4)
     latents = jax.random.normal(jax.random.key(0), (4, *LATENT_SHAPE))
     for step in (0, 2):
@@ -149,7 +149,7 @@ def test_gradient_through_the_fp8_kernel_is_the_dequantised_kernel_s():
     """An FP8 LoRA base (`model.lora_base_precision='fp8'`) passes gradients to the layers below it
     through its dequantised kernel, the activations' rounding passed straight through."""
     layer, params, x = _dense_and_params()
-    fp8_params = fp8_weights.quantize_params(params, frozenset({"kernel"}))
+    fp8_params = quantized_params.quantize_params(params, frozenset({"kernel"}))
     dequantised = fp8_params[fp8.QUANTIZED].astype(jnp.float32) * fp8_params[fp8.SCALE]
     cotangent = jax.random.normal(jax.random.key(3), x.shape[:-1] + (OUT,))
     _, vjp = jax.vjp(lambda v: layer.apply({"params": fp8_params}, v), x)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from digen_jax import flops
+from digen_jax import model_flops
 from digen_jax.models import FAMILIES
 from digen_jax.rl import init_lora, lora_param_count, lora_scale, match_lora_targets, merge_lora
 from configs.sections import ATTENTION_MLP_TARGETS
@@ -206,7 +206,7 @@ def test_factored_gradient_builds_no_kernel_sized_matmul():
         def loss(a):
             return jnp.sum(module.apply(model_variables(LoraWeights(params, a, 0.5, mode)), **inputs))
 
-        return [eqn.outvars[0].aval.shape for eqn, _ in flops.dot_generals(jax.grad(loss), adapters)
+        return [eqn.outvars[0].aval.shape for eqn, _ in model_flops.dot_generals(jax.grad(loss), adapters)
                 if eqn.outvars[0].aval.shape in kernel_shapes]
 
     assert kernel_sized("factored") == []

@@ -9,11 +9,11 @@ import types
 
 import pytest
 
-from digen_jax.app import costs, machine_checks
+from digen_jax.app import machine_checks, run_sizing
 from digen_jax.app.errors import ConfigError
 from digen_jax.runtime import memory_plan as mp
 from digen_jax.runtime import simulator as sim
-from digen_jax.runtime.cost_model import GIB, Pool
+from digen_jax.runtime.task_costs import GIB, Pool
 
 FSDP = (("activation_batch", "data"), ("embed", "data"))
 FULL = "gap+tsp+tag+tcss"
@@ -33,7 +33,7 @@ def test_qwen_image_full_fine_tuning_by_hand():
     """20.4B weights: 41 GB in bf16. On 4 H100s colocated each device holds a quarter of the
     weights, of the gradient sum and of two moments (bf16: 2 bytes each, float32: 4); offloaded,
     the moments are host bytes instead. The frozen KL reference is sharded like the weights."""
-    w = costs.iteration_work(qwen_full_ft())
+    w = run_sizing.iteration_work(qwen_full_ft())
     assert 20.3e9 < w.params < 20.5e9 and w.trainable == w.params and w.param_bytes == 2
     assert 40.6e9 < 2 * w.params < 41.0e9
     pool = Pool.parse("h100:4")
@@ -45,20 +45,20 @@ def test_qwen_image_full_fine_tuning_by_hand():
     assert shared.copies == shared.rollout_copy == shared.sync_buffers == shared.host == 0
     assert shared.capacity == pytest.approx(0.85 * 80e9)
 
-    f32 = costs.iteration_work(qwen_full_ft(optimizer_state_dtype="float32"))
+    f32 = run_sizing.iteration_work(qwen_full_ft(optimizer_state_dtype="float32"))
     assert mp.memory_plan(f32, pool, "colocated", 8).role("shared").optimizer == pytest.approx(2 * 4 * w.params / 4)
     c = qwen_full_ft(optimizer_state_dtype="float32")
     c.runtime.offload_optimizer = True
-    off = mp.memory_plan(costs.iteration_work(c), pool, "colocated", 8).role("shared")
+    off = mp.memory_plan(run_sizing.iteration_work(c), pool, "colocated", 8).role("shared")
     assert off.optimizer == 0 and off.host == pytest.approx(2 * 4 * w.params / 4)  # 40.8 GB of host memory per device
-    kl = mp.memory_plan(costs.iteration_work(qwen_full_ft(kl_beta=0.01)), pool, "colocated", 8).role("shared")
+    kl = mp.memory_plan(run_sizing.iteration_work(qwen_full_ft(kl_beta=0.01)), pool, "colocated", 8).role("shared")
     assert kl.copies == pytest.approx(2 * w.params / 4)  # the reference: sharded, never replicated
 
 
 def test_disaggregated_rollout_role_holds_whole_weights_and_the_next_version():
     """The rollout role samples with whole weights (bf16, or e4m3 with FP8 rollouts: one byte a
     weight) and receives the next version beside them; it holds no gradients or optimizer state."""
-    w = costs.iteration_work(qwen_full_ft())
+    w = run_sizing.iteration_work(qwen_full_ft())
     plan = mp.memory_plan(w, Pool.parse("h200:8/rollout=2"), FULL, 8)
     rollout, train = plan.role("rollout"), plan.role("train")
     assert rollout.weights == pytest.approx(2 * w.params) and rollout.sync_buffers == pytest.approx(2 * w.params)
@@ -66,7 +66,7 @@ def test_disaggregated_rollout_role_holds_whole_weights_and_the_next_version():
     assert train.devices == 6 and train.weights == pytest.approx(2 * w.params / 6)
     c = qwen_full_ft()
     c.model.rollout_precision = "fp8"
-    fp8 = mp.memory_plan(costs.iteration_work(c), Pool.parse("h200:8/rollout=2"), FULL, 8).role("rollout")
+    fp8 = mp.memory_plan(run_sizing.iteration_work(c), Pool.parse("h200:8/rollout=2"), FULL, 8).role("rollout")
     assert fp8.weights == pytest.approx(w.params) and fp8.sync_buffers == pytest.approx(w.params)
 
 
@@ -75,7 +75,7 @@ def test_auto_colocated_sampling_gathers_where_the_copy_fits():
     on 4 H200s (it fits beside the sharded train state) and samples from the sharded weights on 4
     H100s (it does not). The copy counts in sampling's working set, not as resident weights; LoRA
     never gathers; an explicit value is kept."""
-    w = costs.iteration_work(qwen_full_ft())
+    w = run_sizing.iteration_work(qwen_full_ft())
     assert w.colocated_sampling == "auto"
     h200, h100 = Pool.parse("h200:4"), Pool.parse("h100:4")
     assert mp.colocated_sampling(w, h200, 8) == "gathered" and mp.colocated_sampling(w, h100, 8) == "sharded"
@@ -90,7 +90,7 @@ def test_auto_colocated_sampling_gathers_where_the_copy_fits():
     assert not forced.fits and forced.colocated_sampling == "gathered"
     assert "--config.runtime.colocated_sampling=sharded" in mp.advice(
         dataclasses.replace(w, colocated_sampling="gathered"), h100, "colocated", 8)
-    lora = costs.iteration_work(importlib.import_module("configs.qwenimage").get_config())
+    lora = run_sizing.iteration_work(importlib.import_module("configs.qwenimage").get_config())
     assert mp.colocated_sampling(lora, h200, 8) == "sharded"
 
 
@@ -123,7 +123,7 @@ PINNED = {
 @pytest.mark.parametrize("name,mode", sorted(PINNED))
 def test_zoo_config_memory_plans_are_pinned(name, mode):
     config = importlib.import_module(f"configs.{name}").get_config()
-    plan = costs.memory_plan(config, Pool.parse("h100:8"), mode)
+    plan = run_sizing.memory_plan(config, Pool.parse("h100:8"), mode)
     got = {r.role: tuple(round(getattr(r, f) / GIB, 1) for f in mp.RoleMemory.FIELDS + ("host",)) for r in plan.roles}
     assert got == PINNED[(name, mode)]
     # The zoo's configs fit 8 80 GB cards, except Qwen-Image-20B full fine-tuning's rollout role
@@ -135,7 +135,7 @@ def test_simulator_predicts_no_speed_for_a_mode_that_does_not_fit():
     """Qwen-Image-20B full fine-tuning, float32 moments, on 4 H200s: colocated fits, the
     disaggregated train role of 2 devices does not; autosize keeps to splits that fit (3 train
     devices); on 4 H100s no split does (the fastest comes back marked)."""
-    w = costs.iteration_work(qwen_full_ft(optimizer_state_dtype="float32"))
+    w = run_sizing.iteration_work(qwen_full_ft(optimizer_state_dtype="float32"))
     pool = Pool.parse("h200:4")
     assert sim.simulate(w, pool, "colocated").fits
     p = sim.simulate(w, pool, FULL)
@@ -217,12 +217,12 @@ def test_fp8_lora_base_is_the_only_copy_and_fits_one_80gb_card():
         return c
 
     def shared(c):
-        return mp.memory_plan(costs.iteration_work(c), Pool.parse("h100:2"), "colocated", 4,
+        return mp.memory_plan(run_sizing.iteration_work(c), Pool.parse("h100:2"), "colocated", 4,
                               colocated_devices=1).role("shared")
 
     bf16, fp8_rollouts = shared(config()), shared(config(rollout_precision="fp8"))
     fp8_base = shared(config(rollout_precision="fp8", lora_base_precision="fp8"))
-    w = costs.iteration_work(config())
+    w = run_sizing.iteration_work(config())
     assert bf16.fits and not fp8_rollouts.fits and fp8_base.fits
     assert fp8_rollouts.rollout_copy == pytest.approx(w.params) and fp8_base.rollout_copy == 0
     assert fp8_base.weights == pytest.approx(bf16.weights - w.params)  # 1 byte a base weight, not 2

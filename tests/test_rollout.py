@@ -14,7 +14,8 @@ from digen_jax.rl import lora, optim
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, make_denoiser
 from digen_jax.app.validation import validate_step_selection
 from digen_jax.rl.timesteps import StepSettings, plan_steps
-from digen_jax.rl.trainer import LossConfig, Trainer, build_units
+from digen_jax.rl.grpo_trainer import GrpoTrainer, build_units
+from digen_jax.rl.trainer import LossConfig
 
 RES, TEXT_LEN, STEPS = 8, 4, 4
 CFG = dataclasses.replace(flux.VARIANTS["tiny"], in_channels=12, num_layers=1, num_single_layers=1)
@@ -62,7 +63,7 @@ def test_on_policy_ratio_is_one(spec, noise):
     traj = sampler.rollout(params, cond, keys, np.full(STEPS, noise, np.float32), LATENT_SHAPE, 0)
     trained = jnp.tile(jnp.arange(STEPS - 1), (batch, 1))
     units = build_units(traj, cond, jnp.zeros(batch), trained)
-    trainer = Trainer(sampler, None, optim.make_optimizer(1e-3), LossConfig())
+    trainer = GrpoTrainer(sampler, None, optim.make_optimizer(1e-3), LossConfig())
     log_prob = trainer.log_prob_fn(params, units)
     assert np.isfinite(np.asarray(units.old_log_prob)).all()
     np.testing.assert_allclose(np.exp(np.asarray(log_prob - units.old_log_prob)), 1.0, atol=1e-6)
@@ -134,7 +135,7 @@ def test_update_does_not_depend_on_micro_batching():
     results = []
     for micro in (units.size, units.size // 4):
         # Plain SGD, so parameters differ exactly by the (accumulated) gradients.
-        trainer = Trainer(sampler, None, optax.sgd(1e-2), LossConfig(clip_range=0.2))
+        trainer = GrpoTrainer(sampler, None, optax.sgd(1e-2), LossConfig(clip_range=0.2))
         state, metrics = trainer.update(trainer.init_state(jax.tree.map(jnp.copy, params)), units, micro, True)
         assert int(state.version) == 1 and int(metrics["skipped"]) == 0
         results.append(state.trainable)
@@ -146,7 +147,7 @@ def test_update_does_not_depend_on_micro_batching():
 def test_nonfinite_rewards_skip_the_update():
     sampler, params = make_sampler(), make_params()
     units = _units(sampler, params)
-    trainer = Trainer(sampler, None, optim.make_optimizer(1e-3), LossConfig())
+    trainer = GrpoTrainer(sampler, None, optim.make_optimizer(1e-3), LossConfig())
     state = trainer.init_state(jax.tree.map(jnp.copy, params))  # the update donates its state
     for streak in (1, 2):
         state, metrics = trainer.update(state, units, units.size, jnp.bool_(False))
@@ -160,7 +161,7 @@ def test_lora_training_moves_only_adapters_and_kl_starts_at_zero():
     sampler, params = make_sampler(), make_params()
     units = _units(sampler, params)
     adapters = lora.init_lora(params, rank=2, target_patterns=["attn/to_"], key=jax.random.key(0))
-    trainer = Trainer(sampler, params, optim.make_optimizer(1e-2), LossConfig(kl_beta=0.1, lora_scale=lora.lora_scale(2, 4.0)))
+    trainer = GrpoTrainer(sampler, params, optim.make_optimizer(1e-2), LossConfig(kl_beta=0.1, lora_scale=lora.lora_scale(2, 4.0)))
     state = trainer.init_state(adapters)
     state, metrics = trainer.update(state, units, units.size, True)
     assert float(metrics["kl"]) < 1e-10  # B = 0 at init: the policy is the reference

@@ -20,7 +20,7 @@ from digen_jax.app import loop
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.validation import validate_config
 from digen_jax.rl import nft as nft_lib
-from digen_jax.rl.trainer import Trainer
+from digen_jax.rl.grpo_trainer import GrpoTrainer
 from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import figures as figures_lib
 from digen_jax.runtime import mesh as mesh_lib
@@ -723,7 +723,7 @@ def test_bf16_rollout_log_probs_differ_and_the_trainer_anchor_removes_the_gap(ca
         anchored = copy.deepcopy(config)
         anchored.rl.onpolicy_anchor = anchor
         if anchor != run.trainer.cfg.onpolicy_anchor:  # the Run's own trainer anchors on the rollout
-            run.trainer = Trainer(run.sampler, run.trainer.frozen, run.trainer.optimizer,
+            run.trainer = GrpoTrainer(run.sampler, run.trainer.frozen, run.trainer.optimizer,
                                   dataclasses.replace(run.trainer.cfg, onpolicy_anchor=anchor))
         executor = Executor(run, settings=run_settings(anchored), trace_path=str(tmp_path / f"{anchor}.json"), log=lambda _: None)
         _, metrics = executor.iteration(0)

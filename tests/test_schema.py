@@ -11,7 +11,7 @@ from configs import schema
 from digen_jax.models.stacking import REMAT_POLICIES
 from digen_jax.rl import losses, optim, rollout, timesteps
 from digen_jax.rl.trainer import ALGORITHMS, ONPOLICY_ANCHORS
-from digen_jax.app import costs
+from digen_jax.app import run_sizing
 from digen_jax.runtime import memory_plan
 from digen_jax.runtime.plan import MODES
 
@@ -90,7 +90,7 @@ def test_config_files_set_only_what_differs_from_the_schema():
 
 def test_schema_choices_are_the_librarys():
     keys = schema.KEYS
-    assert set(keys["runtime.mode"].choices) == set(MODES) | {costs.AUTO_MODE}
+    assert set(keys["runtime.mode"].choices) == set(MODES) | {run_sizing.AUTO_MODE}
     assert set(keys["runtime.tag_precision"].choices) == set(memory_plan.TAG_PRECISION)
     assert set(keys["runtime.colocated_sampling"].choices) == set(memory_plan.COLOCATED_SAMPLING)
     assert set(keys["rl.policy_loss"].choices) == set(losses.POLICY_LOSSES)

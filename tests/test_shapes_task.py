@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from digen_jax.data import COLORS, POSITIONS, SHAPES, ShapesTask
-from digen_jax.data.shapes import VOCAB
+from digen_jax.data.shapes_task import VOCAB
 from digen_jax.rewards import get_reward, registered_rewards
-from digen_jax.rewards.shapes import attribute_scores, shapes_reward, shapes_reward_jax
+from digen_jax.rewards.shapes_attributes import attribute_scores, shapes_reward, shapes_reward_jax
 
 CLEAN = ShapesTask(label_noise=0.0)
 

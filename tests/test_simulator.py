@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from configs.paper import qwenimage as paper_qwen
-from digen_jax import flops
-from digen_jax.app import costs as app_costs
-from digen_jax.runtime import cost_model as cm
+from digen_jax import model_flops
+from digen_jax.app import run_sizing
+from digen_jax.runtime import task_costs as cm
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime import simulator as sim
 
@@ -25,14 +25,14 @@ FULL = "gap+tsp+tag+tcss"
 
 @pytest.fixture(scope="module")
 def qwen():
-    return app_costs.iteration_work(paper_qwen.get_config())
+    return run_sizing.iteration_work(paper_qwen.get_config())
 
 
 def test_workload_is_the_exact_flop_count(qwen):
     c = paper_qwen.get_config()
     from digen_jax.models import FAMILIES
 
-    counted = flops.rl_sample_flops(
+    counted = model_flops.rl_sample_flops(
         "qwenimage", FAMILIES["qwenimage"].variants["qwen-image"], height=512, width=512, text_len=c.data.text_len,
         num_steps=10, trained_steps=2, cfg_forwards=2, lora_rank=64, lora_targets=list(c.rl.lora_targets),
     )
@@ -47,7 +47,7 @@ def test_workload_follows_a_shortened_random_weight_model(qwen):
     """`model.num_layers` keeps that many blocks of the variant: FLOPs and weights shrink with them."""
     c = paper_qwen.get_config()
     c.model.num_layers = 12
-    short = app_costs.iteration_work(c)
+    short = run_sizing.iteration_work(c)
     assert short.params == pytest.approx(qwen.params * 12 / 60, rel=0.02)  # embedders and output aside
     assert short.step_flops < 0.25 * qwen.step_flops
 
@@ -57,7 +57,7 @@ def test_fp8_rollouts_speed_up_the_rollout_role_only(qwen):
     run `fp8_rollout_speedup` times faster; the train role's assisted rollouts stay bf16."""
     c = paper_qwen.get_config()
     c.model.rollout_precision = "fp8"
-    fp8 = app_costs.iteration_work(c)
+    fp8 = run_sizing.iteration_work(c)
     assert fp8.rollout_precision == "fp8" and qwen.rollout_precision == "bf16"
     eff, pool = cm.Efficiency(step_call_s=0.0), cm.Pool.parse("h100:4")
     bf16_costs = cm.model_costs(qwen, pool, "gap+tsp+tag", 8, eff=eff)
@@ -178,7 +178,7 @@ def _qwen_work(module, size="full", **rl):
 
     config = importlib.import_module(f"configs.{module}").get_config(size)
     config.rl.update(rl)
-    return config, app_costs.iteration_work(config)
+    return config, run_sizing.iteration_work(config)
 
 
 def test_nft_moves_work_from_rollout_to_training():
@@ -205,7 +205,7 @@ def test_nft_prediction_is_the_hand_count_of_a_tiny_setting():
     config, w = _qwen_work("qwenimage_nft", "tiny")
     from digen_jax.models import FAMILIES
 
-    terms = flops.model_terms("qwenimage", FAMILIES["qwenimage"].variants["tiny"], batch=1, height=32, width=32,
+    terms = model_flops.model_terms("qwenimage", FAMILIES["qwenimage"].variants["tiny"], batch=1, height=32, width=32,
                               text_len=config.data.text_len)
     rank, targets = config.rl.lora_rank, list(config.rl.lora_targets)
     forward = terms.forward().total
@@ -359,20 +359,20 @@ def test_size_config_sizes_the_config_it_will_run():
 
     config = qwenimage.get_config()
     config.runtime.mode = FULL
-    pool, sized = app_costs.size_config(config, "h100:8", jax.devices())
-    want = sim.autosize(app_costs.iteration_work(config), cm.Pool.parse("h100:8"), mode=FULL)
+    pool, sized = run_sizing.size_config(config, "h100:8", jax.devices())
+    want = sim.autosize(run_sizing.iteration_work(config), cm.Pool.parse("h100:8"), mode=FULL)
     rt = config.runtime
     assert (rt.rollout_devices, rt.train_devices, rt.micro_batches) == (want.rollout_devices, want.train_devices, want.microbatches)
     assert sized.prediction.samples_per_s == pytest.approx(want.prediction.samples_per_s) and pool.total == 8
     assert rt.tag_microbatches == rt.prefetch_microbatches == -1
     validate_runtime_config(config, 8)
     with pytest.raises(ValueError, match="device kind 'cpu' has no entry"):
-        app_costs.size_config(config, "local", jax.devices())
+        run_sizing.size_config(config, "local", jax.devices())
     with pytest.raises(ValueError, match="has 16 devices, this run 8"):
-        app_costs.size_config(config, "h100:16", jax.devices())
+        run_sizing.size_config(config, "h100:16", jax.devices())
     config.runtime.mode = "colocated"
     with pytest.raises(ValueError, match="'colocated' has one group"):
-        app_costs.size_config(config, "h100:8", jax.devices())
+        run_sizing.size_config(config, "h100:8", jax.devices())
 
 
 @pytest.mark.parametrize("jax_kind, key", [
@@ -409,7 +409,7 @@ def test_bad_inputs_name_the_key(qwen):
 def test_simulator_and_cost_model_import_no_checkpointing_or_model_code():
     """The runtime's simulator and cost model take plain values: importing them loads neither
     orbax nor flax, the model zoo or the application layer."""
-    code = ("import sys, digen_jax.runtime.simulator, digen_jax.runtime.cost_model; "
+    code = ("import sys, digen_jax.runtime.simulator, digen_jax.runtime.task_costs; "
             "assert not [m for m in sys.modules if m.startswith(('orbax', 'digen_jax.models', 'digen_jax.app', 'flax'))]")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -13,7 +13,7 @@ from digen_jax.models.specs import SPECS
 from digen_jax.runtime import plan
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# Each package of digen_jax and the packages it may import (top-level modules such as flops.py
+# Each package of digen_jax and the packages it may import (top-level modules such as model_flops.py
 # and grid.py count as their own names). Everything else is a layer violation.
 ALLOWED = {
     "models": set(),
@@ -21,8 +21,8 @@ ALLOWED = {
     "data": {"models"},  # the family specs (embedding layouts, text pipelines)
     "rewards": {"models", "data"},
     "rl": {"models", "diffusion"},
-    "runtime": {"rl", "flops"},
-    "app": {"models", "diffusion", "data", "rewards", "rl", "runtime", "flops", "grid"},
+    "runtime": {"rl", "model_flops"},
+    "app": {"models", "diffusion", "data", "rewards", "rl", "runtime", "model_flops", "grid"},
 }
 
 
@@ -90,7 +90,7 @@ def test_configs_import_nothing_from_the_library_but_the_family_specs():
 
 
 def test_the_simulator_imports_neither_orbax_nor_the_model_zoo():
-    code = ("import sys, digen_jax.runtime.simulator, digen_jax.runtime.cost_model; "
+    code = ("import sys, digen_jax.runtime.simulator, digen_jax.runtime.task_costs; "
             "print([m for m in sys.modules if m.startswith(('orbax', 'flax', 'digen_jax.models', 'digen_jax.app'))])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -16,7 +16,7 @@ from digen_jax.app import loop, run_checkpoints, workload
 from digen_jax.app.errors import RunStopped
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.rl import optim
-from digen_jax.rl.trainer import Trainer
+from digen_jax.rl.grpo_trainer import GrpoTrainer
 from digen_jax.runtime.executor import Executor
 
 
@@ -283,7 +283,7 @@ def test_lora_kl_and_off_policy_updates_run_in_the_loop(cache_dir, tmp_path, mon
     def second_forward(*args):
         raise AssertionError("the proximal log-prob is the trained pass's own: no second forward")
 
-    monkeypatch.setattr(Trainer, "log_prob_fn", second_forward)
+    monkeypatch.setattr(GrpoTrainer, "log_prob_fn", second_forward)
     c = lora_config(cache_dir)
     state = loop.train(c, str(tmp_path), log=lambda _: None)
     rows = read_metrics(tmp_path)

@@ -1,8 +1,8 @@
 """The simulated testbeds of the paper grid (launch/reproduce.py): device pools and prices.
 
-Each entry: `pool` (a `cost_model.Pool.parse` spec: KIND:N with an even role split, or
+Each entry: `pool` (a `task_costs.Pool.parse` spec: KIND:N with an even role split, or
 rollout=KIND:N,train=KIND:N), `devices_per_host`, `cross_host_bw` (bytes/s per GPU between
-hosts) and `prices` ($ per device-hour, overriding cost_model.DEVICES' defaults). The 16- and
+hosts) and `prices` ($ per device-hour, overriding task_costs.DEVICES' defaults). The 16- and
 32-GPU H800 testbeds are the paper's sizes; the heterogeneous one puts rollout on H800s and
 training on cheaper L40S cards (a PCIe card: no NVLink, 48 GB).
 """

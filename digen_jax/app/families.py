@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import ml_collections
 
-from digen_jax import diffusion, flops
+from digen_jax import diffusion, model_flops
 from digen_jax.models import FAMILIES
 from digen_jax.models.checkpoints import MODEL_JSON
 from digen_jax.models.conversion import ModelFamily
@@ -53,8 +53,8 @@ class ZooFamily:
         return self.vae.decode_frames
 
     @property
-    def flop_formula(self) -> flops.Formula:
-        return flops.FORMULAS[self.spec.name]
+    def flop_formula(self) -> model_flops.Formula:
+        return model_flops.FORMULAS[self.spec.name]
 
 
 ZOO = {name: ZooFamily(spec, FAMILIES[name], FAMILIES[spec.vae]) for name, spec in SPECS.items()}

@@ -29,9 +29,10 @@ from digen_jax.grid import image_grid
 from digen_jax.rl import lora, optim
 from digen_jax.app import workload as workload_lib
 from digen_jax.rl.rollout import Conditioning
+from digen_jax.rl.grpo_trainer import GrpoTrainer
 from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
-from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, Trainer, TrainState
-from digen_jax.app import costs, machine_checks, precision, run_checkpoints, warm_start
+from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, TrainState
+from digen_jax.app import machine_checks, precision, run_checkpoints, run_sizing, warm_start
 from digen_jax.app import settings as settings_lib
 from digen_jax.app import workdir as workdir_lib
 from digen_jax.app.errors import RunStopped
@@ -53,8 +54,8 @@ class Run:
         if not validated:
             validate_config(config)
         self.settings = settings_lib.run_settings(config)  # what the executor reads of the config
-        self.colocated_sampling = costs.colocated_sampling(config, jax.devices())  # 'auto' on these devices
-        self.tag_precision = costs.tag_precision(config, jax.devices())  # 'auto' on these devices
+        self.colocated_sampling = run_sizing.colocated_sampling(config, jax.devices())  # 'auto' on these devices
+        self.tag_precision = run_sizing.tag_precision(config, jax.devices())  # 'auto' on these devices
         self.config, self.workdir, self.log = config, workdir, log
         os.makedirs(workdir, exist_ok=True)
         rl = config.rl
@@ -95,7 +96,7 @@ class Run:
             self.trainer = NftTrainer(self.sampler, frozen, optimizer, loss_cfg,
                                       NftConfig(rl.nft_solver, rl.nft_beta, rl.nft_decay))
         else:
-            self.trainer = Trainer(self.sampler, frozen, optimizer, loss_cfg)
+            self.trainer = GrpoTrainer(self.sampler, frozen, optimizer, loss_cfg)
         # The initial state, in host memory (the CPU backend); the executor places it on its train
         # devices' shardings and holds the live one. Built on one accelerator, full fine-tuning's
         # weights and Adam moments (Qwen-Image-20B: 82 GB in bf16) would not fit it, and the copy
@@ -255,12 +256,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
     default); its figures (samples/s, bubbles, staleness, sync time) are read one iteration late.
     Expected faults (a workdir in use, a checkpoint of another config or unreadable, a full disk,
     a failed save) raise `RunStopped` with a message. `runtime.mode='auto'` is resolved first, on
-    this run's devices (`costs.choose_mode`), and the choice logged. `validated`: the caller
+    this run's devices (`run_sizing.choose_mode`), and the choice logged. `validated`: the caller
     resolved the mode and ran `validate_config` on `config` already (launch/train.py).
     """
     if not validated:
-        if config.runtime.mode == costs.AUTO_MODE:
-            log(costs.choose_mode(config, "local", jax.devices()))
+        if config.runtime.mode == run_sizing.AUTO_MODE:
+            log(run_sizing.choose_mode(config, "local", jax.devices()))
         validate_config(config)
     # Several processes share the workdir; process 0 writes the metrics, trace and TensorBoard files.
     writes_files = jax.process_index() == 0

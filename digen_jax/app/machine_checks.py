@@ -13,7 +13,7 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from digen_jax.app import costs
+from digen_jax.app import run_sizing
 from digen_jax.app import pretrain as pretrain_lib
 from digen_jax.app.errors import ConfigError, RunStopped
 from digen_jax.app.families import ZOO, read_model_json
@@ -194,10 +194,10 @@ def check_fits(config, devices: Sequence[Any], mode: str | None = None) -> None:
     if not rt.get("check_memory", True):
         return
     mode = mode or rt.mode
-    pools = costs.local_pool(config, devices, mode)
+    pools = run_sizing.local_pool(config, devices, mode)
     if pools is None:
         return
-    line = memory_plan.advice(costs.iteration_work(config), pools[0], mode, rt.micro_batches, colocated_devices=pools[1])
+    line = memory_plan.advice(run_sizing.iteration_work(config), pools[0], mode, rt.micro_batches, colocated_devices=pools[1])
     if line:
         raise ConfigError(line)
 

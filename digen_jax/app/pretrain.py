@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from digen_jax.data.shapes import ShapesTask
+from digen_jax.data.shapes_task import ShapesTask
 from digen_jax.diffusion import flux_image_ids, pack_latents
 from digen_jax.models import load_checkpoint, save_checkpoint
 from digen_jax.models.conversion import POLICY_FIELDS

@@ -33,7 +33,7 @@ from digen_jax.app.families import SIDE_MULTIPLE, ZOO, latent_shape, model_confi
 from digen_jax.app.pretrain import cache_key, pretrained_params
 from digen_jax.data.embeddings import EmbeddingCache
 from digen_jax.data.prompts import CachedPrompts, RandomPrompts
-from digen_jax.data.shapes import ShapesTask
+from digen_jax.data.shapes_task import ShapesTask
 from digen_jax.models import FAMILIES, load_checkpoint
 from digen_jax.models.checkpoints import MODEL_JSON, PARAMS_DIR
 from digen_jax.rewards import registry

@@ -1,7 +1,7 @@
 """Prompt sources of the model-zoo workloads: rows of an embedding cache, or random embeddings.
 
 Both offer the interface the training loop draws prompts through (the same one
-:class:`digen_jax.data.shapes.ShapesTask` has):
+:class:`digen_jax.data.shapes_task.ShapesTask` has):
 
 * ``sample_prompts(key, n)``: (n,) int32 prompt ids, a pure function of ``key``;
 * ``encode(ids)``: ``(text (n, L, D), pooled (n, P) or None, mask (n, L) int32 or None)``,

@@ -51,7 +51,7 @@ class FamilySpec:
     text_pipeline: the prompt encoder (`TextPipeline`).
     lora_targets: the usual RL LoRA targets, "attention and MLP" of every block: regexes searched
       in each kernel's path; `(\\d+/)?` admits the block index of unrolled layouts.
-    flop_terms: the FLOP term builder of its architecture (`flops.TERMS`); temporal_patch(cfg):
+    flop_terms: the FLOP term builder of its architecture (`model_flops.TERMS`); temporal_patch(cfg):
       for video families, the latent frames one token spans (None for image families);
       pixels_per_token(cfg): the side of the pixel square one token spans (None: 16).
     ladder: the sigma ladder its released pipeline samples with (`diffusion.LADDER_FAMILIES`).

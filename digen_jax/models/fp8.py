@@ -27,7 +27,7 @@ Which layers: the kernels whose logical axes (models/partitioning.py) are in `QU
 attention projections and MLPs of the blocks, which carry nearly all of a forward's FLOPs. The
 input embedders, the output projection, the AdaLN modulation and the timestep/text embedders
 stay in the compute dtype, as do norms, attention itself and the sampler's step math.
-`rl/fp8_weights.py` picks and quantises them in a parameter tree.
+`rl/quantized_params.py` picks and quantises them in a parameter tree.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Reward functions: a name registry and the built-in rewards (importing this registers them)."""
-from digen_jax.rewards import clip_scores, image_reward, jpeg, remote, shapes, vlm_judge
+from digen_jax.rewards import clip_scores, image_reward, jpeg, remote, shapes_attributes, vlm_judge
 from digen_jax.rewards.jpeg import jpeg_size_kb
 from digen_jax.rewards.registry import (
     RewardFn,
@@ -23,7 +23,7 @@ __all__ = [
     "get_reward",
     "jpeg",
     "remote",
-    "shapes",
+    "shapes_attributes",
     "vlm_judge",
     "jpeg_size_kb",
     "register_reward",

@@ -5,8 +5,8 @@ final latents (`rollout.FinalSamples`). A training unit is one (sample, trained 
 pair: the sample's clean latent x0 is noised to x_t = (1 - t) x0 + t eps at one of the K levels
 the iteration drew for it (`timesteps.plan_steps`), with eps derived from the sample's own key
 and the level, so a unit does not depend on which batch, chunk or device trains it. Units are
-cut into gradient micro-batches and accumulated exactly as GRPO's (`trainer.Trainer`), and the
-guarded update is GRPO's. Once per iteration, inside its last update (the reference moves it
+cut into gradient micro-batches and accumulated, and the update guarded, as every algorithm's
+(`trainer.Trainer`). Once per iteration, inside its last update (the reference moves it
 after each epoch, however many optimizer steps that made), the old policy moves towards the
 trained weights by the configured decay schedule (`nft.update_old_policy`, with the update count
 so far as its step), on device.
@@ -77,7 +77,7 @@ def training_noise(sample_keys: jax.Array, step_index: jax.Array, shape: tuple[i
 @jax.jit
 def build_nft_units(samples: FinalSamples, cond: Conditioning, advantages: jax.Array, trained: jax.Array,
                     sigmas: jax.Array) -> NftUnits:
-    """Units for every (sample b, level trained[b, k]), flattened sample-major like GRPO's."""
+    """Units for every (sample b, level trained[b, k]), flattened sample-major."""
     batch, per_sample = trained.shape
     rows = jnp.repeat(jnp.arange(batch), per_sample)
     steps = trained.reshape(-1)
@@ -93,7 +93,7 @@ def build_nft_units(samples: FinalSamples, cond: Conditioning, advantages: jax.A
 
 
 class NftTrainer(Trainer):
-    """GRPO's trainer with DiffusionNFT's rollout, units, loss and old policy."""
+    """DiffusionNFT's rollout, units, loss and old policy over the shared `Trainer`."""
 
     trajectory_type = FinalSamples
 
@@ -101,11 +101,9 @@ class NftTrainer(Trainer):
                  nft_cfg: NftConfig):
         self.nft = nft_cfg
         super().__init__(sampler, frozen, optimizer, cfg)
-        # Old and frozen weights are arguments, not constants baked into the program (Trainer).
-        self._nft_grad = jax.jit(jax.value_and_grad(self._nft_loss, has_aux=True))
 
     def init_state(self, trainable) -> TrainState:
-        """GRPO's initial state plus the old policy, a copy of the trained weights."""
+        """The shared initial state plus the old policy, a copy of the trained weights."""
         return super().init_state(trainable).replace(old=jax.tree.map(jnp.copy, trainable))
 
     def rollout(self, params, cond: Conditioning, sample_keys: jax.Array, noise_levels, latent_shape, version) -> FinalSamples:
@@ -120,10 +118,11 @@ class NftTrainer(Trainer):
 
     def train_chunk(self, acc: GradSum, state: TrainState, chunk: NftUnits, on_policy: bool = False) -> None:
         """One gradient micro-batch against `state`'s old policy (`on_policy` plays no part)."""
-        (_, metrics), grads = self._nft_grad(state.trainable, state.old, self.frozen, chunk)
+        (_, metrics), grads = self._grad(state.trainable, state.old, self.frozen, chunk)
         self.accumulate_chunk(acc, grads, metrics)
 
-    def _nft_loss(self, trainable, old, frozen, units: NftUnits):
+    def _loss(self, trainable, old, frozen, units: NftUnits):
+        """DiffusionNFT's loss of `units` (`nft.nft_loss`); the old and frozen weights are arguments."""
         cfg, sampler = self.cfg, self.sampler
         velocity = lambda params: sampler.velocity(params, units.x_t, units.cond, units.step_index)  # noqa: E731
         v_theta = velocity(self._params_for(trainable, frozen))

@@ -1,6 +1,6 @@
 """The memory plan: bytes per device of every role of a mode, stated before any compute.
 
-For an iteration's work (`cost_model.IterationWork`) on a pool (`cost_model.Pool`), each role
+For an iteration's work (`task_costs.IterationWork`) on a pool (`task_costs.Pool`), each role
 (colocated: 'shared'; disaggregated: 'rollout' and 'train') holds, per device:
 
 * weights: what it trains (sharded over the role when the train rules shard weights, FSDP),
@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.cost_model import GIB, Efficiency, IterationWork, Pool
+from digen_jax.runtime.task_costs import GIB, Efficiency, IterationWork, Pool
 
 # `runtime.colocated_sampling` values (module docstring).
 COLOCATED_SAMPLING = ("auto", "sharded", "gathered")

@@ -5,8 +5,8 @@ and the same schedule semantics (`plan.schedule`: each group runs its tasks in p
 waiting on dependencies), so a prediction differs from a run only by its task costs. Costs
 (`plan.Costs`: seconds per task kind) come from one of two places:
 
-* the cost model (`cost_model.model_costs`): an iteration's work (`cost_model.IterationWork`,
-  built from a config by `digen_jax.app.costs`) on a device pool;
+* the cost model (`task_costs.model_costs`): an iteration's work (`task_costs.IterationWork`,
+  built from a config by `digen_jax.app.run_sizing`) on a device pool;
 * a measured profile (`predict_from_profile`): the per-task means a system bench run recorded.
 
 On top of them: `predict` (one mode in steady state), `simulate` (a mode at its best
@@ -22,7 +22,7 @@ import math
 from typing import Any, Callable, Mapping, Sequence
 
 from digen_jax.runtime import plan as plan_lib
-from digen_jax.runtime.cost_model import Efficiency, IterationWork, Pool, model_costs
+from digen_jax.runtime.task_costs import Efficiency, IterationWork, Pool, model_costs
 from digen_jax.runtime.memory_plan import MemoryPlan, memory_plan, tag_precision
 
 

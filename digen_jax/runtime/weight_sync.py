@@ -12,7 +12,7 @@ traced under the rollout rules like the rollout role's. Decoders (VAE weights) a
 on every group that decodes.
 
 FP8 rollouts (`model.rollout_precision='fp8'`; numerics in `models/fp8.py`, the tree in
-`rl/fp8_weights.py`): the rollout role samples with the blocks' kernels quantised to e4m3. With
+`rl/quantized_params.py`): the rollout role samples with the blocks' kernels quantised to e4m3. With
 LoRA the frozen base is quantised once where it is placed (on the rollout role; colocated, once
 beside the train role's copy, which training keeps using) and the adapters stay in their dtype,
 applied factored on top (the config validation rejects merging them); full fine-tuning
@@ -41,7 +41,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from digen_jax.rl import fp8_weights, lora
+from digen_jax.rl import lora, quantized_params
 from digen_jax.rl.trainer import Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.settings import ShardingRules
@@ -75,13 +75,13 @@ class RoleWeights:
         self._merge = jax.jit(functools.partial(lora.merge_lora, scale=self.lora_scale)) if self.lora_scale else None
         self._quantize = None
         if trainer.cfg.rollout_precision == "fp8":
-            paths = fp8_weights.quantized_kernel_paths(abstract_params)
-            self._quantize = jax.jit(lambda params: fp8_weights.quantize_params(params, paths))
+            paths = quantized_params.quantized_kernel_paths(abstract_params)
+            self._quantize = jax.jit(lambda params: quantized_params.quantize_params(params, paths))
             self._fp8_paths = paths
         # LoRA trained through the FP8 base: the trainer's frozen base is the quantised one
         self.fp8_base = trainer.cfg.lora_base_precision == "fp8"
         # per role, the shardings of that base (its structure: e4m3 kernels and their scales)
-        self._fp8_base_sharding = {role: fp8_weights.quantized_shardings(self.sharding[role], nn.unbox(abstract_params),
+        self._fp8_base_sharding = {role: quantized_params.quantized_shardings(self.sharding[role], nn.unbox(abstract_params),
                                                                          self._fp8_paths)
                                    for role in ("train", "rollout")} if self.fp8_base else None
         self._fp8_sharding = None  # `_fp8_rollout_sharding`, made once
@@ -130,7 +130,7 @@ class RoleWeights:
         """The trainer's frozen base (if any) onto the train mesh; with `own` (`own_frozen`) each
         process places its own devices' part from its own copy."""
         put = jax.device_put if own is None else put_own_copy
-        if self.fp8_base and fp8_weights.is_quantized(self.trainer.frozen, self._fp8_paths):
+        if self.fp8_base and quantized_params.is_quantized(self.trainer.frozen, self._fp8_paths):
             # already e4m3: placed for another executor of the same run (the bench's modes)
             self.trainer.place_frozen(self._fp8_base_sharding["train"], put=put)
             return
@@ -195,9 +195,9 @@ class RoleWeights:
         return transfer(self._quantize(trainable), self._fp8_rollout_sharding(trainable))
 
     def _fp8_rollout_sharding(self, trainable):
-        """Rollout-rules shardings of the quantised tree of `trainable` (`fp8_weights.quantized_shardings`)."""
+        """Rollout-rules shardings of the quantised tree of `trainable` (`quantized_params.quantized_shardings`)."""
         if self._fp8_sharding is None:
-            self._fp8_sharding = fp8_weights.quantized_shardings(self.sharding["rollout"], trainable, self._fp8_paths)
+            self._fp8_sharding = quantized_params.quantized_shardings(self.sharding["rollout"], trainable, self._fp8_paths)
         return self._fp8_sharding
 
     def colocated_sampling(self, trainable):

@@ -6,7 +6,7 @@ sample's tokens split over them as `runtime.seq_parallel` splits them (Ulysses a
 FLOPs, memory and MFU are then per device.
 
 `forward_fp8` is the rollout role's FP8 forward (`model.rollout_precision='fp8'`, models/fp8.py):
-the same weights with the blocks' kernels quantised to e4m3 (`rl.fp8_weights`), the same inputs.
+the same weights with the blocks' kernels quantised to e4m3 (`rl.quantized_params`), the same inputs.
 With `forward` in the same run the result's `fp8` entry gives its speed-up over the bf16 forward
 and the relative error of its velocity against the bf16 one."""
 from __future__ import annotations
@@ -78,7 +78,7 @@ def setup(bench: ModelBench) -> dict[str, Any]:
 
 
 def _setup(bench: ModelBench) -> dict[str, Any]:
-    from digen_jax import flops
+    from digen_jax import model_flops
     from digen_jax.models import FAMILIES
 
     family = bench.family
@@ -99,7 +99,7 @@ def _setup(bench: ModelBench) -> dict[str, Any]:
         cfg = dataclasses.replace(cfg, num_layers=bench.num_layers)
     text_len = bench.text_len or DEFAULT_TEXT_LEN[family]
     shape = dict(height=bench.height, width=bench.width, frames=bench.frames)
-    grid = flops.latent_grid(family, cfg, **shape)
+    grid = model_flops.latent_grid(family, cfg, **shape)
     if bench.seq_parallel != 1:
         import jax  # only here: the PyTorch peer's process (seq_parallel 1) never starts JAX
 
@@ -116,7 +116,7 @@ def _setup(bench: ModelBench) -> dict[str, Any]:
         if jax.device_count() < bench.seq_parallel:
             raise ConfigError(f"--seq_parallel={bench.seq_parallel} needs {bench.seq_parallel} devices; this host "
                               f"has {jax.device_count()}")
-    terms = flops.model_terms(family, cfg, batch=bench.batch, text_len=text_len, **shape)
+    terms = model_flops.model_terms(family, cfg, batch=bench.batch, text_len=text_len, **shape)
     targets = list(bench.lora_targets)
     counts = {
         "forward": terms.forward(),
@@ -214,7 +214,7 @@ def _jax_inputs(bench: ModelBench, prepared: dict[str, Any], key):
     import jax
     import jax.numpy as jnp
 
-    from digen_jax import flops
+    from digen_jax import model_flops
     from digen_jax.app.families import ZOO
     from digen_jax.rl.rollout import Conditioning
 
@@ -223,7 +223,7 @@ def _jax_inputs(bench: ModelBench, prepared: dict[str, Any], key):
     frames, rows, cols = prepared["grid"]
     k_lat, k_txt, k_pool, k_sigma = jax.random.split(key, 4)
     if zoo.video:
-        pt = flops.FORMULAS[family].temporal_patch(cfg)
+        pt = model_flops.FORMULAS[family].temporal_patch(cfg)
         latent_shape = (batch, cfg.in_channels, frames * pt, 2 * rows, 2 * cols)
     else:
         latent_shape = (batch, rows * cols, getattr(cfg, zoo.latent_dim))  # packed 2x2 tokens
@@ -248,9 +248,9 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from digen_jax import flops
+    from digen_jax import model_flops
     from digen_jax.models import stacking
-    from digen_jax.rl import fp8_weights, lora
+    from digen_jax.rl import lora, quantized_params
     from digen_jax.app.families import ZOO
     from digen_jax.rl.rollout import make_denoiser
 
@@ -295,8 +295,8 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
         "full_fwd_bwd": (full_grad, (params, latents, cond, sigma)),
     }
     if "forward_fp8" in bench.what:
-        paths = fp8_weights.quantized_kernel_paths(fam.abstract_params(cfg))
-        params_fp8 = jax.block_until_ready(jax.jit(lambda p: fp8_weights.quantize_params(p, paths))(params))
+        paths = quantized_params.quantized_kernel_paths(fam.abstract_params(cfg))
+        params_fp8 = jax.block_until_ready(jax.jit(lambda p: quantized_params.quantize_params(p, paths))(params))
         fns["forward_fp8"] = (denoise, (params_fp8, latents, cond, sigma))
     if "lora_fwd_bwd" in bench.what:
         # Drawn in the stored (stacked) layout like the weights, then split: drawn per block, one
@@ -334,7 +334,7 @@ def measure_jax(bench: ModelBench, prepared: dict[str, Any], peaks: dict[str, fl
                                  "flops_breakdown": prepared["flops"][what].as_dict()}
         try:
             with context():
-                entry["traced_matmul_flops"] = flops.jaxpr_matmul_flops(fn, *args)
+                entry["traced_matmul_flops"] = model_flops.jaxpr_matmul_flops(fn, *args)
         except ValueError as e:  # a program the jaxpr count cannot walk; the timing still runs
             entry["traced_matmul_flops"] = None
             entry["traced_matmul_flops_error"] = str(e)

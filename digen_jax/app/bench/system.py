@@ -31,10 +31,11 @@ import numpy as np
 from digen_jax.app import loop
 from digen_jax.app.bench import provenance
 from digen_jax.app.bench.peaks import datasheet_peak, matmul_size_for, measure_matmul_peak
-from digen_jax.app.costs import sample_flops
+from digen_jax.app.run_sizing import sample_flops
 from digen_jax.app.settings import run_settings
 from digen_jax.app.validation import validate_bench_arguments
-from digen_jax.rl.trainer import LAG0_FIGURES, Trainer
+from digen_jax.rl.grpo_trainer import GrpoTrainer
+from digen_jax.rl.trainer import LAG0_FIGURES
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.figures import read_figures
@@ -146,7 +147,7 @@ def run_modes(
         mode_config.runtime.mode = mode
         if anchor is not None and anchor != run.trainer.cfg.onpolicy_anchor:
             mode_config.rl.onpolicy_anchor = anchor
-            run.trainer = Trainer(run.sampler, run.trainer.frozen, run.trainer.optimizer,
+            run.trainer = GrpoTrainer(run.sampler, run.trainer.frozen, run.trainer.optimizer,
                                   dataclasses.replace(run.trainer.cfg, onpolicy_anchor=anchor))
         trace_path = os.path.join(workdir, f"trace_{name.replace('+', '_').replace(' ', '_').replace('=', '_')}.json")
         if jax.process_index() == 0 and os.path.exists(trace_path):  # its writer: processes may share the workdir

@@ -1,9 +1,12 @@
-"""What a config costs: exact FLOPs of one RL sample, the `IterationWork` the cost model prices,
-and role sizes for a run from the simulator (launch/train.py --autosize), or its mode too
-(`runtime.mode='auto'`).
+"""A run's sizing from its config: what an iteration costs and the choices made from that.
 
-The runtime's cost model and simulator (`digen_jax.runtime.cost_model`, `.simulator`) take plain
-`IterationWork` values; this module reads them off a model-zoo config and its model zoo entry.
+The costs: exact FLOPs of one RL sample and the `IterationWork` the task cost model prices. The
+choices, from the simulator and the memory plan: role sizes (launch/train.py --autosize), the
+mode too (`runtime.mode='auto'`), and the 'auto' values of `runtime.colocated_sampling` and
+`runtime.tag_precision`.
+
+The runtime's task cost model and simulator (`digen_jax.runtime.task_costs`, `.simulator`) take
+plain `IterationWork` values; this module reads them off a model-zoo config and its model zoo entry.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax import flops
+from digen_jax import model_flops
 from digen_jax.app import families
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.settings import step_settings
@@ -23,7 +26,7 @@ from digen_jax.rl.timesteps import plan_steps
 from digen_jax.runtime import plan as plan_lib
 from digen_jax.runtime import simulator
 from digen_jax.runtime import mesh as mesh_lib
-from digen_jax.runtime.cost_model import IterationWork, Pool, local_kind
+from digen_jax.runtime.task_costs import IterationWork, Pool, local_kind
 from digen_jax.runtime.memory_plan import MemoryPlan
 from digen_jax.runtime.memory_plan import colocated_sampling as plan_colocated_sampling
 from digen_jax.runtime.memory_plan import memory_plan as plan_memory
@@ -45,7 +48,7 @@ def sample_flops(config, model_cfg) -> dict[str, int] | None:
     s, rl = config.sampling, config.rl
     trained = _trained_steps(config)
     lora_targets = list(rl.lora_targets) if rl.lora_rank else []
-    return flops.rl_sample_flops(
+    return model_flops.rl_sample_flops(
         family,
         model_cfg,
         height=s.height,
@@ -74,7 +77,7 @@ def iteration_work(config) -> IterationWork:
     frames = s.num_frames if families.ZOO[family].video else 1
     per_sample = sample_flops(config, model_cfg)
     trained = _trained_steps(config)
-    terms = flops.model_terms(family, model_cfg, batch=1, height=s.height, width=s.width, frames=frames, text_len=config.data.text_len)
+    terms = model_flops.model_terms(family, model_cfg, batch=1, height=s.height, width=s.width, frames=frames, text_len=config.data.text_len)
     params = float(sum(m.layers * m.fan_in * m.fan_out for m in terms.matmuls))
     if rl.lora_rank:
         adapted = terms.adapted(list(rl.lora_targets))
@@ -108,7 +111,7 @@ def _dtype_bytes(name: str) -> int:
     return int(np.dtype(jnp.dtype(name)).itemsize)
 
 
-def _memory_terms(config, terms: flops.ModelTerms) -> dict:
+def _memory_terms(config, terms: model_flops.ModelTerms) -> dict:
     """The `IterationWork` fields the memory plan reads: dtypes, layouts, copies and activation sizes.
 
     Activations per sample, from the matmul terms of one forward: a block stack's residual stream

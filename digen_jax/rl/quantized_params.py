@@ -1,4 +1,5 @@
-"""FP8 rollout weights over a Flax params pytree (the numerics: models/fp8.py).
+"""Quantised parameter trees: which kernels of a Flax params pytree the FP8 rollouts quantise,
+the quantised tree and its shardings (the numerics of a kernel and a matmul: models/fp8.py).
 
 The rollout role of a `model.rollout_precision='fp8'` run samples with a parameter tree in which
 every block kernel picked by `quantized_kernel_paths` is replaced by its e4m3 form and its

@@ -1,4 +1,4 @@
-"""The programmatic GenEval-like reward of the coloured-shapes task (`digen_jax.data.shapes`).
+"""The programmatic GenEval-like reward of the coloured-shapes task (`digen_jax.data.shapes_task`).
 
 Three attribute scores in [0, 1], computed from a soft foreground map: a pixel's foreground
 weight ramps linearly from 0 to 1 as its brightest channel goes from 0.25 to 0.75 (in [0, 1]
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax.data.shapes import COLOR_RGB, COLORS, POSITIONS, SHAPE_SIZE, SHAPES, shape_mask
+from digen_jax.data.shapes_task import COLOR_RGB, COLORS, POSITIONS, SHAPE_SIZE, SHAPES, shape_mask
 from digen_jax.rewards.registry import RewardFn, register_reward, to_uint8_images
 
 FOREGROUND_LOW, FOREGROUND_HIGH = 0.25, 0.75

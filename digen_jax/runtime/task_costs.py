@@ -1,7 +1,8 @@
-"""The cost model: seconds per task of one iteration's work (`IterationWork`) on a device pool.
+"""Task costs, the simulator's cost model: seconds per task of one iteration's work (`IterationWork`)
+on a device pool.
 
 `model_costs` gives the `plan.Costs` (seconds per task kind) the simulator schedules: exact
-FLOPs of the config's model (`IterationWork`, built by `digen_jax.app.costs`) and a device table
+FLOPs of the config's model (`IterationWork`, built by `digen_jax.app.run_sizing`) and a device table
 (`DEVICES`), divided by the devices a task runs on and an achieved-efficiency factor per task
 kind (`Efficiency`), plus bytes over bandwidths for weight transfers, FSDP all-gathers and
 offload.
