@@ -70,6 +70,38 @@ def test_bfloat16_state_keeps_its_dtypes_and_is_updated_in_place():
     assert jax.tree.map(lambda x: x.dtype, new) == dtypes
 
 
+def test_an_update_pinned_to_shardings_seen_before_compiles_nothing_new():
+    """Every executor pins the trainer's update to its state sharding: a later executor of the
+    run on equal shardings (its own mesh object) runs the commit program the first compiled,
+    and one on other shardings gets its own, whose output has those shardings."""
+    trainer, state = _trainer(1e-3)
+    state = jax.device_get(state)  # host copies: each placement makes buffers of its own to donate
+
+    def sharding(devices: int):
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
+        return jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), state)
+
+    compiled = []
+
+    def listen(event, secs, fun_name="", **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration" and "_commit" in fun_name:
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        commits = []
+        for devices in (4, 4, 2):
+            trainer.pin_state_sharding(sharding(devices))
+            placed = jax.device_put(state, sharding(devices))
+            before = len(compiled)
+            new, metrics = trainer.apply_update(placed, _grads(placed), np.float32(1), np.bool_(True), np.bool_(True))
+            assert int(metrics["skipped"]) == 0 and new.trainable["w"].sharding == sharding(devices).trainable["w"]
+            commits.append(len(compiled) - before)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert commits == [1, 0, 1]
+
+
 @pytest.mark.parametrize("name", ["tiny", "flux", "qwenimage", "wan21", "hunyuanvideo"])
 def test_shipped_configs_are_in_range(name):
     check_ranges(importlib.import_module(f"configs.{name}").get_config())

@@ -148,6 +148,7 @@ class Trainer:
         self._opt_on_device = None  # device shardings of an offloaded optimizer state (pin_state_sharding)
         self._check_update = jax.jit(self._update_check)
         self._commit_update = jax.jit(self._commit, donate_argnums=(0,))
+        self._pinned: dict = {}  # state sharding -> its (commit, gradient) programs (pin_state_sharding)
 
     def rollout(self, params, cond: Conditioning, sample_keys: jax.Array, noise_levels, latent_shape, version):
         """A batch's rollout with sampling weights `params`: a `trajectory_type`."""
@@ -175,17 +176,26 @@ class Trainer:
         """Give updated states exactly `state_sharding`, so a state restored with it runs the same
         compiled programs (and the same reduction order) as the live one; and gradients the
         trainable weights' own sharding: with sharded weights (FSDP) each device then reduces
-        and keeps only its shard of every gradient instead of whole gradients."""
+        and keeps only its shard of every gradient instead of whole gradients. The jitted
+        functions are kept per sharding: another executor of this run on the same devices
+        (another mode's, a resumed one) runs the programs the first one traced and compiled."""
         host = {s.memory_kind for s in jax.tree.leaves(state_sharding.opt_state)} - {"device", None}
         self._opt_on_device = mesh_on_device(state_sharding.opt_state) if host else None
-        self._commit_update = jax.jit(self._commit, donate_argnums=(0,), out_shardings=(state_sharding, None))
+        key = (jax.tree.structure(state_sharding), tuple(jax.tree.leaves(state_sharding)))
+        if key not in self._pinned:
+            self._pinned[key] = self._pinned_programs(state_sharding)
+        self._commit_update, self._grad = self._pinned[key]
+
+    def _pinned_programs(self, state_sharding: Any) -> tuple[Callable, Callable]:
+        """The update's commit and the gradient, jitted to give `state_sharding` (pin_state_sharding)."""
+        commit = jax.jit(self._commit, donate_argnums=(0,), out_shardings=(state_sharding, None))
         value_and_grad = jax.value_and_grad(self._loss, has_aux=True)
 
         def sharded_grad(*args):
             value, grads = value_and_grad(*args)
             return value, jax.lax.with_sharding_constraint(grads, state_sharding.trainable)
 
-        self._grad = jax.jit(sharded_grad)
+        return commit, jax.jit(sharded_grad)
 
     def place_frozen(self, sharding: Any, put: Callable[[Any, Any], Any] = jax.device_put) -> None:
         """Move the frozen weights (if any) onto `sharding` (the train role's parameter shardings)
