@@ -312,11 +312,13 @@ def schedule(plans: Sequence[IterationPlan], costs: Costs, *, free_at: Mapping[s
 
 
 def _schedule_into(timeline: Timeline, free: dict[str, float], plan: IterationPlan, costs: Costs) -> None:
+    end = timeline.end
     for task in plan.tasks:
-        ready = max([free[task.group], *(timeline.end.get(d, 0.0) for d in task.deps)])
-        timeline.start[task.key], timeline.end[task.key] = ready, ready + costs.of(task)
-        timeline.group[task.key] = task.group
-        free[task.group] = timeline.end[task.key]
+        key = task.key
+        ready = max([free[task.group], *(end.get(d, 0.0) for d in task.deps)])
+        done = ready + costs.of(task)
+        timeline.start[key], end[key], timeline.group[key] = ready, done, task.group
+        free[task.group] = done
 
 
 def _same(a: float, b: float) -> bool:
