@@ -27,8 +27,8 @@ library GEMM calls of its compiled program (`matmul_custom_calls`: cuBLASLt's FP
 
 Every JSON also records the XLA flags in effect (the launchers add the GPU defaults of
 `digen_jax/xla_flags.py`), the share of device memory JAX may take (`mem_fraction`, from
-XLA_PYTHON_CLIENT_MEM_FRACTION; `--mode=model` sets it to 0.95 unless it is set,
-`app/bench/results.py`) and `source_sha256`, a digest of the code that ran.
+XLA_PYTHON_CLIENT_MEM_FRACTION; every launcher sets it to 0.95 unless it is set,
+`digen_jax/xla_flags.py`) and `source_sha256`, a digest of the code that ran.
 
 A measurement that fails (out of memory, an unsupported kernel) is recorded with its error and
 the run goes on; the exit status is 1 if any failed. Modes are entries of `BENCHES`; their
@@ -47,7 +47,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 from digen_jax import cli  # noqa: E402  (imports neither jax nor torch)
 from digen_jax.app.bench import model, results, torch_peer  # noqa: E402  (jax and torch are imported where used)
-from digen_jax.app.bench.results import MODEL_MEM_FRACTION, default_out  # noqa: E402,F401  (public names of the script)
+from digen_jax.app.bench.results import default_out  # noqa: E402,F401  (a public name of the script)
 from digen_jax.app.errors import ConfigError  # noqa: E402
 from digen_jax.models.specs import SPECS  # noqa: E402
 from digen_jax.runtime import plan  # noqa: E402
@@ -200,15 +200,9 @@ def run_system() -> dict[str, Any]:
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {"model": run_model, "system": run_system}
 
 
-def set_memory_fraction(environ=os.environ) -> str | None:
-    """`results.set_memory_fraction` for `--mode`."""
-    return results.set_memory_fraction(_MODE.value, environ)
-
-
 def run_from_flags() -> tuple[dict[str, Any], str | None]:
     """Run the bench the parsed flags ask for and write its JSON; returns (result, path), the path
     None on processes other than 0 of a multi-process run."""
-    set_memory_fraction()  # before JAX first touches a device
     result = BENCHES[_MODE.value]()
     import jax  # loaded by the bench
 

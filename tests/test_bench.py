@@ -30,12 +30,11 @@ def parse(*args):
 def test_model_mode_writes_every_figure(tmp_path, monkeypatch):
     out = tmp_path / "qwen.json"
     parse("--family=qwenimage", "--what=forward,lora_fwd_bwd,full_fwd_bwd", f"--out={out}")
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")  # restored (unset) after the test
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.61")  # restored after the test
     result, path = bench.run_from_flags()
     assert path == str(out)
     written = json.loads(out.read_text())
-    assert written["mem_fraction"] == bench.MODEL_MEM_FRACTION == "0.95"  # set, as nobody had
+    assert written["mem_fraction"] == "0.61"  # the share in effect
     assert written["config"]["family"] == "qwenimage" and written["config"]["image_tokens"] == 8
     assert written["device"]["count"] >= 1 and written["device"]["kind"]
     assert written["versions"]["jax"] and written["versions"]["flax"] and "torch" in written["versions"]
@@ -331,14 +330,6 @@ def test_profile_sums_device_time_by_kernel(tmp_path):
     assert "error" in profiler.device_time_by_kernel(str(tmp_path / "none"))
 
 
-def test_memory_fraction_is_set_for_model_mode_only_and_never_overrides_the_user():
-    parse("--family=flux")
-    assert bench.set_memory_fraction(env := {}) == "0.95" and env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
-    assert bench.set_memory_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}) == "0.5"
-    parse("--mode=system")
-    assert bench.set_memory_fraction(env := {}) is None and env == {}
-
-
 def test_xla_flag_defaults_keep_what_the_user_set():
     from digen_jax import xla_flags
 
@@ -348,6 +339,17 @@ def test_xla_flag_defaults_keep_what_the_user_set():
     env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
     assert xla_flags.set_defaults(env) == "--xla_gpu_enable_triton_gemm=true"
     assert xla_flags.set_defaults({}) == xla_flags.set_defaults({"XLA_FLAGS": ""})
+
+
+def test_launchers_give_jax_the_memory_share_the_plan_assumes_unless_the_user_set_one():
+    from digen_jax import xla_flags
+    from digen_jax.runtime.task_costs import Efficiency
+
+    xla_flags.set_defaults(env := {})
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == xla_flags.MEM_FRACTION
+    assert float(xla_flags.MEM_FRACTION) > Efficiency().usable_hbm  # headroom above what the plan admits
+    xla_flags.set_defaults(env := {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
 
 
 def test_source_digest_names_the_code(tmp_path):

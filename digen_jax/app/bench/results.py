@@ -1,5 +1,5 @@
 """Where a benchmark result goes: its default file name under benchmarks/results/, the JSON and
-(system mode) the traces beside it, and the device-memory share the model bench runs with."""
+(system mode) the traces beside it."""
 from __future__ import annotations
 
 import json
@@ -9,20 +9,6 @@ from typing import Any
 
 from digen_jax.app.bench.provenance import ROOT
 from digen_jax.models.specs import SPECS
-
-# The device-memory share of the model bench (XLA_PYTHON_CLIENT_MEM_FRACTION) unless the user set
-# one: JAX's default 0.75 of an 80 GB card is too little for the largest documented measurement
-# (LoRA fwd+bwd of Qwen-Image-20B with unrolled blocks, about 72 GB).
-MODEL_MEM_FRACTION = "0.95"
-
-
-def set_memory_fraction(mode: str, environ=os.environ) -> str | None:
-    """For `mode` 'model', XLA_PYTHON_CLIENT_MEM_FRACTION as MODEL_MEM_FRACTION unless already set
-    (JAX reads it when it first uses the GPU); returns the value in effect (None: JAX's default)."""
-    if mode == "model":
-        environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MODEL_MEM_FRACTION)
-    return environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-
 
 def default_out(result: dict[str, Any]) -> str:
     """benchmarks/results/<mode>_<model>_..._<UTC time>.json of a result."""
