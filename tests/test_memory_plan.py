@@ -230,3 +230,23 @@ def test_fp8_lora_base_is_the_only_copy_and_fits_one_80gb_card():
         machine_checks.check_fits(config(rollout_precision="fp8"), _gpus(1))
     assert "--config.model.lora_base_precision=fp8" in str(e.value)
     machine_checks.check_fits(config(rollout_precision="fp8", lora_base_precision="fp8"), _gpus(1))
+
+
+def test_a_pair_of_experts_is_held_synced_and_trained_whole_and_one_runs_each_forward():
+    """Wan2.2-T2V-A14B is two Wan2.1-14B experts: every copy holds, syncs and trains both, while
+    a forward (and its FSDP gathers) reads one, so its FLOPs are one expert's."""
+    from digen_jax.runtime import task_costs
+
+    one = importlib.import_module("configs.wan21").get_config()
+    pair = importlib.import_module("configs.wan22").get_config("t2v_a14b")
+    for c in (one, pair):  # the same sampling and training work apart from the experts
+        c.sampling.update(num_steps=20, cfg_scale=5.0, cfg_scale_2=None)
+    w1, w2 = run_sizing.iteration_work(one), run_sizing.iteration_work(pair)
+    assert (w1.experts, w2.experts) == (1, 2)
+    assert w2.params == pytest.approx(2 * w1.params) and w2.trainable == pytest.approx(2 * w1.trainable)
+    assert w2.forward_params == pytest.approx(w1.params) and w2.step_flops == pytest.approx(w1.step_flops)
+    pool = Pool.parse("h200:8/rollout=4")
+    assert task_costs.sync_s(w2, pool, task_costs.Efficiency()) > 1.9 * task_costs.sync_s(w1, pool, task_costs.Efficiency())
+    for role in ("rollout", "train"):
+        held = [mp.memory_plan(w, pool, FULL, 4).role(role).weights for w in (w1, w2)]
+        assert held[1] == pytest.approx(2 * held[0]), role

@@ -78,11 +78,13 @@ def iteration_work(config) -> IterationWork:
     per_sample = sample_flops(config, model_cfg)
     trained = _trained_steps(config)
     terms = model_flops.model_terms(family, model_cfg, batch=1, height=s.height, width=s.width, frames=frames, text_len=config.data.text_len)
-    params = float(sum(m.layers * m.fan_in * m.fan_out for m in terms.matmuls))
+    # The terms are one transformer's; a policy of experts (Wan2.2-A14B) holds each of them.
+    experts = 1 if getattr(model_cfg, "boundary_ratio", None) is None else 2
+    params = experts * float(sum(m.layers * m.fan_in * m.fan_out for m in terms.matmuls))
     if rl.lora_rank:
         adapted = terms.adapted(list(rl.lora_targets))
-        trainable = float(sum(m.layers * rl.lora_rank * (m.fan_in + m.fan_out) for m in adapted))
-        adapted_weights = float(sum(m.layers * m.fan_in * m.fan_out for m in adapted))
+        trainable = experts * float(sum(m.layers * rl.lora_rank * (m.fan_in + m.fan_out) for m in adapted))
+        adapted_weights = experts * float(sum(m.layers * m.fan_in * m.fan_out for m in adapted))
     else:
         trainable, adapted_weights = params, 0.0
     return IterationWork(
@@ -103,6 +105,7 @@ def iteration_work(config) -> IterationWork:
         unit_forwards=1 + int(_is_nft(rl)) + int(rl.kl_beta > 0),
         rollout_precision=config.model.get("rollout_precision", "bf16"),
         lora_base_precision=config.model.get("lora_base_precision", "bf16"),
+        experts=experts,
         **_memory_terms(config, terms),
     )
 

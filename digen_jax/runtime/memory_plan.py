@@ -218,7 +218,7 @@ def _train_role(w: IterationWork, name: str, n: int, capacity: float, pool: Pool
     # e4m3: one byte per weight, sharded like the weights; gathered, the whole copy is sampling's;
     # an FP8 LoRA base is itself the copy the rollouts read
     rollout_copy = w.params / shard if fp8 and not gathered and not fp8_base else 0.0
-    gathered_layers = 2 * 2 * w.params * pb / max(w.layers, 1) if shard > 1 else 0.0  # one layer and the next, forward and backward
+    gathered_layers = 2 * 2 * w.forward_params * pb / max(w.layers, 1) if shard > 1 else 0.0  # one layer and the next, forward and backward
     units = -(-w.grad_chunk_size * w.seq_parallel // n) / w.seq_parallel  # a unit's tokens split over a sequence group
     chunks = _chunks_per_update(w)
     # Working sets beyond the resident state, per phase. Training: a chunk's gradients beside the

@@ -262,7 +262,7 @@ class IterationWork:
     trained_steps: int
     step_flops: float  # one denoising step of one sample (CFG included)
     unit_flops: float  # one training unit: forward+backward, plus any old-policy and reference forwards (CFG included)
-    params: float  # matmul weights of the transformer (biases and norms are < 0.1%)
+    params: float  # matmul weights of the transformer(s) (biases and norms are < 0.1%), every expert's
     trainable: float  # LoRA adapter parameters, or `params` for full fine-tuning
     adapted_weights: float  # base weights under LoRA adapters (what a merge rewrites)
     lora_rank: int  # 0: full fine-tuning
@@ -296,6 +296,14 @@ class IterationWork:
     saved_activation_bytes: float = 0.0  # per training unit: the block inputs kept for the backward pass
     layer_activation_bytes: float = 0.0  # per sample: one block's matmul outputs
     seq_parallel: int = 1  # runtime.seq_parallel: each sample's tokens (and activations) split over this many devices
+    # transformers of one policy, one of which runs each forward (Wan2.2-A14B: 2 experts switched
+    # at a timestep boundary): a copy holds, syncs and trains all of them, a forward reads one
+    experts: int = 1
+
+    @property
+    def forward_params(self) -> float:
+        """Weights one forward reads (what an FSDP forward gathers): one expert's."""
+        return self.params / self.experts
 
     @property
     def optimizer_bytes(self) -> int:
@@ -352,7 +360,7 @@ def rollout_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int,
         step = per_replica * w.step_flops / (replica * rate)
     else:
         compute = _split(samples, devices) * w.step_flops / rate
-        weight_bytes = w.params * (1 if fp8 else w.param_bytes)
+        weight_bytes = w.forward_params * (1 if fp8 else w.param_bytes)
         step = max(compute, sharded_in.fsdp_gather_s(kind, devices, weight_bytes, eff))
     return w.num_steps * (step + eff.step_call_s)
 
@@ -376,7 +384,7 @@ def train_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int, p
     else:
         per_device = [_split(samples, devices)] * w.trained_steps
     chunks = [min(cap, n - i) for n in per_device for i in range(0, n, cap)]
-    comm = pool.fsdp_gather_s(kind, devices, (w.unit_forwards + 1) * w.params * w.param_bytes + 4 * w.trainable, eff)
+    comm = pool.fsdp_gather_s(kind, devices, (w.unit_forwards + 1) * w.forward_params * w.param_bytes + 4 * w.trainable, eff)
     per_unit = w.unit_flops / (kind.bf16_flops * eff.train)
     return sum(max(c * per_unit, comm) + eff.train_call_s for c in chunks)
 
