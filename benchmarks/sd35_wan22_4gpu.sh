@@ -13,9 +13,9 @@
 # System benches: configs/sd35.py (Flow-GRPO's SD3.5-M recipe) at random weights and embeddings,
 # 4 prompts x 8 images (the recipe: 48 x 24) in 4 micro-batches, 1 warm-up + 2 timed iterations.
 # One warm-up is the bench's least that compiles before timing; the elastic full mode adds 1 to 3
-# of its own while its split settles (app/bench/system.py). Cut against the earlier 2-GPU run
-# (8 prompts, colocated first, whose full mode did not finish in its call): half the images per
-# iteration and the full mode first.
+# of its own while its split settles (app/bench/system.py). Cut so that the full mode's compile
+# and warm-ups fit the call: half the images of the 2-GPU colocated row of benchmarks/README.md
+# (8 prompts x 8), and the full mode runs before colocated.
 # Writes under $1 (default $OUT), at most 8 files: the three JSONs, traces.tar.gz (the system
 # runs' traces) and one short log per job.
 #   bash benchmarks/sd35_wan22_4gpu.sh /tmp/out
