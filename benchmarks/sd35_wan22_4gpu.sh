@@ -65,7 +65,7 @@ step() {
 
 gpu0() {
   local log=$out/log_gpu0_sd35m_1gpu.txt
-  export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; devices 1
+  export CUDA_VISIBLE_DEVICES=0; devices 1
   JAX_PLATFORMS=$test_platforms XLA_PYTHON_CLIENT_PREALLOCATE=false \
     step "$log" 240 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_sd3.py -k full_size
   step "$log" 0 python3 launch/bench.py "${system[@]}" --modes=colocated --workdir=/tmp/w_sd35_1 \
@@ -74,7 +74,7 @@ gpu0() {
 
 gpu12() {
   local log=$out/log_gpu12_sd35m_2gpu.txt
-  export CUDA_VISIBLE_DEVICES=1,2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; devices 2
+  export CUDA_VISIBLE_DEVICES=1,2; devices 2
   step "$log" 0 python3 launch/bench.py "${system[@]}" --modes=gap+tsp+tag+tcss,colocated \
     --config.runtime.rollout_devices=1 --config.runtime.train_devices=0 --workdir=/tmp/w_sd35_2 \
     --out="$out/system_sd35m_2gpu_full_colocated.json"
