@@ -16,7 +16,7 @@ from diffusers import WanTransformer3DModel
 
 from digen_jax.app import families, loop
 from digen_jax.app.errors import ConfigError
-from digen_jax.models import FAMILIES, convert_expert_pair, load_checkpoint, make_apply_fn, wan, wan22
+from digen_jax.models import FAMILIES, convert_expert_pair, from_diffusers, load_checkpoint, make_apply_fn, wan, wan22
 from digen_jax.models.wan import vae as vae_wan
 from digen_jax.models.conversion import ConversionError, convert_weights, torch_state_dict_arrays
 from digen_jax.rl import lora
@@ -247,3 +247,35 @@ def test_low_noise_steps_take_the_second_guidance_scale():
         SamplerSpec("wan", 4.0, False, cfg_scale_2=3.0)
     with pytest.raises(ValueError, match="needs true CFG"):
         SamplerSpec("wan", 1.0, False, cfg_scale_2=3.0, boundary_timestep=875.0)
+
+
+@pytest.mark.gpu
+def test_full_size_ti2v_5b_forward_matches_diffusers_on_gpu():
+    """Wan2.2-TI2V-5B at full size (random weights, float32, highest matmul precision on both
+    sides) on the same card: a 480x832 clip of 9 frames (3 latent frames, 1170 tokens), the
+    first frame's tokens at timestep 0 as TI2V keeps a conditioning frame clean, 512 text
+    tokens. CPU counterparts: test_wan.py's test_parity_with_diffusers and
+    test_per_token_timesteps_route_by_the_step (tiny configs, per-token timesteps)."""
+    cfg = wan22.VARIANTS["ti2v-5b"]
+    fields = ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "ffn_dim", "num_layers")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # the default init of 5 B parameters, on the card
+        model = WanTransformer3DModel(**{f: getattr(cfg, f) for f in fields}).eval()
+    frames, rows, cols = 3, 30, 52
+    inputs = wan_inputs(model, 1, frames, rows, cols, 512)
+    tokens_per_frame = rows // 2 * cols // 2
+    per_token = torch.full((1, frames * tokens_per_frame), 700.5)
+    per_token[0, :tokens_per_frame] = 0.0
+    inputs["timestep"] = per_token
+    with torch.no_grad():
+        ref = model(**{k: v.cuda() for k, v in inputs.items()}).sample.cpu().numpy()
+    model = model.cpu()
+    torch.cuda.empty_cache()
+    apply_fn, params = from_diffusers(model, family="wan22", attention_impl="xla")
+    del model
+    with jax.default_matmul_precision("highest"):
+        out = apply_fn(params, **to_numpy(inputs))
+    err = rel_err(out, ref)
+    print(f"Wan2.2-TI2V-5B 3x480x832 fp32 forward, JAX vs diffusers on {jax.devices()[0].device_kind}: rel err {err:.2e}")
+    assert err <= 1e-4
