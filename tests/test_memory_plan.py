@@ -150,6 +150,15 @@ def _gpus(n, kind="NVIDIA H100 80GB HBM3"):
     return [types.SimpleNamespace(platform="gpu", device_kind=kind)] * n
 
 
+def test_one_gpu_has_no_trainer_assisted_rollouts_to_size():
+    """A colocated run on one GPU asks what trainer-assisted rollouts would sample in; with no
+    device for a second role the answer is the default, not an error."""
+    c = importlib.import_module("configs.sd35").get_config()
+    c.runtime.update(rollout_devices=0, train_devices=0)
+    assert run_sizing.tag_precision(c, _gpus(1, "NVIDIA H200")) == "rollout"
+    assert run_sizing.local_pool(c, _gpus(2, "NVIDIA H200"), FULL)[0].train_devices == 1
+
+
 def test_launch_check_refuses_with_one_line_saying_what_to_change():
     c = qwen_full_ft(optimizer_state_dtype="float32")
     c.runtime.update(mode=FULL, rollout_devices=4, train_devices=12)

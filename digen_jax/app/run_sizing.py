@@ -188,7 +188,8 @@ def tag_precision(config, devices: Sequence[Any]) -> str:
 
 def local_pool(config, devices: Sequence[Any], mode: str) -> tuple[Pool, int | None] | None:
     """The `Pool` of a run of `config` in `mode` on `devices` and its colocated device count
-    (None when disaggregated); None where the memory plan has no figure for them."""
+    (None when disaggregated); None where the memory plan has no figure for them (also a
+    disaggregated mode on devices too few for both roles: one GPU runs colocated only)."""
     if is_shapes(config) or devices[0].platform == "cpu":
         return None
     try:
@@ -199,7 +200,10 @@ def local_pool(config, devices: Sequence[Any], mode: str) -> tuple[Pool, int | N
     if plan_lib.mode_flags(mode).colocated:
         return Pool(kind, 1, kind, 1), rt.train_devices or n
     rollout = rt.rollout_devices or (n - rt.reward_devices) // 2
-    return Pool(kind, rollout, kind, rt.train_devices or (n - rt.reward_devices - rollout)), None
+    train = rt.train_devices or (n - rt.reward_devices - rollout)
+    if rollout < 1 or train < 1:
+        return None
+    return Pool(kind, rollout, kind, train), None
 
 
 def _is_nft(rl) -> bool:
