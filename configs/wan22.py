@@ -29,7 +29,7 @@ VAE), --config=configs/wan22.py:tiny_a14b (the pair of experts, tiny Wan2.1 VAE)
 """
 import ml_collections
 
-from configs import wan21
+from configs import schema, wan21
 from configs.sections import ATTENTION_MLP_TARGETS, tiny_overrides
 
 # The released models: transformer variant, sample_shift and guidance (Wan2.2's configs); A14B
@@ -53,7 +53,11 @@ def get_config(size: str = "ti2v_5b") -> ml_collections.ConfigDict:
     if "cfg_scale_2" in released:
         c.sampling.cfg_scale_2 = released["cfg_scale_2"]
     c.rl.lora_targets = ATTENTION_MLP_TARGETS["wan22"]  # in both A14B experts alike
+    if released["variant"] == "ti2v-5b":  # text-to-video unless data.first_frames names images
+        c = schema.add_groups(c, "first_frame")
     if size in ("tiny", "tiny_a14b"):
         c = tiny_overrides(c, video=True, trained_steps=3)
         c.model.variant = size.replace("_", "-")
+    if size == "tiny":  # the TI2V path: each prompt's videos start from its drawn image
+        c.data.first_frames = "synthetic"
     return c

@@ -247,3 +247,59 @@ def test_low_noise_steps_take_the_second_guidance_scale():
         SamplerSpec("wan", 4.0, False, cfg_scale_2=3.0)
     with pytest.raises(ValueError, match="needs true CFG"):
         SamplerSpec("wan", 1.0, False, cfg_scale_2=3.0, boundary_timestep=875.0)
+
+
+def test_first_frame_step_matches_the_ti2v_pipeline():
+    """One denoising step with a conditioning first frame against diffusers' Wan2.2-TI2V path
+    (`WanImageToVideoPipeline` with `expand_timesteps`): the transformer's input keeps the
+    condition on latent frame 0 (`(1 - mask) * condition + mask * latents`), its timestep is
+    `mask[:, ::2, ::2] * t` per token, CFG runs both halves on that input, the scheduler steps
+    the latents and the frame is put back. Ours: the per-token timesteps, an ODE step (the
+    pipeline's Euler scheduler) and an SDE step, whose log-prob is the Wan step's over the
+    generated frames alone."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from digen_jax import diffusion
+    from digen_jax.rl.rollout import Sampler, SamplerSpec
+
+    model = random_wan(14, in_channels=8, out_channels=8)
+    cfg = wan22.FAMILY.config_from_diffusers(dict(model.config), dtype="float32", param_dtype="float32")
+    params = convert_weights(wan22.FAMILY, cfg, torch_state_dict_arrays(model), source="tiny ti2v")
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    scheduler.set_timesteps(4)
+    step, guidance = 1, 5.0
+    g = torch.Generator().manual_seed(3)
+    latents, condition = torch.randn(2, 8, 3, 4, 6, generator=g), torch.randn(2, 8, 1, 4, 6, generator=g)
+    text, negative = torch.randn(2, 5, 32, generator=g), torch.randn(1, 5, 32, generator=g)
+    # diffusers (pipeline_wan_i2v.py, expand_timesteps): latents keep frame 0 at the condition.
+    mask = torch.ones(1, 1, 3, 4, 6)
+    mask[:, :, 0] = 0
+    latents = (1 - mask) * condition + mask * latents
+    t = scheduler.timesteps[step]
+    timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(2, -1)
+    model_input = (1 - mask) * condition + mask * latents
+    with torch.no_grad():
+        cond_v = model(model_input, timestep, text).sample
+        uncond_v = model(model_input, timestep, negative.expand(2, -1, -1)).sample
+    velocity = uncond_v + guidance * (cond_v - uncond_v)
+    scheduler._step_index = step
+    stepped = scheduler.step(velocity, t, latents, return_dict=False)[0]
+    reference = ((1 - mask) * condition + mask * stepped).numpy()
+
+    sigmas = scheduler.sigmas.numpy()
+    ours_t = wan.transformer.first_frame_timesteps(cfg, latents.shape, jnp.full((2,), float(t)))
+    assert rel_err(ours_t, timestep.numpy()) <= 1e-6 and float(ours_t[0, 0]) == 0.0
+    sampler = Sampler(make_denoiser(wan22.FAMILY, wan22.make_module(cfg)), SamplerSpec("wan", guidance), sigmas,
+                      Conditioning(jnp.asarray(negative.numpy())))
+    cond = Conditioning(jnp.asarray(text.numpy()), first_frame=jnp.asarray(condition.numpy()))
+    x, keys = jnp.asarray(latents.numpy()), jax.random.split(jax.random.key(0), 2)
+    ode, log_prob, _ = sampler.step(params, x, cond, step, 0.0, keys)  # noise level 0: the Euler step
+    assert rel_err(ode, reference) <= 1e-4, rel_err(ode, reference)
+    np.testing.assert_array_equal(np.asarray(ode[:, :, :1]), condition.numpy())
+    assert not np.any(np.asarray(log_prob))
+    # The SDE step: the frame stays; mean and log-prob are the Wan step's on the generated frames.
+    sde, log_prob, mean = sampler.step(params, x, cond, step, 1.0, keys)
+    np.testing.assert_array_equal(np.asarray(sde[:, :, :1]), condition.numpy())
+    expected = diffusion.flow_grpo_wan_step(x[:, :, 1:], jnp.asarray(velocity.numpy())[:, :, 1:], sigmas, step,
+                                            prev_sample=sde[:, :, 1:])
+    assert mean.shape == (2, 8, 2, 4, 6) and rel_err(mean, np.asarray(expected.mean)) <= 1e-4
+    assert rel_err(log_prob, np.asarray(expected.log_prob)) <= 1e-4
