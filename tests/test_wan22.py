@@ -167,17 +167,27 @@ def b_norm(adapters, expert):
     return float(sum(found))
 
 
-@pytest.mark.parametrize("size,mode", [("tiny", "gap"), ("tiny_a14b", "colocated")])
-def test_tiny_iteration_through_train(size, mode, tmp_path):
-    """configs/wan22.py's tiny sizes through the real entry point: TI2V's structure (tiny Wan2.2
-    VAE) disaggregated, the A14B pair colocated. For the pair the ladder's flow shift is 3, so
-    the 4 steps' timesteps are 1000, 900 (high-noise expert) and 750, 500 (low-noise): the trained
-    steps 0-2 fall on both sides, and one LoRA update moves both experts' adapters (B starts at
-    0). The update is on-policy (ratio exactly 1), and the rollout's log-probabilities match the
-    trainer's, so rollout and training routed every step to the same expert."""
+@pytest.mark.parametrize("size,mode", [("tiny", "colocated"), ("tiny", "gap+tsp+tag+tcss"), ("tiny_a14b", "colocated")])
+def test_tiny_iteration_through_train(size, mode, tmp_path, monkeypatch):
+    """configs/wan22.py's tiny sizes through the real entry point. TI2V (tiny Wan2.2 VAE) starts
+    each prompt's videos from its synthetic image: the VAE encoder encodes it, and every video the
+    run decodes (the rollouts' finals) has that latent as its frame 0, colocated and in the full
+    disaggregated pipeline. For the A14B pair the ladder's flow shift is 3, so the 4 steps'
+    timesteps are 1000, 900 (high-noise expert) and 750, 500 (low-noise): the trained steps 0-2
+    fall on both sides, and one LoRA update moves both experts' adapters (B starts at 0). The
+    update is on-policy (ratio exactly 1), and the rollout's log-probabilities match the
+    trainer's: rollout and training ran the same inputs (the clean frame, its timestep-0 tokens,
+    the same expert)."""
+    from digen_jax.app import workload
+
+    encoded, finals = [], []
+    encode, decode = vae_wan.encode_latents, workload.ModelZooWorkload.decode
+    monkeypatch.setattr(vae_wan, "encode_latents", lambda *a: encoded.append(np.asarray(encode(*a))) or encode(*a))
+    monkeypatch.setattr(workload.ModelZooWorkload, "decode",
+                        lambda self, x, p=None: finals.append(np.asarray(x)) or decode(self, x, p))
     c = wan22_config(size)
     c.runtime.mode = mode
-    if mode == "gap":
+    if mode != "colocated":
         c.runtime.rollout_devices = c.runtime.train_devices = 4
     if size == "tiny_a14b":
         c.sampling.ladder_options = {"flow_shift": 3.0}
@@ -186,7 +196,13 @@ def test_tiny_iteration_through_train(size, mode, tmp_path):
         (row,) = [json.loads(line) for line in f]
     assert row["step"] == 1 and row["skipped"] == 0 and row["ratio_mean"] == 1 and row["grad_norm"] > 0
     assert row["rollout_logp_gap_max"] < 1e-5, row
-    if size == "tiny_a14b":
+    if size == "tiny":
+        frames = np.concatenate(encoded)  # the iteration's prompts and the eval prompts
+        assert frames.shape[1:] == (8, 1, 2, 2) and finals
+        for x in np.concatenate(finals):
+            assert np.min(np.abs(frames - x[None, :, :1]).max(axis=(1, 2, 3, 4))) == 0
+    else:
+        assert not encoded
         b_norms = {e: b_norm(state.trainable, e) for e in wan22.EXPERTS}
         assert all(v > 0 for v in b_norms.values()), b_norms
 
