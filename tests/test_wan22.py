@@ -152,11 +152,37 @@ def test_full_size_configs_validate_and_fit_their_models(size, shape, vae_varian
     assert frames.shape == (1, 3, c.sampling.num_frames, c.sampling.height, c.sampling.width)
 
 
-def test_sides_must_fit_the_wan22_vae():
+def test_bad_wan22_inputs_are_named(tmp_path):
+    """Sides that do not fit the Wan2.2 VAE, and image conditioning where it cannot run or has no
+    image or encoder: one ConfigError naming the key, before any device work. An image list's
+    image loads at the video's size in [-1, 1]."""
+    from PIL import Image
+
+    from digen_jax.data.first_frames import ImageList
+
+    def refused(c, match):
+        with pytest.raises(ConfigError, match=match):
+            loop.validate_config(c)
+
     c = wan22_config("tiny")
     c.sampling.height = 48  # a multiple of 16, not of the Wan2.2 VAE's 32
-    with pytest.raises(ConfigError, match="sampling.height=48 must be a multiple of 32"):
-        loop.validate_config(c)
+    refused(c, "sampling.height=48 must be a multiple of 32")
+    c = wan22_config("tiny_a14b")
+    c.data.first_frames = "synthetic"
+    refused(c, r"data.first_frames='synthetic': image conditioning is Wan2.2-TI2V's")
+    c = wan22_config("tiny")
+    c.rl.algorithm = "nft"
+    refused(c, r"data.first_frames='synthetic' trains with rl.algorithm='grpo' only")
+    Image.new("RGB", (40, 24), (255, 0, 0)).save(tmp_path / "red.png")
+    (tmp_path / "images.txt").write_text("red.png\n" * 15 + "missing.png\n")  # 16 prompts: the last lacks its file
+    c = wan22_config("tiny")
+    c.data.first_frames = str(tmp_path / "images.txt")
+    refused(c, r"data.first_frames: .*images.txt line 16: no image file .*missing.png")
+    pixels = ImageList(str(tmp_path / "images.txt"), 32, 64)([0, 3])
+    assert pixels.shape == (2, 3, 32, 64) and np.allclose(pixels[:, 0], 1) and np.allclose(pixels[:, 1:], -1)
+    c = wan22_config("tiny")
+    c.model.random_init, c.model.checkpoint, c.model.vae_checkpoint = False, str(tmp_path), str(tmp_path)
+    refused(c, "model.vae_encoder_checkpoint is not set: the converted VAE encoder")
 
 
 def b_norm(adapters, expert):

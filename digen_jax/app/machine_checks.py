@@ -106,7 +106,7 @@ def check_zoo_inputs(config) -> None:
     checkpoints = [("model.checkpoint", c.checkpoint, (c.family,)),
                    ("model.vae_checkpoint", c.vae_checkpoint, zoo.vae_families)]
     if d.get("first_frames"):  # image conditioning encodes with the VAE's encoder
-        checkpoints.append(("model.vae_encoder_checkpoint", c.vae_encoder_checkpoint, ("vae_wan_encoder",)))
+        checkpoints.append(("model.vae_encoder_checkpoint", c.get("vae_encoder_checkpoint"), ("vae_wan_encoder",)))
     if not c.random_init:
         for key, path, _ in checkpoints:
             if not path or not os.path.exists(os.path.join(path, MODEL_JSON)):

@@ -242,9 +242,11 @@ _initial_noise = jax.jit(initial_noise, static_argnums=1)
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _start(sample_keys: jax.Array, shape: tuple[int, ...], cond: Conditioning) -> jax.Array:
-    """x_0 of a rollout: each sample's initial noise, with the clean conditioning frame in front."""
-    return with_first_frame(generated(initial_noise(sample_keys, shape), cond), cond)
+def _start(sample_keys: jax.Array, shape: tuple[int, ...], first_frame: jax.Array | None) -> jax.Array:
+    """x_0 of a rollout: each sample's initial noise, its latent frame 0 the clean conditioning
+    frame if there is one (`Conditioning.first_frame`)."""
+    noise = initial_noise(sample_keys, shape)
+    return noise if first_frame is None else noise.at[:, :, :1].set(first_frame.astype(noise.dtype))
 
 
 @jax.jit
@@ -314,7 +316,7 @@ class Sampler:
         must stay ahead of every device group at once. The noise levels are indexed on the host.
         """
         levels = np.asarray(noise_levels, np.float32)
-        latents = _start(sample_keys, tuple(latent_shape), cond)
+        latents = _start(sample_keys, tuple(latent_shape), cond.first_frame)
         path, log_probs, means = [latents], [], []
         for i in range(self.num_steps):
             latents, log_prob, mean = self.step(params, latents, cond, i, levels[i], sample_keys)
