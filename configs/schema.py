@@ -4,7 +4,8 @@ means. A config file starts from `config(...)` and sets only what differs from t
 Keys come in groups, and a config holds the groups that apply to it: `base` (every config), `zoo`
 (a model-zoo family: converted weights, a prompt-embedding cache, image sizes), `shapes` (the
 synthetic task of configs/tiny.py: its architecture, task and pretraining), `video` (frames) and
-`single_stream` (FLUX and HunyuanVideo's single-stream blocks). A key absent from a config is not
+`single_stream` (FLUX and HunyuanVideo's single-stream blocks) and `first_frame` (videos that start
+from an image: Wan2.2-TI2V). A key absent from a config is not
 part of its run (resume fingerprints and `--print_config` show only what a config holds).
 
 Choices restate the library's own tuples (e.g. `digen_jax.rl.losses.POLICY_LOSSES`) so that the
@@ -29,7 +30,7 @@ def _placeholder(kind: type) -> ml_collections.FieldReference:
     return ml_collections.config_dict.placeholder(kind)
 
 
-GROUPS = ("base", "zoo", "shapes", "video", "single_stream")
+GROUPS = ("base", "zoo", "shapes", "video", "single_stream", "first_frame")
 BATCH_RULES = (("activation_batch", "data"),)
 FSDP_RULES = BATCH_RULES + (("embed", "data"),)
 
@@ -83,6 +84,12 @@ KEYS: dict[str, Key] = {
     "data.random_embeddings": Key(False, "random prompt embeddings of the model's shapes instead", group="zoo"),
     "data.text_len": Key(512, "random embeddings: padded text length", group="zoo"),
     "data.num_prompts": Key(1024, "random embeddings: distinct prompts", group="zoo"),
+    "data.first_frames": Key("", "the image each prompt's videos start from (Wan2.2-TI2V): '' none (text-to-video), "
+                                 "'synthetic' a drawn one per prompt, or a text file with one image path per line of "
+                                 "the prompt file (docs/models.md section 9)", group="first_frame"),
+    "model.vae_encoder_checkpoint": Key("", "with data.first_frames: the converted VAE encoder dir "
+                                            "(convert/diffusers_to_orbax.py --family=vae_wan_encoder)",
+                                        group="first_frame"),
     # ------------------------------------------------------------------ sampling
     "sampling.height": Key(512, "image height in pixels", group="zoo"),
     "sampling.width": Key(512, "image width in pixels", group="zoo"),
@@ -201,12 +208,16 @@ KEYS: dict[str, Key] = {
 
 def config(*groups: str) -> ml_collections.ConfigDict:
     """A config of the `base` keys and those of `groups`, at their defaults."""
+    return add_groups(ml_collections.ConfigDict(), "base", *groups)
+
+
+def add_groups(c: ml_collections.ConfigDict, *groups: str) -> ml_collections.ConfigDict:
+    """`c` with the keys of `groups` added at their defaults."""
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
         raise ValueError(f"unknown key groups {unknown}; known: {GROUPS}")
-    c = ml_collections.ConfigDict()
     for key, spec in KEYS.items():
-        if spec.group == "base" or spec.group in groups:
+        if spec.group in groups:
             _set(c, key, _fresh(spec.default))
     return c
 

@@ -5,8 +5,11 @@ Wan2.2 text-to-video models, each at its released flow shift and guidance:
 
 * `:ti2v_5b` (default): Wan2.2-TI2V-5B, one 5.0 B transformer on the Wan2.2 VAE (48 latent
   channels, 16x spatial compression, so sides are multiples of 32), flow shift 5, CFG 5.
-  Text-to-video: every token shares the step's timestep (the per-token timesteps the model
-  takes matter only for image conditioning, which this run does not do).
+  Text-to-video by default; `data.first_frames` (a text file with one image path per line of
+  the prompt file) starts each prompt's videos from its image, as the released TI2V pipeline
+  does: the image's latent stays clean as frame 0 and its tokens take timestep 0
+  (docs/models.md section 9; the encoder converts with --family=vae_wan_encoder and is passed as
+  model.vae_encoder_checkpoint).
 * `:t2v_a14b`: Wan2.2-T2V-A14B, two 14.3 B experts of the Wan2.1-14B architecture on the Wan2.1
   VAE; steps with timestep >= 875 (boundary_ratio 0.875) run the high-noise expert, the rest the
   low-noise one, in rollout and training alike; LoRA adapts both. Flow shift 12; CFG 4 on the
@@ -24,12 +27,13 @@ Real run (converted weights and an embedding cache, see README "Model-zoo config
 T2V-A14B: convert both experts into one checkpoint (convert/diffusers_to_orbax.py --model_dir_2) and
 use the Wan2.1 VAE (configs/wan21.py's).
 
-The tiny sizes: --config=configs/wan22.py:tiny (TI2V structure, tiny Wan2.2
-VAE), --config=configs/wan22.py:tiny_a14b (the pair of experts, tiny Wan2.1 VAE).
+The tiny sizes: --config=configs/wan22.py:tiny (TI2V structure, tiny Wan2.2 VAE, each prompt's
+videos starting from a synthetic image), --config=configs/wan22.py:tiny_a14b (the pair of
+experts, tiny Wan2.1 VAE).
 """
 import ml_collections
 
-from configs import wan21
+from configs import schema, wan21
 from configs.sections import ATTENTION_MLP_TARGETS, tiny_overrides
 
 # The released models: transformer variant, sample_shift and guidance (Wan2.2's configs); A14B
@@ -53,7 +57,11 @@ def get_config(size: str = "ti2v_5b") -> ml_collections.ConfigDict:
     if "cfg_scale_2" in released:
         c.sampling.cfg_scale_2 = released["cfg_scale_2"]
     c.rl.lora_targets = ATTENTION_MLP_TARGETS["wan22"]  # in both A14B experts alike
+    if released["variant"] == "ti2v-5b":  # text-to-video unless data.first_frames names images
+        c = schema.add_groups(c, "first_frame")
     if size in ("tiny", "tiny_a14b"):
         c = tiny_overrides(c, video=True, trained_steps=3)
         c.model.variant = size.replace("_", "-")
+    if size == "tiny":  # the TI2V path: each prompt's videos start from its drawn image
+        c.data.first_frames = "synthetic"
     return c

@@ -152,11 +152,37 @@ def test_full_size_configs_validate_and_fit_their_models(size, shape, vae_varian
     assert frames.shape == (1, 3, c.sampling.num_frames, c.sampling.height, c.sampling.width)
 
 
-def test_sides_must_fit_the_wan22_vae():
+def test_bad_wan22_inputs_are_named(tmp_path):
+    """Sides that do not fit the Wan2.2 VAE, and image conditioning where it cannot run or has no
+    image or encoder: one ConfigError naming the key, before any device work. An image list's
+    image loads at the video's size in [-1, 1]."""
+    from PIL import Image
+
+    from digen_jax.data.first_frames import ImageList
+
+    def refused(c, match):
+        with pytest.raises(ConfigError, match=match):
+            loop.validate_config(c)
+
     c = wan22_config("tiny")
     c.sampling.height = 48  # a multiple of 16, not of the Wan2.2 VAE's 32
-    with pytest.raises(ConfigError, match="sampling.height=48 must be a multiple of 32"):
-        loop.validate_config(c)
+    refused(c, "sampling.height=48 must be a multiple of 32")
+    c = wan22_config("tiny_a14b")
+    c.data.first_frames = "synthetic"
+    refused(c, r"data.first_frames='synthetic': image conditioning is Wan2.2-TI2V's")
+    c = wan22_config("tiny")
+    c.rl.algorithm = "nft"
+    refused(c, r"data.first_frames='synthetic' trains with rl.algorithm='grpo' only")
+    Image.new("RGB", (40, 24), (255, 0, 0)).save(tmp_path / "red.png")
+    (tmp_path / "images.txt").write_text("red.png\n" * 15 + "missing.png\n")  # 16 prompts: the last lacks its file
+    c = wan22_config("tiny")
+    c.data.first_frames = str(tmp_path / "images.txt")
+    refused(c, r"data.first_frames: .*images.txt line 16: no image file .*missing.png")
+    pixels = ImageList(str(tmp_path / "images.txt"), 32, 64)([0, 3])
+    assert pixels.shape == (2, 3, 32, 64) and np.allclose(pixels[:, 0], 1) and np.allclose(pixels[:, 1:], -1)
+    c = wan22_config("tiny")
+    c.model.random_init, c.model.checkpoint, c.model.vae_checkpoint = False, str(tmp_path), str(tmp_path)
+    refused(c, "model.vae_encoder_checkpoint is not set: the converted VAE encoder")
 
 
 def b_norm(adapters, expert):
@@ -167,17 +193,27 @@ def b_norm(adapters, expert):
     return float(sum(found))
 
 
-@pytest.mark.parametrize("size,mode", [("tiny", "gap"), ("tiny_a14b", "colocated")])
-def test_tiny_iteration_through_train(size, mode, tmp_path):
-    """configs/wan22.py's tiny sizes through the real entry point: TI2V's structure (tiny Wan2.2
-    VAE) disaggregated, the A14B pair colocated. For the pair the ladder's flow shift is 3, so
-    the 4 steps' timesteps are 1000, 900 (high-noise expert) and 750, 500 (low-noise): the trained
-    steps 0-2 fall on both sides, and one LoRA update moves both experts' adapters (B starts at
-    0). The update is on-policy (ratio exactly 1), and the rollout's log-probabilities match the
-    trainer's, so rollout and training routed every step to the same expert."""
+@pytest.mark.parametrize("size,mode", [("tiny", "colocated"), ("tiny", "gap+tsp+tag+tcss"), ("tiny_a14b", "colocated")])
+def test_tiny_iteration_through_train(size, mode, tmp_path, monkeypatch):
+    """configs/wan22.py's tiny sizes through the real entry point. TI2V (tiny Wan2.2 VAE) starts
+    each prompt's videos from its synthetic image: the VAE encoder encodes it, and every video the
+    run decodes (the rollouts' finals) has that latent as its frame 0, colocated and in the full
+    disaggregated pipeline. For the A14B pair the ladder's flow shift is 3, so the 4 steps'
+    timesteps are 1000, 900 (high-noise expert) and 750, 500 (low-noise): the trained steps 0-2
+    fall on both sides, and one LoRA update moves both experts' adapters (B starts at 0). The
+    update is on-policy (ratio exactly 1), and the rollout's log-probabilities match the
+    trainer's: rollout and training ran the same inputs (the clean frame, its timestep-0 tokens,
+    the same expert)."""
+    from digen_jax.app import workload
+
+    encoded, finals = [], []
+    encode, decode = vae_wan.encode_latents, workload.ModelZooWorkload.decode
+    monkeypatch.setattr(vae_wan, "encode_latents", lambda *a: encoded.append(np.asarray(encode(*a))) or encode(*a))
+    monkeypatch.setattr(workload.ModelZooWorkload, "decode",
+                        lambda self, x, p=None: finals.append(np.asarray(x)) or decode(self, x, p))
     c = wan22_config(size)
     c.runtime.mode = mode
-    if mode == "gap":
+    if mode != "colocated":
         c.runtime.rollout_devices = c.runtime.train_devices = 4
     if size == "tiny_a14b":
         c.sampling.ladder_options = {"flow_shift": 3.0}
@@ -186,7 +222,13 @@ def test_tiny_iteration_through_train(size, mode, tmp_path):
         (row,) = [json.loads(line) for line in f]
     assert row["step"] == 1 and row["skipped"] == 0 and row["ratio_mean"] == 1 and row["grad_norm"] > 0
     assert row["rollout_logp_gap_max"] < 1e-5, row
-    if size == "tiny_a14b":
+    if size == "tiny":
+        frames = np.concatenate(encoded)  # the iteration's prompts and the eval prompts
+        assert frames.shape[1:] == (8, 1, 2, 2) and finals
+        for x in np.concatenate(finals):
+            assert np.min(np.abs(frames - x[None, :, :1]).max(axis=(1, 2, 3, 4))) == 0
+    else:
+        assert not encoded
         b_norms = {e: b_norm(state.trainable, e) for e in wan22.EXPERTS}
         assert all(v > 0 for v in b_norms.values()), b_norms
 
@@ -279,3 +321,59 @@ def test_full_size_ti2v_5b_forward_matches_diffusers_on_gpu():
     err = rel_err(out, ref)
     print(f"Wan2.2-TI2V-5B 3x480x832 fp32 forward, JAX vs diffusers on {jax.devices()[0].device_kind}: rel err {err:.2e}")
     assert err <= 1e-4
+
+
+def test_first_frame_step_matches_the_ti2v_pipeline():
+    """One denoising step with a conditioning first frame against diffusers' Wan2.2-TI2V path
+    (`WanImageToVideoPipeline` with `expand_timesteps`): the transformer's input keeps the
+    condition on latent frame 0 (`(1 - mask) * condition + mask * latents`), its timestep is
+    `mask[:, ::2, ::2] * t` per token, CFG runs both halves on that input, the scheduler steps
+    the latents and the frame is put back. Ours: the per-token timesteps, an ODE step (the
+    pipeline's Euler scheduler) and an SDE step, whose log-prob is the Wan step's over the
+    generated frames alone."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from digen_jax import diffusion
+    from digen_jax.rl.rollout import Sampler, SamplerSpec
+
+    model = random_wan(14, in_channels=8, out_channels=8)
+    cfg = wan22.FAMILY.config_from_diffusers(dict(model.config), dtype="float32", param_dtype="float32")
+    params = convert_weights(wan22.FAMILY, cfg, torch_state_dict_arrays(model), source="tiny ti2v")
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    scheduler.set_timesteps(4)
+    step, guidance = 1, 5.0
+    g = torch.Generator().manual_seed(3)
+    latents, condition = torch.randn(2, 8, 3, 4, 6, generator=g), torch.randn(2, 8, 1, 4, 6, generator=g)
+    text, negative = torch.randn(2, 5, 32, generator=g), torch.randn(1, 5, 32, generator=g)
+    # diffusers (pipeline_wan_i2v.py, expand_timesteps): latents keep frame 0 at the condition.
+    mask = torch.ones(1, 1, 3, 4, 6)
+    mask[:, :, 0] = 0
+    latents = (1 - mask) * condition + mask * latents
+    t = scheduler.timesteps[step]
+    timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(2, -1)
+    model_input = (1 - mask) * condition + mask * latents
+    with torch.no_grad():
+        cond_v = model(model_input, timestep, text).sample
+        uncond_v = model(model_input, timestep, negative.expand(2, -1, -1)).sample
+    velocity = uncond_v + guidance * (cond_v - uncond_v)
+    scheduler._step_index = step
+    stepped = scheduler.step(velocity, t, latents, return_dict=False)[0]
+    reference = ((1 - mask) * condition + mask * stepped).numpy()
+
+    sigmas = scheduler.sigmas.numpy()
+    ours_t = wan.transformer.first_frame_timesteps(cfg, latents.shape, jnp.full((2,), float(t)))
+    assert rel_err(ours_t, timestep.numpy()) <= 1e-6 and float(ours_t[0, 0]) == 0.0
+    sampler = Sampler(make_denoiser(wan22.FAMILY, wan22.make_module(cfg)), SamplerSpec("wan", guidance), sigmas,
+                      Conditioning(jnp.asarray(negative.numpy())))
+    cond = Conditioning(jnp.asarray(text.numpy()), first_frame=jnp.asarray(condition.numpy()))
+    x, keys = jnp.asarray(latents.numpy()), jax.random.split(jax.random.key(0), 2)
+    ode, log_prob, _ = sampler.step(params, x, cond, step, 0.0, keys)  # noise level 0: the Euler step
+    assert rel_err(ode, reference) <= 1e-4, rel_err(ode, reference)
+    np.testing.assert_array_equal(np.asarray(ode[:, :, :1]), condition.numpy())
+    assert not np.any(np.asarray(log_prob))
+    # The SDE step: the frame stays; mean and log-prob are the Wan step's on the generated frames.
+    sde, log_prob, mean = sampler.step(params, x, cond, step, 1.0, keys)
+    np.testing.assert_array_equal(np.asarray(sde[:, :, :1]), condition.numpy())
+    expected = diffusion.flow_grpo_wan_step(x[:, :, 1:], jnp.asarray(velocity.numpy())[:, :, 1:], sigmas, step,
+                                            prev_sample=sde[:, :, 1:])
+    assert mean.shape == (2, 8, 2, 4, 6) and rel_err(mean, np.asarray(expected.mean)) <= 1e-4
+    assert rel_err(log_prob, np.asarray(expected.log_prob)) <= 1e-4

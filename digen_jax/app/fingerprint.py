@@ -50,6 +50,8 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
         section, name = key.split(".")
         if section in config and name in config[section]:
             carried[key] = config[section][name]
+    if "data" in config and config.data.get("first_frames"):  # the images the carried videos start from
+        carried["data.first_frames"] = config.data.first_frames
     fp["carried"] = carried
     return json.loads(json.dumps(fp))  # tuples as lists: compares equal to what a checkpoint read back holds
 

@@ -103,8 +103,12 @@ def check_zoo_inputs(config) -> None:
     c, d = config.model, config.data
     zoo = ZOO[c.family]
     missing = []
+    checkpoints = [("model.checkpoint", c.checkpoint, (c.family,)),
+                   ("model.vae_checkpoint", c.vae_checkpoint, zoo.vae_families)]
+    if d.get("first_frames"):  # image conditioning encodes with the VAE's encoder
+        checkpoints.append(("model.vae_encoder_checkpoint", c.get("vae_encoder_checkpoint"), ("vae_wan_encoder",)))
     if not c.random_init:
-        for key, path in (("model.checkpoint", c.checkpoint), ("model.vae_checkpoint", c.vae_checkpoint)):
+        for key, path, _ in checkpoints:
             if not path or not os.path.exists(os.path.join(path, MODEL_JSON)):
                 missing.append(key)
     if not d.random_embeddings and (not d.embedding_cache or not os.path.isdir(d.embedding_cache)):
@@ -113,8 +117,7 @@ def check_zoo_inputs(config) -> None:
         raise ConfigError(_missing_inputs_message(config, missing))
 
     if not c.random_init:
-        for key, path, accepted in (("model.checkpoint", c.checkpoint, (c.family,)),
-                                    ("model.vae_checkpoint", c.vae_checkpoint, zoo.vae_families)):
+        for key, path, accepted in checkpoints:
             found = read_model_json(path).get("family")
             if found not in accepted:
                 raise ConfigError(f"{key}={path!r} holds a {found!r} model; model.family={c.family!r} needs "
@@ -131,6 +134,9 @@ def _missing_inputs_message(config, missing: list[str]) -> str:
         "model.vae_checkpoint": (
             "the converted VAE",
             f"python convert/diffusers_to_orbax.py --model_dir={pipeline}/vae --out=<DIR>"),
+        "model.vae_encoder_checkpoint": (
+            "the converted VAE encoder (data.first_frames encodes the images with it)",
+            f"python convert/diffusers_to_orbax.py --model_dir={pipeline}/vae --family=vae_wan_encoder --out=<DIR>"),
         "data.embedding_cache": (
             "the prompt-embedding cache",
             f"python convert/encode_prompts.py --family={zoo.name} --prompts=<prompts.txt> "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 from typing import Sequence
 
 import flax.linen as nn
@@ -31,6 +32,7 @@ from digen_jax.app.settings import step_settings
 from digen_jax.app.families import (DEPTH_KEYS, SIDE_MULTIPLE, TEMPORAL, ZOO, model_config, policy, read_model_json,
                                     latent_shape, side_multiple, vae_config)
 from digen_jax.app.workload import is_shapes, open_cache, pretrain_recipe, shapes_task
+from digen_jax.data import first_frames
 from digen_jax.models import FAMILIES, fp8
 from digen_jax.models.attention import check_seq_parallel
 from digen_jax.rewards import registry
@@ -459,6 +461,7 @@ def _validate_zoo(config) -> None:
                           f"the VAE (model.vae_checkpoint) gives latents of shape {shape}: they are not one model's")
 
     _validate_seq_parallel(config, model_cfg, shape)
+    _validate_first_frames(config, model_cfg, vae_cfg)
 
     text_dim = getattr(model_cfg, zoo.text_dim)
     pooled_dim = getattr(model_cfg, zoo.pooled_dim) if zoo.pooled_dim else None
@@ -482,6 +485,36 @@ def _validate_zoo(config) -> None:
     if not 1 <= text_len <= zoo.text_cap:
         raise ConfigError(f"{key} {text_len} is over the {c.family} text cap of {zoo.text_cap} tokens "
                           "(or below 1)")
+
+def _validate_first_frames(config, model_cfg, vae_cfg) -> None:
+    """`data.first_frames` (videos that start from an image): a Wan2.2 model of one transformer
+    (TI2V), the Flow-GRPO trainer, an image for every prompt and an encoder of the run's VAE."""
+    c, d, s = config.model, config.data, config.sampling
+    source = d.get("first_frames")
+    if not source:
+        return
+    if c.family != "wan22" or model_cfg.boundary_ratio is not None:
+        raise ConfigError(f"data.first_frames={source!r}: image conditioning is Wan2.2-TI2V's (model.family='wan22', "
+                          "one transformer); unset it for this model")
+    if config.rl.algorithm != "grpo":
+        raise ConfigError(f"data.first_frames={source!r} trains with rl.algorithm='grpo' only (DiffusionNFT's ODE "
+                          "rollouts do not keep a first frame)")
+    if source != first_frames.SYNTHETIC:
+        if not os.path.isfile(source):
+            raise ConfigError(f"data.first_frames={source!r} is not a file: give '{first_frames.SYNTHETIC}' or a text "
+                              "file with one image path per line of the prompt file")
+        ids = range(d.num_prompts) if d.random_embeddings else open_cache(config).prompt_ids
+        try:
+            first_frames.ImageList(source, s.height, s.width).check(ids)
+        except ValueError as e:
+            raise ConfigError(f"data.first_frames: {e}") from None
+    if not c.random_init:
+        encoder = FAMILIES["vae_wan_encoder"].config_from_diffusers(read_model_json(c.vae_encoder_checkpoint)["config"])
+        if encoder.z_dim != vae_cfg.z_dim:
+            raise ConfigError(f"model.vae_encoder_checkpoint={c.vae_encoder_checkpoint!r} encodes {encoder.z_dim} "
+                              f"latent channels; the VAE (model.vae_checkpoint) decodes {vae_cfg.z_dim}: convert the "
+                              "encoder of the same VAE")
+
 
 def _validate_seq_parallel(config, model_cfg, latent_shape) -> None:
     """`runtime.seq_parallel` against the model: a video family, its heads and video tokens divisible."""

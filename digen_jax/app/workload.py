@@ -32,10 +32,12 @@ from digen_jax.app.errors import ConfigError
 from digen_jax.app.families import SIDE_MULTIPLE, ZOO, latent_shape, model_config, policy, vae_config, decoder
 from digen_jax.app.pretrain import cache_key, pretrained_params
 from digen_jax.data.embeddings import EmbeddingCache
+from digen_jax.data.first_frames import open_first_frames
 from digen_jax.data.prompts import CachedPrompts, RandomPrompts
 from digen_jax.data.shapes_task import ShapesTask
 from digen_jax.models import FAMILIES, load_checkpoint
 from digen_jax.models.checkpoints import MODEL_JSON, PARAMS_DIR
+from digen_jax.models.wan import vae as vae_wan
 from digen_jax.rewards import registry
 from digen_jax.rl.rollout import Conditioning, Sampler, SamplerSpec, make_denoiser
 
@@ -121,12 +123,16 @@ class _Workload:
         """The prompt ids and conditioning (one row per prompt) of iteration k."""
         key = jax.random.fold_in(jax.random.fold_in(self._prompt_key, k), PROMPTS)
         ids = self.task.sample_prompts(key, self.config.rl.prompts_per_iteration)
-        return ids, Conditioning(*self.task.encode(ids))
+        return ids, self.conditioning(ids)
 
     def eval_batch(self, n: int) -> tuple[jax.Array, Conditioning]:
         """n fixed evaluation prompts (the same for every iteration and resume)."""
         ids = self.task.sample_prompts(jax.random.fold_in(jax.random.key(self.config.seed + 7), EVAL), n)
-        return ids, Conditioning(*self.task.encode(ids))
+        return ids, self.conditioning(ids)
+
+    def conditioning(self, ids: jax.Array) -> Conditioning:
+        """The conditioning of prompts `ids`, one row per prompt."""
+        return Conditioning(*self.task.encode(ids))
 
 
 class ShapesWorkload(_Workload):
@@ -209,6 +215,7 @@ class ModelZooWorkload(_Workload):
             self.task = CachedPrompts(open_cache(config))
         self.family, self.model_cfg, self.base_params = self._transformer()
         self.vae_cfg, self.vae_params = self._vae()
+        self.first_frames = self._first_frames()
         self.latent_shape = latent_shape(config, self.vae_cfg)
         image_grid = None if self.zoo.video else (s.height // SIDE_MULTIPLE, s.width // SIDE_MULTIPLE)
         seq_len = None if self.zoo.video else self.latent_shape[0]
@@ -237,6 +244,30 @@ class ModelZooWorkload(_Workload):
             return cfg, random_init.random_params(family, cfg, self.config.seed + 5)
         _, cfg, params = load_checkpoint(c.vae_checkpoint, dtype=c.dtype)  # decodes in model.dtype
         return cfg, params
+
+    def _first_frames(self):
+        """(the images of `data.first_frames`, the VAE encoder's config and weights), or None for
+        text-to-video."""
+        c, s = self.config.model, self.config.sampling
+        source = self.config.data.get("first_frames")
+        if not source:
+            return None
+        images = open_first_frames(source, s.height, s.width, self.config.seed + 6)
+        if c.random_init:
+            cfg = vae_config(self.config)
+            return images, cfg, random_init.random_params(vae_wan.ENCODER_FAMILY, cfg, self.config.seed + 9)
+        _, cfg, params = load_checkpoint(c.vae_encoder_checkpoint, dtype=c.dtype)  # encodes in model.dtype
+        return images, cfg, params
+
+    def conditioning(self, ids: jax.Array) -> Conditioning:
+        """The prompts' text conditioning and, with `data.first_frames`, each prompt's image encoded
+        once into the clean first latent frame its samples share."""
+        cond = super().conditioning(ids)
+        if self.first_frames is None:
+            return cond
+        images, cfg, params = self.first_frames
+        pixels = images([m["prompt_id"] for m in self.task.prompt_metadata(ids)])
+        return cond.replace(first_frame=vae_wan.encode_latents(params, cfg, pixels[:, :, None]))
 
     @property
     def num_frames(self) -> int:

@@ -11,6 +11,7 @@ generated it (a group's samples may be spread over devices).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax
@@ -33,11 +34,16 @@ class Conditioning:
 
     text: (B, L, D) text-encoder states; pooled: (B, P) pooled vector (FLUX, HunyuanVideo)
     or None; mask: (B, L) right-padded validity mask (Qwen-Image, HunyuanVideo) or None.
+    first_frame: (B, C, 1, h, w) float32, the clean latent of an image the video starts from
+    (Wan2.2-TI2V's image conditioning), or None. The sampler keeps latent frame 0 equal to it
+    at every step and steps, scores and trains only the frames after it (`generated`); the
+    denoiser gives its tokens timestep 0. The same image conditions both halves of a CFG batch.
     """
 
     text: jax.Array
     pooled: jax.Array | None = None
     mask: jax.Array | None = None
+    first_frame: jax.Array | None = None
 
     def take(self, index: jax.Array) -> "Conditioning":
         return jax.tree.map(lambda a: a[index], self)
@@ -125,6 +131,7 @@ def guided_velocity(
         high = sigma * 1000.0 >= spec.boundary_timestep
         scale = jnp.where(high, spec.cfg_scale, spec.cfg_scale_2).reshape(-1, *([1] * (latents.ndim - 1)))
     batch = latents.shape[0]
+    negative = negative.replace(first_frame=cond.first_frame)  # the image conditions both halves
     neg = jax.tree.map(lambda n, c: jnp.broadcast_to(n, c.shape), negative, cond)
     both = denoiser(
         params,
@@ -168,6 +175,19 @@ def sampler_step(
     )
 
 
+def generated(x: jax.Array, cond: Conditioning) -> jax.Array:
+    """The part of (B, C, T, ...) video latents (or velocities, noises) that sampling generates:
+    every latent frame after a conditioning first frame (`cond.first_frame`), else all of it."""
+    return x if cond.first_frame is None else x[:, :, 1:]
+
+
+def with_first_frame(generated_part: jax.Array, cond: Conditioning) -> jax.Array:
+    """Whole latents from their `generated` part: the clean conditioning frame in front, if any."""
+    if cond.first_frame is None:
+        return generated_part
+    return jnp.concatenate([cond.first_frame.astype(generated_part.dtype), generated_part], axis=2)
+
+
 def kl_divisor(sde_type: str, out: diffusion.StepOutput) -> jax.Array:
     """The KL divisor of the reference recipes: g for sde/dance/cps (cps reports s as g), s for Wan."""
     return out.std if sde_type == "wan" else out.noise_scale
@@ -177,9 +197,10 @@ def kl_divisor(sde_type: str, out: diffusion.StepOutput) -> jax.Array:
 class Trajectory:
     """A batch of sampled ladders.
 
-    latents: (B, N + 1, ...) float32, x_0 = initial noise ... x_N = the sample.
-    log_probs: (B, N) behaviour log-probs (0 on zero-noise steps).
-    means: (B, N, ...) the transition means.
+    latents: (B, N + 1, ...) float32, x_0 = initial noise ... x_N = the sample (with a
+      conditioning first frame, latent frame 0 is that frame's clean latent at every step).
+    log_probs: (B, N) behaviour log-probs (0 on zero-noise steps), over the generated latents.
+    means: (B, N, ...) the transition means of the generated latents (`generated`).
     noise_levels: (N,) the noise level each step used.
     sample_keys: (B,) the PRNG keys the noises came from (the samples' seeds).
     version: () int32, the policy version that generated every step of every sample.
@@ -220,6 +241,14 @@ def initial_noise(sample_keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 _initial_noise = jax.jit(initial_noise, static_argnums=1)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _start(sample_keys: jax.Array, shape: tuple[int, ...], first_frame: jax.Array | None) -> jax.Array:
+    """x_0 of a rollout: each sample's initial noise, its latent frame 0 the clean conditioning
+    frame if there is one (`Conditioning.first_frame`)."""
+    noise = initial_noise(sample_keys, shape)
+    return noise if first_frame is None else noise.at[:, :, :1].set(first_frame.astype(noise.dtype))
+
+
 @jax.jit
 def _stack_steps(path, log_probs, means):
     """(B, N + 1, ...) latents, (B, N) log-probs, (B, N, ...) means from the per-step lists."""
@@ -249,14 +278,19 @@ class Sampler:
         return guided_velocity(self.denoiser, self.spec, params, latents, cond, sigma, self.negative)
 
     def transition(self, params, latents, cond, step_index, noise_level, **draw) -> diffusion.StepOutput:
-        """Velocity then step; `draw` is noise=... (rollout) or prev_sample=... (training)."""
+        """Velocity then step; `draw` is noise=... (rollout) or prev_sample=... (training).
+
+        The step, its log-prob and mean cover the `generated` latents only: a conditioning first
+        frame is input to the denoiser, never a transition (rollout and training alike)."""
         v = self.velocity(params, latents, cond, step_index)
-        return sampler_step(self.spec.sde_type, latents, v, self.sigmas, step_index, noise_level, **draw)
+        draw = {name: generated(x, cond) for name, x in draw.items()}
+        return sampler_step(self.spec.sde_type, generated(latents, cond), generated(v, cond), self.sigmas, step_index,
+                            noise_level, **draw)
 
     def _step(self, params, latents, cond, step_index, noise_level, sample_keys):
         noise = jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, step_index), latents.shape[1:]))(sample_keys)
         out = self.transition(params, latents, cond, step_index, noise_level, noise=noise)
-        return out.prev_sample, out.log_prob, out.mean
+        return with_first_frame(out.prev_sample, cond), out.log_prob, out.mean
 
     def _ode_step(self, params, latents, prev_x0, cond, step_index, solver: str):
         v = self.velocity(params, latents, cond, step_index)
@@ -266,6 +300,8 @@ class Sampler:
                     solver: str) -> FinalSamples:
         """Integrate the ladder deterministically with `solver` (diffusion.ODE_SOLVERS) from each
         sample's initial noise (the one `rollout` starts from); one program per step, as `rollout`."""
+        if cond.first_frame is not None:
+            raise ValueError("ODE rollouts (DiffusionNFT) do not take a conditioning first frame")
         latents = _initial_noise(sample_keys, tuple(latent_shape))
         prev_x0 = None
         for i in range(self.num_steps):
@@ -280,7 +316,7 @@ class Sampler:
         must stay ahead of every device group at once. The noise levels are indexed on the host.
         """
         levels = np.asarray(noise_levels, np.float32)
-        latents = _initial_noise(sample_keys, tuple(latent_shape))
+        latents = _start(sample_keys, tuple(latent_shape), cond.first_frame)
         path, log_probs, means = [latents], [], []
         for i in range(self.num_steps):
             latents, log_prob, mean = self.step(params, latents, cond, i, levels[i], sample_keys)

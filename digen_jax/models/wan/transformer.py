@@ -406,14 +406,28 @@ def weight_rules(cfg: WanConfig) -> list[WeightRule]:
     return rules
 
 
+def first_frame_timesteps(cfg: WanConfig, latent_shape: tuple[int, ...], timestep: jax.Array) -> jax.Array:
+    """(B, S) per-token timesteps of (B, C, T, H, W) latents whose first latent frame is a clean
+    conditioning image: 0 on that frame's tokens, the sample's `timestep` (B,) on the rest, in the
+    transformer's (t, h, w) token order (diffusers' `expand_timesteps`: `mask[:, ::2, ::2] * t`)."""
+    _, _, frames, height, width = latent_shape
+    pt, ph, pw = cfg.patch_size
+    clean = np.repeat(np.arange(frames // pt) == 0, (height // ph) * (width // pw))
+    return jnp.where(clean[None, :], 0.0, timestep[:, None])
+
+
 def denoiser_inputs(cfg: WanConfig, *, guidance: float, image_grid: tuple[int, int] | None):
     """Wan as a denoiser (`ModelFamily.denoiser_inputs`): (B, C, T, H, W) latents, sigma * 1000 as
-    the timestep, no text mask; no embedded guidance (the model uses true CFG), so `guidance` and
-    `image_grid` are unused."""
-    del cfg, guidance, image_grid
+    the timestep (per token, 0 on a conditioning first frame's tokens, when `cond.first_frame` is
+    set: `first_frame_timesteps`), no text mask; no embedded guidance (the model uses true CFG),
+    so `guidance` and `image_grid` are unused."""
+    del guidance, image_grid
 
     def inputs(latents, cond, sigma):
-        return dict(hidden_states=latents, timestep=sigma * 1000.0, encoder_hidden_states=cond.text)
+        timestep = sigma * 1000.0
+        if cond.first_frame is not None:
+            timestep = first_frame_timesteps(cfg, latents.shape, timestep)
+        return dict(hidden_states=latents, timestep=timestep, encoder_hidden_states=cond.text)
 
     return inputs
 
