@@ -4,6 +4,9 @@
   (weight sync trainer -> rollout, trajectories rollout -> trainer). What every process holds
   whole already (the frozen base and the decoder weights, built alike by every process) is
   not moved: `put_own_copy` places each process's own copy on its own devices.
+* `put_in_pieces` copies a tree that every process holds (the initial train state, in host
+  memory on accelerators) onto one role's shardings piece by piece, so the host holds one piece
+  beyond the tree, and a process holding none of those devices places nothing.
 * `to_every_process` gives every process a copy it can read on the host (metrics, evaluation
   samples, the values a checkpoint checks). `whole_on_one_process` and `SharedValues`
   (shared_values.py) serve what one process computes for all: the process holding a
@@ -49,6 +52,7 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -129,8 +133,10 @@ def place(leaves: list, shardings: list) -> list:
     dispatching thread blocked meanwhile."""
     out = list(leaves)
     same, other = [], []
-    # Several processes: jax.device_put throughout (a process may hold none of the devices of a
-    # program; the in-process host copies remain there, docs/known_issues.md).
+    # Several processes: jax.device_put throughout. A collective among one process's devices,
+    # issued between the programs that cross processes, needs every thread of that process's
+    # pool while one may be held by its share of another process's move (`_fence`): a 2-process
+    # training loop hung there. The host copies remain (docs/known_issues.md); a move's pieces bound them.
     one_process = jax.process_count() == 1
     for i, (x, s) in enumerate(zip(leaves, shardings)):
         (same if one_process and _same_device_order(x, s) and x.sharding != s else other).append(i)
@@ -141,6 +147,35 @@ def place(leaves: list, shardings: list) -> list:
         for i, y in zip(other, jax.device_put([leaves[i] for i in other], [shardings[i] for i in other])):
             out[i] = y
     return out
+
+
+def put_in_pieces(tree, dst_shardings):
+    """A copy of `tree` (arrays, or host arrays) on `dst_shardings` (a sharding, or a tree prefix of
+    shardings) that shares no buffer with it, so the copy can be donated and `tree` read again;
+    placed in pieces (`_pieces`), each waited for before the next. `jax.device_put` keeps a buffer
+    already on a destination device as that device's shard, so only such leaves are copied first;
+    and it slices a host array for each destination device in host memory, so one call for the
+    whole tree (full fine-tuning's train state: Qwen-Image-20B's weights and Adam moments, 123 GB)
+    would hold those slices, a second copy of the tree, at once. Piece by piece the host holds one
+    piece's beyond `tree`. A process holding none of a leaf's destination devices keeps a handle
+    only. Every process calls it alike."""
+    leaves, treedef = jax.tree.flatten(tree)
+    dst = _per_leaf(tree, dst_shardings)
+    out: list = [None] * len(leaves)
+    for piece in _pieces(leaves):
+        mine = [i for i in piece if dst[i].addressable_devices]
+        for i in piece:
+            if i not in mine:
+                x = leaves[i]
+                out[i] = jax.make_array_from_single_device_arrays(x.shape, dst[i], [], dtype=x.dtype)
+        held = [jnp.copy(leaves[i]) if _on_devices_of(leaves[i], dst[i]) else leaves[i] for i in mine]
+        for i, y in zip(mine, jax.block_until_ready(jax.device_put(held, [dst[i] for i in mine]))):
+            out[i] = y
+    return jax.tree.unflatten(treedef, out)
+
+
+def _on_devices_of(x, sharding) -> bool:
+    return isinstance(x, jax.Array) and bool(x.sharding.device_set & sharding.device_set)
 
 
 def _same_device_order(x, s) -> bool:

@@ -39,13 +39,12 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from digen_jax.rl import lora, quantized_params
 from digen_jax.rl.trainer import Trainer, TrainState
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.settings import ShardingRules
-from digen_jax.runtime.transfer import own_copy_everywhere, put_own_copy, transfer
+from digen_jax.runtime.transfer import own_copy_everywhere, put_in_pieces, put_own_copy, transfer
 
 
 class RoleWeights:
@@ -248,6 +247,7 @@ class RoleWeights:
         return self.for_sampling(trainable, frozen, fp8=fp8)
 
     def fresh_state(self, state: TrainState, sharding: TrainState) -> TrainState:
-        """`state` copied onto `sharding`: the update donates the state it is given, so the caller's
-        copy survives (a resume, or other modes of one run)."""
-        return jax.device_put(jax.tree.map(jnp.copy, state), sharding)
+        """`state` copied onto `sharding` in bounded pieces (`transfer.put_in_pieces`): the update
+        donates the state it is given, so the caller's copy survives (a resume, or other modes of
+        one run)."""
+        return put_in_pieces(state, sharding)
