@@ -16,10 +16,16 @@ import os
 
 # Must happen before JAX initialises its backends. Child processes the tests start inherit these
 # flags, and so load the programs this process wrote to the compilation cache (its key holds them).
+# The launchers' XLA defaults too: launch/*.py adds them, and a flag missing here would give
+# every program a child launcher compiles another cache key than this process's.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from digen_jax import xla_flags  # noqa: E402  (imports no JAX)
+
+xla_flags.set_defaults()
 
 import shutil  # noqa: E402
 import subprocess  # noqa: E402

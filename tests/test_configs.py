@@ -368,13 +368,16 @@ def test_train_script_reports_missing_inputs(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_train_script_reports_diverged_updates_without_a_traceback(tmp_path):
+def test_train_script_reports_diverged_updates_without_a_traceback(tmp_path, compile_cache):
     """Updates the divergence guard skips (here: any update at all, under a bound of 1e-12 of the
-    weights' norm) stop the run after rl.max_nonfinite_in_row with a message, exit status 1."""
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    weights' norm) stop the run after rl.max_nonfinite_in_row with a message, exit status 1.
+    The run is the colocated Qwen-Image one of `test_tiny_flow_grpo_iteration_through_train`, so
+    it loads that test's rollout, decode and gradient programs from the session's cache."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest",
+               JAX_COMPILATION_CACHE_DIR=compile_cache)
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "launch", "train.py"), f"--config={ROOT}/configs/qwenimage.py:tiny",
-         f"--workdir={tmp_path}", "--config.model.num_layers=1", "--config.rl.max_update_ratio=1e-12",
+         f"--workdir={tmp_path}", "--config.model.attention_impl=splash", "--config.rl.max_update_ratio=1e-12",
          "--config.rl.max_nonfinite_in_row=1"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "stopped:" in result.stderr and "rl.max_update_ratio" in result.stderr, result.stderr[-3000:]
