@@ -33,6 +33,7 @@ REFUSED = (
 NOTED = (
     # configs/tiny.py: dtype, attention_impl and sampling.guidance are part of its pretraining recipe (refused)
     "model.dtype", "model.attention_impl", "model.rollout_precision", "model.lora_base_precision", "model.vae_checkpoint",
+    "model.vae_encoder_checkpoint",
     "task.name", "data", "sampling", "reward", "sharding",
     # rl.max_grad_norm: clipping on or off is refused (the optimizer's state), its value is noted
     "rl",
