@@ -1,7 +1,6 @@
 """Tracer timing: a task's start waits for its group and for the recorded tasks it depends on."""
 import threading
 
-import jax
 import numpy as np
 
 from digen_jax.runtime.plan import Task
