@@ -25,12 +25,13 @@ GPU_DEFAULTS = {
 MEM_FRACTION = "0.95"
 
 
-def set_defaults(environ: MutableMapping[str, str] = os.environ) -> str:
-    """Add every `GPU_DEFAULTS` flag that XLA_FLAGS does not set already, and MEM_FRACTION as
-    XLA_PYTHON_CLIENT_MEM_FRACTION unless set; returns the new XLA_FLAGS."""
+def set_defaults(environ: MutableMapping[str, str] = os.environ, *, memory: bool = True) -> str:
+    """Add every `GPU_DEFAULTS` flag that XLA_FLAGS does not set already, and (`memory`)
+    MEM_FRACTION as XLA_PYTHON_CLIENT_MEM_FRACTION unless set; returns the new XLA_FLAGS."""
     flags = environ.get("XLA_FLAGS", "").split()
     present = {f.lstrip("-").split("=", 1)[0] for f in flags}
     flags += [f"--{name}={value}" for name, value in GPU_DEFAULTS.items() if name not in present]
     environ["XLA_FLAGS"] = " ".join(flags)
-    environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
+    if memory:
+        environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
     return environ["XLA_FLAGS"]

@@ -25,7 +25,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from digen_jax import xla_flags  # noqa: E402  (imports no JAX)
 
-xla_flags.set_defaults()
+# The flags only: GPU tests share the card with their PyTorch references, so JAX keeps its own
+# default share of the memory here (the launchers raise it).
+xla_flags.set_defaults(memory=False)
 
 import shutil  # noqa: E402
 import subprocess  # noqa: E402

@@ -350,6 +350,8 @@ def test_launchers_give_jax_the_memory_share_the_plan_assumes_unless_the_user_se
     assert float(xla_flags.MEM_FRACTION) > Efficiency().usable_hbm  # headroom above what the plan admits
     xla_flags.set_defaults(env := {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+    xla_flags.set_defaults(env := {}, memory=False)  # the tests' own process: flags only
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env and env["XLA_FLAGS"]
 
 
 def test_source_digest_names_the_code(tmp_path):
