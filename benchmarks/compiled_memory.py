@@ -147,7 +147,7 @@ def roles() -> list[dict]:
             programs = [r for r in RECORDS if r["mode"] == mode and r["role"] == role.role and "xla_bytes" in r]
             plan_bytes = role.device_bytes - role.sync_buffers
             row = {"mode": mode, "role": role.role, "devices": entry["roles"].get(role.role),
-                   "plan": {**{k: v / GIB for k, v in role.as_dict().items() if isinstance(v, float)}},
+                   "plan": {k: v / GIB for k, v in role.as_dict().items() if isinstance(v, float)},
                    "plan_gib": plan_bytes / GIB, "plan_sync_buffers_gib": role.sync_buffers / GIB,
                    "plan_total_gib": role.device_bytes / GIB, "pool": entry["pool"]}
             if programs:
@@ -197,7 +197,10 @@ def install() -> None:
         pool, colocated_devices = _pool(config, rt.mode)
         PLANS[rt.mode] = {"plan": memory_plan.memory_plan(work, pool, rt.mode, rt.micro_batches,
                                                           colocated_devices=colocated_devices),
-                          "roles": CURRENT["roles"], "pool": repr(pool).split(", devices_per_host")[0] + ")"}
+                          "roles": CURRENT["roles"],
+                          "pool": f"{pool.rollout_kind} x {colocated_devices} (colocated)" if colocated_devices else
+                                  f"{pool.rollout_kind} x {pool.rollout_devices} rollout, {pool.train_kind} x "
+                                  f"{pool.train_devices} train"}
         write()
 
     executor_lib.Executor.__init__ = executor

@@ -60,8 +60,9 @@ if [ -n "$TINY" ]; then
 else
   size=
   pair_sizes=(--config.rl.prompts_per_iteration=2 --config.rl.group_size=8 --config.runtime.micro_batches=2)
+  # 2 updates per iteration (configs/flux.py), each of 4 samples x 5 trained steps, in 2 gradient chunks.
   resume_sizes=(--config.rl.prompts_per_iteration=2 --config.rl.group_size=4 --config.runtime.micro_batches=2
-                --config.train.iterations=3)
+                --config.rl.grad_chunk_size=10 --config.train.iterations=3)
   # Each process runs the programs the first one compiled (autotuned once) and XLA's deterministic
   # kernels: the runs' arithmetic is the same in every process.
   export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
@@ -88,10 +89,11 @@ pair() {
   local full=(--config.runtime.offload_optimizer=True --config.rl.optimizer_state_dtype=param --config.rl.ema=False)
   # The simulator first (no devices): its predictions and the memory plans of both layouts.
   local sim=$out/simulate_flux_full_h200x2.txt
-  JAX_PLATFORMS=cpu python3 launch/simulate.py --config=configs/flux_full.py "${pair_sizes[@]::2}" --pool=h200:2 \
-    --micro_batches=2 --config.rl.ema=False > "$sim.recipe" 2>&1  # the recipe without the EMA: what one train GPU lacks
-  JAX_PLATFORMS=cpu python3 launch/simulate.py --config=configs/flux_full.py "${pair_sizes[@]::2}" "${full[@]}" \
-    --pool=h200:2 --micro_batches=2 2>&1 | grep -v "^$" > "$sim"
+  # At the GPU call's sizes, in TINY mode too (it reads no weights).
+  local sizes=(--config=configs/flux_full.py --config.rl.prompts_per_iteration=2 --config.rl.group_size=8 --pool=h200:2
+               --micro_batches=2)
+  JAX_PLATFORMS=cpu python3 launch/simulate.py "${sizes[@]}" --config.rl.ema=False > "$sim.recipe" 2>&1
+  JAX_PLATFORMS=cpu python3 launch/simulate.py "${sizes[@]}" "${full[@]}" 2>&1 | grep -v "^$" > "$sim"
   { echo; echo "Without offloading and in float32 moments (the recipe, less its EMA):"; grep -v "^$" "$sim.recipe"; } >> "$sim"
   rm -f "$sim.recipe"
   step 0 python3 benchmarks/compiled_memory.py --memory_out="$out/compiled_memory_flux_full_2gpu_pair.json" \
@@ -112,11 +114,12 @@ try:
     d = json.load(open(sys.argv[1]))
 except (OSError, ValueError) as e:
     sys.exit(f"no compiled memory: {e}")
+size = lambda gib: f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.2f} MiB"  # noqa: E731
 for r in d["roles"]:
-    xla = f"{r['xla_gib']:.1f} GiB ({r['xla_program']}), plan / XLA {r['ratio']:.3f}, within {d['tolerance']:.0%}: " \
+    xla = f"{size(r['xla_gib'])} ({r['xla_program']}), plan / XLA {r['ratio']:.3f}, within {d['tolerance']:.0%}: " \
           f"{r['within_tolerance']}" if "xla_gib" in r else "no program recorded"
-    print(f"memory: {r['mode']} {r['role']}: plan {r['plan_gib']:.1f} GiB (+ {r['plan_sync_buffers_gib']:.1f} sync buffers), "
-          f"XLA {xla}")
+    print(f"memory: {r['mode']} {r['role']}: plan {size(r['plan_gib'])} (+ {size(r['plan_sync_buffers_gib'])} sync "
+          f"buffers), XLA {xla}")
 EOF
   return $rc
 }
