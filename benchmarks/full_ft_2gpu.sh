@@ -92,9 +92,9 @@ pair() {
   # At the GPU call's sizes, in TINY mode too (it reads no weights).
   local sizes=(--config=configs/flux_full.py --config.rl.prompts_per_iteration=2 --config.rl.group_size=8 --pool=h200:2
                --micro_batches=2)
-  JAX_PLATFORMS=cpu python3 launch/simulate.py "${sizes[@]}" --config.rl.ema=False > "$sim.recipe" 2>&1
+  JAX_PLATFORMS=cpu python3 launch/simulate.py "${sizes[@]}" > "$sim.recipe" 2>&1
   JAX_PLATFORMS=cpu python3 launch/simulate.py "${sizes[@]}" "${full[@]}" 2>&1 | grep -v "^$" > "$sim"
-  { echo; echo "Without offloading and in float32 moments (the recipe, less its EMA):"; grep -v "^$" "$sim.recipe"; } >> "$sim"
+  { echo; echo "The recipe (float32 moments on the devices, the EMA):"; grep -v "^$" "$sim.recipe"; } >> "$sim"
   rm -f "$sim.recipe"
   step 0 python3 benchmarks/compiled_memory.py --memory_out="$out/compiled_memory_flux_full_2gpu_pair.json" \
     --mode=system --config=configs/flux_full.py$size --config.model.random_init=True --config.data.random_embeddings=True \
