@@ -164,6 +164,23 @@ def write() -> None:
         json.dump({"tolerance": TOLERANCE, "programs": RECORDS, "roles": roles()}, f, indent=1)
 
 
+def plan_mode(executor, run_config, rt) -> None:
+    """The memory plan of the mode `executor` runs (`rt`: its runtime settings), as it resolved
+    colocated sampling and the trainer rollouts' precision, into PLANS."""
+    config = copy.deepcopy(run_config)
+    config.runtime.mode = rt.mode
+    work = dataclasses.replace(run_sizing.iteration_work(config), colocated_sampling=executor.colocated_sampling,
+                               tag_precision=executor.tag_precision)
+    pool, colocated_devices = _pool(config, rt.mode)
+    PLANS[rt.mode] = {"plan": memory_plan.memory_plan(work, pool, rt.mode, rt.micro_batches,
+                                                      colocated_devices=colocated_devices),
+                      "roles": CURRENT["roles"],
+                      "pool": f"{pool.rollout_kind} x {colocated_devices} (colocated)" if colocated_devices else
+                              f"{pool.rollout_kind} x {pool.rollout_devices} rollout, {pool.train_kind} x "
+                              f"{pool.train_devices} train"}
+    write()
+
+
 def install() -> None:
     pin = trainer.Trainer.pin_state_sharding
 
@@ -190,18 +207,10 @@ def install() -> None:
         CURRENT.update(mode=rt.mode, roles={"shared": ids(meshes.train)} if meshes.colocated else
                        {"rollout": ids(meshes.rollout), "train": ids(meshes.train)})
         executor_init(self, job, settings=settings, **kwargs)
-        config = copy.deepcopy(job.config)
-        config.runtime.mode = rt.mode
-        work = dataclasses.replace(run_sizing.iteration_work(config), colocated_sampling=self.colocated_sampling,
-                                   tag_precision=self.tag_precision)
-        pool, colocated_devices = _pool(config, rt.mode)
-        PLANS[rt.mode] = {"plan": memory_plan.memory_plan(work, pool, rt.mode, rt.micro_batches,
-                                                          colocated_devices=colocated_devices),
-                          "roles": CURRENT["roles"],
-                          "pool": f"{pool.rollout_kind} x {colocated_devices} (colocated)" if colocated_devices else
-                                  f"{pool.rollout_kind} x {pool.rollout_devices} rollout, {pool.train_kind} x "
-                                  f"{pool.train_devices} train"}
-        write()
+        try:
+            plan_mode(self, job.config, rt)
+        except Exception as e:  # noqa: BLE001 -- a plan that cannot be made is a finding, not a stop
+            print(f"compiled memory: no memory plan for {rt.mode}: {e!r}"[:500], flush=True)
 
     executor_lib.Executor.__init__ = executor
 
