@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib.util
 import json
 import os
 import sys
@@ -64,7 +63,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def clip_tokenizer(out: str) -> int:
     """open_clip's SimpleTokenizer vocabulary as a transformers CLIP tokenizer folder; its size."""
-    root = importlib.util.find_spec("open_clip").submodule_search_locations[0]
+    root = os.path.dirname(test_clip._open_clip_model_module().__file__)  # open_clip's package folder
     with gzip.open(os.path.join(root, "bpe_simple_vocab_16e6.txt.gz"), "rt", encoding="utf-8") as f:
         merges = f.read().split("\n")[1 : 49152 - 256 - 2 + 1]  # the slice open_clip takes
     vocab = list(bytes_to_unicode().values())

@@ -36,9 +36,9 @@ cd "$(dirname "$0")/.." || exit 2
 jobs=" ${JOBS:-gpu0 gpu1 pair} "
 wan_variants=${WAN_VARIANTS:-ti2v_5b t2v_a14b}
 ulimit -c 0  # an aborted step leaves no core dump of a process holding tens of GB
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # convert/ imports digen_jax
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
-noise="Unable to initialize backend\|checkpoint_manager\|checkpoint_handler\|checkpointer.py\|absl::InitializeLog\|slow_operation_alarm\|Very slow compile\|event_tracking.py\|async_io_engine.py\|^\*\*\*\*\|^$"
+noise="Unable to initialize backend\|checkpoint_manager\|checkpoint_handler\|checkpointer.py\|absl::InitializeLog\|slow_operation_alarm\|Very slow compile\|event_tracking.py\|async_io_engine.py\|array_metadata_store.py\|jax_array_handlers.py\|^\*\*\*\*\|^$"
 sources=/tmp/reward_sources  # the random reference models, as downloaded
 converted=/tmp/reward_checkpoints  # their conversions: one folder per reward
 

@@ -43,6 +43,8 @@ def _open_clip_model_module():
     transforms; where torchvision cannot load (a CPU-only torch without a matching
     torchvision), the model code is imported with a placeholder for the one torchvision
     name it imports (FrozenBatchNorm2d, used only by ResNet towers)."""
+    if "open_clip.model" in sys.modules:  # imported before (the placeholder package has no spec to find)
+        return sys.modules["open_clip.model"]
     if importlib.util.find_spec("open_clip") is None:
         pytest.fail("open_clip_torch is not installed: python3 -m pip install --no-deps open_clip_torch==3.3.0 (README)")
     try:
@@ -527,3 +529,35 @@ def full_size_hpsv2_errors(ocm, device):
     errors = {"image features": _rel(got_image, want_image), "text features": _rel(got_text, want_text),
               "score": _rel(got, want)}
     return errors, want
+
+
+def test_random_reference_checkpoints_convert_and_score(tmp_path):
+    """benchmarks/random_reward_checkpoints.py (the inputs of the GPU benchmark's reward runs):
+    its tiny ImageReward and HPS files convert with the converter CLIs, load as registered rewards
+    through their tokenizer folders and score prompts as the random-embedding runs name them; its
+    CLIP tokenizer made from open_clip's shipped vocabulary gives CLIP's ids."""
+    spec = importlib.util.spec_from_file_location("random_reward_checkpoints", os.path.join(
+        os.path.dirname(__file__), "..", "benchmarks", "random_reward_checkpoints.py"))
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    clis = {}
+    for name in ("clip_to_orbax", "image_reward_to_orbax"):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(
+            os.path.dirname(__file__), "..", "convert", f"{name}.py"))
+        clis[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(clis[name])
+    src = tmp_path / "src"
+    maker.main([f"--out={src}", "--size=tiny"])
+    clis["image_reward_to_orbax"].main([f"--checkpoint={src / 'ImageReward.pt'}", "--variant=tiny",
+                                        f"--tokenizer_dir={src / 'bert_tokenizer'}", f"--out={tmp_path / 'ir'}"])
+    clis["clip_to_orbax"].main([f"--open_clip_checkpoint={src / 'HPS_v2.1.pt'}", "--variant=tiny",
+                                '--config_overrides={"hidden_act": "gelu"}', f"--tokenizer_dir={src / 'clip_tokenizer'}",
+                                f"--out={tmp_path / 'hps'}"])
+    images, prompts = _scorer_images(), ["<random prompt 3>", "<random prompt 11>", "a cat on a mat"]
+    for name, ckpt in (("image_reward", "ir"), ("hpsv2", "hps")):
+        scores = get_reward(name, checkpoint_dir=str(tmp_path / ckpt))(images, prompts, [{}] * 3)
+        assert scores.shape == (3,) and np.isfinite(scores).all() and np.ptp(scores) > 0, (name, scores)
+
+    assert maker.clip_tokenizer(str(tmp_path / "clip_tok")) == 49408
+    ids = clip.load_tokenizer(str(tmp_path / "clip_tok"))(["a photo of a cat"], 77)
+    assert ids[0, :8].tolist() == [49406, 320, 1125, 539, 320, 2368, 49407, 49407]
