@@ -156,6 +156,8 @@ KEYS: dict[str, Key] = {
     "rl.nft_decay": Key("ramp", "DiffusionNFT old-policy decay per iteration", ("copy", "ramp", "ramp_delayed")),
     # ------------------------------------------------------------------ reward
     "reward.weights": Key({"jpeg_compressibility": 1.0}, "registered reward name -> weight in the total"),
+    "reward.options": Key({}, "reward name -> its factory's keyword arguments, e.g. {'hpsv2': {'checkpoint_dir': "
+                              "DIR}} (a reward of reward.weights only)"),
     "reward.mix": Key("reward", "several rewards: 'reward' normalises their weighted sum per group (Flow-GRPO); "
                                 "'advantage' normalises each per group, then weights them (MixGRPO's advantage_aggr)",
                       ("reward", "advantage")),

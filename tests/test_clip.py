@@ -43,6 +43,8 @@ def _open_clip_model_module():
     transforms; where torchvision cannot load (a CPU-only torch without a matching
     torchvision), the model code is imported with a placeholder for the one torchvision
     name it imports (FrozenBatchNorm2d, used only by ResNet towers)."""
+    if "open_clip.model" in sys.modules:  # imported before (the placeholder package has no spec to find)
+        return sys.modules["open_clip.model"]
     if importlib.util.find_spec("open_clip") is None:
         pytest.fail("open_clip_torch is not installed: python3 -m pip install --no-deps open_clip_torch==3.3.0 (README)")
     try:
@@ -471,3 +473,91 @@ def test_bfloat16_scores_track_float32(hf_model):
     bf16 = _score_fn("pickscore", bf16_cfg)({"clip": bf16_params}, images, ids)
     assert bf16.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(bf16), np.asarray(f32), atol=0.05)
+
+
+def _photos(h, w, count=3):
+    """Smooth gradients (each rotated differently) plus noise: distinct images of a real size."""
+    return np.stack([_photo(h, w, seed)[..., np.roll(np.arange(3), seed)] for seed in range(count)])
+
+
+@pytest.mark.gpu
+def test_full_size_hpsv2_matches_open_clip_on_gpu(open_clip_model):
+    """HPS v2.1's architecture at full size: open_clip's ViT-H-14 (its model_configs/ViT-H-14.json,
+    open_clip's own random initialisation) in float32 on the same card, TF32 off and JAX at the
+    highest matmul precision: both towers' projected features on the same pixels, and the score
+    (cosine, as HPSv2's img_score.py) from uint8 images against PIL's ResizeMaxSize pipeline, to
+    1e-4 relative. CPU counterparts: test_hpsv2_architecture_is_open_clip_vit_h_14 and
+    test_open_clip_towers_parity (tiny sizes)."""
+    errors, want = full_size_hpsv2_errors(sys.modules[type(open_clip_model[0]).__module__], "cuda")
+    print(f"HPSv2.1 (open_clip ViT-H-14) fp32, JAX vs open_clip on {jax.devices()[0].device_kind}: "
+          + ", ".join(f"{k} rel err {v:.2e}" for k, v in errors.items()))
+    assert np.std(want) > 1e-3  # the rows are told apart
+    assert max(errors.values()) <= 1e-4, errors
+
+
+def full_size_hpsv2_errors(ocm, device):
+    """({'image features', 'text features', 'score'}: relative error of JAX against open_clip's
+    ViT-H-14 built by `ocm` (open_clip.model) on the torch `device`, the reference scores)."""
+    with open(os.path.join(os.path.dirname(ocm.__file__), "model_configs", "ViT-H-14.json")) as f:
+        full = json.load(f)
+    cfg = clip.VARIANTS["ViT-H-14"]
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = ocm.CLIP(**full).eval()
+    images = _photos(384, 512)
+    rng = np.random.default_rng(6)
+    eos = cfg.vocab_size - 1  # <|endoftext|>, the largest id: open_clip pools at the argmax
+    ids = rng.integers(1, eos - 1, size=(3, cfg.context_length))
+    ids[:, 0] = eos - 1  # <|startoftext|>
+    for row, length in enumerate((6, cfg.context_length, 20)):
+        ids[row, length - 1], ids[row, length:] = eos, 0
+    ids = ids.astype(np.int32)
+    pixels = np.stack([_pil_longest_pad(im, cfg.image_size) for im in images]).astype(np.float32)
+    with torch.no_grad():
+        image = model.encode_image(torch.as_tensor(pixels).permute(0, 3, 1, 2).to(device))
+        text = model.encode_text(torch.as_tensor(ids, dtype=torch.long).to(device))
+        want_image, want_text = image.cpu().numpy(), text.cpu().numpy()
+        want = torch.diagonal(_torch_normalised(image) @ _torch_normalised(text).T).cpu().numpy()
+    params = convert_weights(clip.OPEN_CLIP_FAMILY, cfg, clip.split_fused_qkv(torch_state_dict_arrays(model)))
+    del model, image, text
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    with jax.default_matmul_precision("highest"):
+        got_image, got_text = _towers(cfg)({"params": params}, pixels, ids)
+        got = np.asarray(_score_fn("hpsv2", cfg)({"clip": params}, images, ids))
+    errors = {"image features": _rel(got_image, want_image), "text features": _rel(got_text, want_text),
+              "score": _rel(got, want)}
+    return errors, want
+
+
+def test_random_reference_checkpoints_convert_and_score(tmp_path):
+    """benchmarks/random_reward_checkpoints.py (the inputs of the GPU benchmark's reward runs):
+    its tiny ImageReward and HPS files convert with the converter CLIs, load as registered rewards
+    through their tokenizer folders and score prompts as the random-embedding runs name them; its
+    CLIP tokenizer made from open_clip's shipped vocabulary gives CLIP's ids."""
+    spec = importlib.util.spec_from_file_location("random_reward_checkpoints", os.path.join(
+        os.path.dirname(__file__), "..", "benchmarks", "random_reward_checkpoints.py"))
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    clis = {}
+    for name in ("clip_to_orbax", "image_reward_to_orbax"):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(
+            os.path.dirname(__file__), "..", "convert", f"{name}.py"))
+        clis[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(clis[name])
+    src = tmp_path / "src"
+    maker.main([f"--out={src}", "--size=tiny"])
+    clis["image_reward_to_orbax"].main([f"--checkpoint={src / 'ImageReward.pt'}", "--variant=tiny",
+                                        f"--tokenizer_dir={src / 'bert_tokenizer'}", f"--out={tmp_path / 'ir'}"])
+    clis["clip_to_orbax"].main([f"--open_clip_checkpoint={src / 'HPS_v2.1.pt'}", "--variant=tiny",
+                                '--config_overrides={"hidden_act": "gelu"}', f"--tokenizer_dir={src / 'clip_tokenizer'}",
+                                f"--out={tmp_path / 'hps'}"])
+    images, prompts = _scorer_images(), ["<random prompt 3>", "<random prompt 11>", "a cat on a mat"]
+    for name, ckpt in (("image_reward", "ir"), ("hpsv2", "hps")):
+        scores = get_reward(name, checkpoint_dir=str(tmp_path / ckpt))(images, prompts, [{}] * 3)
+        assert scores.shape == (3,) and np.isfinite(scores).all() and np.ptp(scores) > 0, (name, scores)
+
+    assert maker.clip_tokenizer(str(tmp_path / "clip_tok")) == 49408
+    ids = clip.load_tokenizer(str(tmp_path / "clip_tok"))(["a photo of a cat"], 77)
+    assert ids[0, :8].tolist() == [49406, 320, 1125, 539, 320, 2368, 49407, 49407]

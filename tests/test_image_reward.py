@@ -86,6 +86,12 @@ def _load(name, path):
 @pytest.fixture(scope="module")
 def reference_source():
     """(vit, med, ImageReward) modules from the installed package's source files."""
+    return package_modules()
+
+
+def package_modules():
+    """(vit, med, ImageReward modules, ImageReward.py's text) of the installed package (module
+    docstring: imported with placeholders for what the score never runs)."""
     spec = importlib.util.find_spec("ImageReward")
     if spec is None:
         pytest.fail("image-reward is not installed: python3 -m pip install --no-deps image-reward==1.5 (README)")
@@ -141,34 +147,54 @@ def _bert(med, cfg):
 @pytest.fixture(scope="module")
 def reference(reference_source):
     """The package's `ImageReward` scorer on the tiny config, every weight random."""
-    vit, med, scoring, source = reference_source
-    torch.manual_seed(0)
-    model = scoring.ImageReward.__new__(scoring.ImageReward)
-    torch.nn.Module.__init__(model)
-    model.device = "cpu"
-    model.blip = torch.nn.Module()
-    model.blip.visual_encoder = vit.VisionTransformer(
-        img_size=CFG.image_size, patch_size=CFG.patch_size, embed_dim=CFG.vision_width, depth=CFG.vision_layers,
-        num_heads=CFG.vision_heads, drop_path_rate=0.1)  # as create_vit('large'); inactive in eval
-    model.blip.text_encoder = _bert(med, CFG)
-    model.mlp = scoring.MLP(CFG.text_width)
+    return package_model(reference_source, CFG, seed=0)
+
+
+_NORMS = ("norm.weight", "norm1.weight", "norm2.weight", "LayerNorm.weight")
+
+
+def package_model(modules, cfg, *, seed: int, deep: bool = False, device: str = "cpu"):
+    """The package's `ImageReward` scorer (eval mode) of `cfg`'s sizes, every weight random.
+
+    Tiny (default): weights N(0, 0.1), vectors N(0, 0.2), norm scales about 1, so that two blocks
+    move the features well away from their input. `deep` (the 24- and 12-block full size): every
+    backbone weight N(0, 0.02) (BERT's and BLIP's initialiser scale, which keeps the activations
+    of deep residual stacks finite), norm scales 1 + N(0, 0.02), and the MLP head's matrices
+    N(0, 1/fan_in), so that its output stays of order one across its five layers."""
+    vit, med, scoring, source = modules
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = scoring.ImageReward.__new__(scoring.ImageReward)
+        torch.nn.Module.__init__(model)
+        model.device = device
+        model.blip = torch.nn.Module()
+        model.blip.visual_encoder = vit.VisionTransformer(
+            img_size=cfg.image_size, patch_size=cfg.patch_size, embed_dim=cfg.vision_width, depth=cfg.vision_layers,
+            num_heads=cfg.vision_heads, drop_path_rate=0.1)  # as create_vit('large'); inactive in eval
+        model.blip.text_encoder = _bert(med, cfg)
+        model.mlp = scoring.MLP(cfg.text_width)
     # The package's normalisation constants, read from its __init__ (not run: it builds ViT-L).
     model.mean = float(re.search(r"self\.mean = ([0-9.]+)", source).group(1))
     model.std = float(re.search(r"self\.std = ([0-9.]+)", source).group(1))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.normal_(0.0, 0.2 if p.ndim == 1 else 0.1)
-            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "LayerNorm.weight")):
+            if not deep:
+                p.normal_(0.0, 0.2 if p.ndim == 1 else 0.1)
+            elif name.startswith("mlp.") and p.ndim == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+            else:
+                p.normal_(0.0, 0.02)
+            if name.endswith(_NORMS):
                 p.add_(1.0)
     return model.eval()
 
 
-def _convert(model):
+def _convert(model, cfg=CFG):
     state = {f"{k}": v for k, v in torch_state_dict_arrays(model)}
     backbone = {k: v for k, v in state.items() if not k.startswith("mlp.")}
-    params = convert_weights(model_lib.FAMILY, CFG, backbone.items())
+    params = convert_weights(model_lib.FAMILY, cfg, backbone.items())
     head = clip_scores.aesthetic_head_params(
-        [(k.removeprefix("mlp."), v) for k, v in state.items() if k.startswith("mlp.")], CFG.text_width)
+        [(k.removeprefix("mlp."), v) for k, v in state.items() if k.startswith("mlp.")], cfg.text_width)
     return {"model": params, "head": head}
 
 
@@ -275,3 +301,65 @@ def test_full_size_matches_the_package_parameter_count(reference_source):
                          jax.ShapeDtypeStruct((2, 512, 512, 3), np.uint8), jax.ShapeDtypeStruct((2, 35), np.int32),
                          jax.ShapeDtypeStruct((2, 35), np.int32))
     assert out.shape == (2,) and out.dtype == np.float32
+
+
+def _photos(h, w, count=3):
+    """Smooth gradients (each rotated differently) plus noise: distinct images of a real size."""
+    rng = np.random.default_rng(4)
+    y, x = np.mgrid[0:h, 0:w]
+    out = []
+    for k in range(count):
+        base = np.stack([x / w, y / h, (x + y) / (h + w)], -1)[..., np.roll(np.arange(3), k)] * 200
+        out.append(np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8))
+    return np.stack(out)
+
+
+@pytest.mark.gpu
+def test_full_size_score_matches_the_package_on_gpu(reference_source):
+    """ImageReward-v1.0 at full size (ViT-L/16 at 224, BERT-base with cross-attention; random
+    weights, `package_model(deep=True)`) in float32, the package's modules on the same card with
+    TF32 off and JAX at the highest matmul precision: the BLIP feature on the same pixels, and the
+    score from uint8 images (our on-device preprocessing against PIL's) to 1e-4 relative.
+    CPU counterpart: test_score_matches_the_package (the tiny config)."""
+    errors, want_raw = full_size_errors(reference_source, "cuda")
+    print(f"ImageReward-v1.0 fp32, JAX vs the package on {jax.devices()[0].device_kind}: "
+          + ", ".join(f"{k} rel err {v:.2e}" for k, v in errors.items()))
+    assert np.std(want_raw) > 1e-2 and np.abs(want_raw).max() > 0.1  # rows told apart, the head not negligible
+    assert max(errors.values()) <= 1e-4, errors
+
+
+def full_size_errors(modules, device):
+    """({'feature', 'score', 'head output'}: relative error of JAX against the package at full
+    size, the package's head outputs) with the reference on the torch `device`."""
+    cfg = model_lib.VARIANTS["ImageReward-v1.0"]
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model = package_model(modules, cfg, seed=0, deep=True, device=device)
+    images = _photos(384, 512)
+    rng = np.random.default_rng(5)
+    ids = rng.integers(1000, cfg.vocab_size, size=(3, cfg.context_length))
+    ids[:, 0] = 101  # [CLS]
+    for row, length in enumerate((6, cfg.context_length, 17)):
+        ids[row, length:] = 0  # [PAD]
+    ids, mask = ids.astype(np.int32), (ids != 0).astype(np.int32)
+    pixels = _pil_pixels(images, cfg.image_size)
+    with torch.no_grad():
+        t_ids, t_mask, t_pixels = (torch.as_tensor(a).to(device) for a in (ids.astype(np.int64), mask, pixels))
+        image_embeds = model.blip.visual_encoder(t_pixels)
+        feature = model.blip.text_encoder(
+            t_ids, attention_mask=t_mask, encoder_hidden_states=image_embeds,
+            encoder_attention_mask=torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=device),
+            return_dict=True).last_hidden_state[:, 0, :]
+        want_feature = feature.cpu().numpy()
+        want_raw = model.mlp(feature)[:, 0].cpu().numpy()
+        want = model.score_gard(t_ids, t_mask, t_pixels)[:, 0].cpu().numpy()
+    params = _convert(model.cpu(), cfg)
+    del model, image_embeds, feature
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    with jax.default_matmul_precision("highest"):
+        got_feature = jax.jit(model_lib.ImageRewardModel(cfg).apply)(
+            {"params": params["model"]}, pixels.numpy().transpose(0, 2, 3, 1), ids, mask)
+        got = np.asarray(image_reward.jitted_score_fn(cfg)(params, images, ids, mask))
+    got_raw = got * image_reward.SCORE_STD + image_reward.SCORE_MEAN
+    errors = {"feature": _rel(got_feature, want_feature), "score": _rel(got, want), "head output": _rel(got_raw, want_raw)}
+    return errors, want_raw

@@ -10,6 +10,8 @@ trained or checkpointed on missing rewards.
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -181,6 +183,23 @@ def test_remote_scorer_dying_mid_run_fails_the_iteration_and_trains_nothing(tmp_
     assert int(restored["version"]) == 1
     for got, want in zip(jax.tree.leaves(restored["trainable"]), jax.tree.leaves(saved[1])):
         np.testing.assert_array_equal(got, want)
+
+
+def test_reward_options_are_set_on_the_command_line():
+    """`reward.options` is a schema key (empty by default), so a converted reward checkpoint is
+    named by an override, as the weights are: `--config.reward.options={...}`."""
+    assert dict(schema.config().reward.options) == {}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    printed = subprocess.run(
+        [sys.executable, "launch/train.py", "--config=configs/sd35.py:tiny", "--print_config",
+         "--config.reward.weights={'image_reward': 1.0, 'hpsv2': 0.5}",
+         "--config.reward.options={'image_reward': {'checkpoint_dir': '/ckpt/ir'}, 'hpsv2': {'dtype': 'bfloat16'}}"],
+        cwd=root, env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+        timeout=300)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    lines = set(printed.stdout.splitlines())
+    assert {"reward.options.image_reward.checkpoint_dir = '/ckpt/ir'", "reward.options.hpsv2.dtype = 'bfloat16'",
+            "reward.weights.image_reward = 1.0", "reward.weights.hpsv2 = 0.5"} <= lines, printed.stdout
 
 
 def test_reward_options_reach_their_reward_and_are_checked():
