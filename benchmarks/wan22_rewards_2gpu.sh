@@ -28,6 +28,7 @@
 # runs' traces) and one short log per GPU job (the pair's steps in GPU 1's).
 #   bash benchmarks/wan22_rewards_2gpu.sh /tmp/out
 #   TINY=1 bash benchmarks/wan22_rewards_2gpu.sh /tmp/out    # the same steps at :tiny sizes on CPU
+#   JOBS=gpu1 GPU1=0 bash benchmarks/wan22_rewards_2gpu.sh /tmp/out    # GPU 1's job on a 1-GPU host
 set -o pipefail
 out=${1:-$OUT}
 [ -n "$out" ] || { echo "usage: bash benchmarks/wan22_rewards_2gpu.sh OUT_DIR"; exit 2; }
@@ -136,7 +137,7 @@ gpu0() {
 
 gpu1() {
   local log=$out/log_gpu1_wan22.txt
-  export CUDA_VISIBLE_DEVICES=1; devices 1
+  export CUDA_VISIBLE_DEVICES=${GPU1:-1}; devices 1
   for variant in $wan_variants; do
     case $variant in
       ti2v_5b) step "$log" 0 0 python3 launch/bench.py "${ti2v_system[@]}" --modes=colocated --workdir=/tmp/w_wan22_5b \
