@@ -288,3 +288,115 @@ def test_the_launcher_resolves_auto_and_prints_one_line(tmp_path):
                           f"--workdir={tmp_path}"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "runtime.mode='auto'" in bad.stderr and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+# ---------------------------------------------------------------- the mode re-ranked from measured costs
+def _full_mode_costs(work, pool, mode=plan_lib.BEST_MODE, microbatches=4):
+    """The cost model's costs of `mode` on `pool` as `run_sizing.rerank` takes measured ones."""
+    c = sim.simulate(work, pool, mode, microbatches=microbatches).costs
+    group = "shared" if plan_lib.mode_flags(mode).colocated else "rollout"
+    costs = {"rollout": c.rollout[group], "train": c.train, "update": c.update, "reward": c.reward}
+    if group == "rollout":
+        costs.update(trainer_rollout=c.rollout["train"], sync=c.sync)
+    return costs
+
+
+def test_the_measured_rerank_switches_to_what_the_measured_costs_favour_past_the_margin():
+    """`run_sizing.rerank` (pure): Qwen-Image-20B, 32 images on 2 H200s, where the cost model puts
+    the full mode (1+1) 5% ahead of colocated. Measured costs replace the model's at the running
+    sizing and scale it elsewhere; the run switches only past the margin."""
+    config = _zoo_config()
+    work, pool, allowed = run_sizing.iteration_work(config), task_costs.Pool.parse("h200:2"), run_sizing._runs(config)
+    full = {"mode": plan_lib.BEST_MODE, "rollout_devices": 1, "train_devices": 1, "micro_batches": 4}
+    colocated = {"mode": plan_lib.COLOCATED, "rollout_devices": 0, "train_devices": 2, "micro_batches": 2}
+    as_modelled = _full_mode_costs(work, pool)
+    # Measured as the model predicts: the full mode keeps its lead and stays.
+    kept = run_sizing.rerank(work, pool, full, as_modelled, margin=0.03, allowed=allowed)
+    assert not kept.switch and kept.choice is kept.running
+    # The trainer's own rollouts three times slower and a slow weight sync: the measured costs are
+    # replayed at the running sizing (as `launch/simulate.py --profile` does) and colocated wins.
+    slow = {**as_modelled, "trainer_rollout": 3 * as_modelled["trainer_rollout"], "sync": 5.0}
+    r = run_sizing.rerank(work, pool, full, slow, margin=0.03, allowed=allowed)
+    replayed = r.running.prediction.costs
+    assert replayed.rollout["train"] == pytest.approx(slow["trainer_rollout"]) and replayed.sync == pytest.approx(5.0)
+    assert replayed.train == pytest.approx(slow["train"]) and replayed.rollout["rollout"] == pytest.approx(slow["rollout"])
+    assert r.switch and r.choice.prediction.mode == plan_lib.COLOCATED
+    assert r.choice.prediction.samples_per_s > 1.03 * r.running.prediction.samples_per_s
+    line = run_sizing.rerank_line(r, 3)
+    assert "\n" not in line and "trainer_rollout" in line and "sync 5 s" in line and "switches to colocated" in line
+    runners = line.split("runners-up: ")[1].split("; ")
+    assert sorted(x.split(" ")[0] for x in runners) == sorted(set(plan_lib.MODES) - {plan_lib.COLOCATED})
+    # Colocated running, measured as modelled: the full mode is predicted 5% faster. It is chosen
+    # with a 3% margin, and the margin of 10% keeps colocated.
+    measured = _full_mode_costs(work, pool, plan_lib.COLOCATED, 2)
+    r = run_sizing.rerank(work, pool, colocated, measured, margin=0.03, allowed=allowed)
+    assert r.switch and r.choice.prediction.mode == plan_lib.BEST_MODE
+    gain = r.choice.prediction.samples_per_s / r.running.prediction.samples_per_s
+    assert 1.03 < gain < 1.1, gain
+    held = run_sizing.rerank(work, pool, colocated, measured, margin=0.1, allowed=allowed)
+    assert not held.switch and held.choice.prediction.mode == plan_lib.COLOCATED
+    assert "keeps colocated" in run_sizing.rerank_line(held, 3)
+
+
+def test_auto_mode_switches_once_from_measured_costs_and_a_resume_goes_on_in_the_switched_mode(
+        cache_dir, tmp_path, monkeypatch):
+    """A training run of `runtime.mode='auto'`, chosen before the run as the full mode (4+4 devices,
+    the kill tests' config: one trainer rollout and one prefetched micro-batch per iteration). Once
+    every task kind was measured it re-ranks every mode and switches to colocated: a test-only
+    profile stands in for the measured values (CPU timings are noise) and Qwen-Image's cost model
+    on 8 H200s for the pricing (the shapes task has no FLOP model), so the choice is fixed; what
+    was measured, when, and everything after the choice is the run's own. The prefetched batch is
+    trained before the switch, every sample once; a run resumed from a checkpoint after the switch
+    goes on in colocated without measuring again and ends bit-equal to the uninterrupted one."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from digen_jax.app import loop
+    from digen_jax.runtime.executor import Executor
+    from digen_jax.runtime.trace import read_trace
+
+    zoo = _zoo_config()
+    zoo.rl.update(prompts_per_iteration=4, group_size=4, grad_chunk_size=4, num_updates_per_batch=1)
+    work = run_sizing.iteration_work(zoo)
+    monkeypatch.setattr(run_sizing, "iteration_work", lambda config: work)
+    profile = {**_full_mode_costs(work, task_costs.Pool.parse("h200:8")), "sync": 20.0}  # a slow weight sync
+    measured_profile = Executor.measured_profile
+    monkeypatch.setattr(Executor, "measured_profile",
+                        lambda self: {k: profile[k] for k in measured_profile(self)})  # the kinds measured so far
+
+    def chosen_before_the_run():  # what `run_sizing.choose_mode` would have set on this pool, fixed
+        config = rt.runtime_config(cache_dir, plan_lib.BEST_MODE)
+        config.train.update(iterations=6, checkpoint_every=5)
+        return config
+
+    logs = []
+    final = loop.train(chosen_before_the_run(), str(tmp_path / "run"), log=logs.append, auto="h200:8")
+    (line,) = [x for x in logs if x.startswith("runtime.mode='auto' re-ranked")]
+    assert "switches to colocated" in line and "sync 20 s" in line and "runners-up: " in line
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    modes = [r["mode"] for r in rows]
+    switched = modes.index(plan_lib.COLOCATED)
+    assert modes == [plan_lib.BEST_MODE] * switched + [plan_lib.COLOCATED] * (6 - switched) and 2 < switched < 6
+    # The last iteration of the full mode trains the micro-batch prefetched into it and prefetches none.
+    last = rows[switched - 1]
+    assert last["carried_microbatches"] == 1 and last["prefetch_microbatches"] == 0 and last["staleness_max"] == 1
+    assert all(r["carried_microbatches"] == 0 for r in rows[switched:]) and rows[-1]["version"] == 6
+    trained = collections.Counter(s for e in read_trace(tmp_path / "run" / "trace.json")
+                                  if e["args"]["kind"] == "train" for s in e["args"]["sample_ids"])
+    assert sorted(trained) == list(range(6 * 16)) and set(trained.values()) == {1}
+
+    # Checkpoint 6 lost (as a kill in the last iteration leaves it): the resume from 5, written after
+    # the switch, goes on in colocated, measures nothing more, and ends bit-equal.
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "run", resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "6")
+    logs = []
+    resumed = loop.train(chosen_before_the_run(), str(resumed_dir), log=logs.append, auto="h200:8")
+    assert any("runtime.mode='auto' resumes in colocated" in x for x in logs), logs
+    assert not any("re-ranked" in x or "config_changes" in x or "changed settings" in x for x in logs), logs
+    rows = [json.loads(x) for x in open(resumed_dir / "metrics.jsonl")]
+    assert [r["mode"] for r in rows] == modes
+    for a, b in zip(jax.tree.leaves(jax.device_get(resumed.trainable)), jax.tree.leaves(jax.device_get(final.trainable))):
+        np.testing.assert_array_equal(a, b)
