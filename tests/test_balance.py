@@ -341,13 +341,15 @@ def test_the_measured_rerank_switches_to_what_the_measured_costs_favour_past_the
 def test_auto_mode_switches_once_from_measured_costs_and_a_resume_goes_on_in_the_switched_mode(
         cache_dir, tmp_path, monkeypatch):
     """A training run of `runtime.mode='auto'`, chosen before the run as the full mode (4+4 devices,
-    the kill tests' config: one trainer rollout and one prefetched micro-batch per iteration). Once
-    every task kind was measured it re-ranks every mode and switches to colocated: a test-only
-    profile stands in for the measured values (CPU timings are noise) and Qwen-Image's cost model
-    on 8 H200s for the pricing (the shapes task has no FLOP model), so the choice is fixed; what
-    was measured, when, and everything after the choice is the run's own. The prefetched batch is
-    trained before the switch, every sample once; a run resumed from a checkpoint after the switch
-    goes on in colocated without measuring again and ends bit-equal to the uninterrupted one."""
+    the kill tests' config: one trainer rollout and one prefetched micro-batch per iteration), re-ranks
+    every mode at iteration `runtime.auto_rerank_after` from the costs measured so far and switches to
+    colocated. Test-only stand-ins fix the choice: a profile for the measured values (CPU timings are
+    noise; a slow weight sync), Qwen-Image's cost model on 8 H200s for the pricing (the shapes task
+    has no FLOP model), and the config's 4 micro-batches as the only count (both modes then run the
+    programs the kill tests' runs compile). What was measured, when, and all that follows the choice
+    is the run's own: the prefetched batch is trained before the switch, every sample once, and a
+    run resumed from a checkpoint after the switch goes on in colocated without measuring again and
+    ends bit-equal to the uninterrupted one."""
     import json
     import shutil
 
@@ -361,42 +363,42 @@ def test_auto_mode_switches_once_from_measured_costs_and_a_resume_goes_on_in_the
     zoo.rl.update(prompts_per_iteration=4, group_size=4, grad_chunk_size=4, num_updates_per_batch=1)
     work = run_sizing.iteration_work(zoo)
     monkeypatch.setattr(run_sizing, "iteration_work", lambda config: work)
-    profile = {**_full_mode_costs(work, task_costs.Pool.parse("h200:8")), "sync": 20.0}  # a slow weight sync
+    monkeypatch.setattr(run_sizing, "_runs", lambda config: lambda m: m == 4)
+    profile = {**_full_mode_costs(work, task_costs.Pool.parse("h200:8")), "sync": 60.0}
     measured_profile = Executor.measured_profile
     monkeypatch.setattr(Executor, "measured_profile",
                         lambda self: {k: profile[k] for k in measured_profile(self)})  # the kinds measured so far
 
-    def chosen_before_the_run():  # what `run_sizing.choose_mode` would have set on this pool, fixed
-        config = rt.runtime_config(cache_dir, plan_lib.BEST_MODE)
-        config.train.update(iterations=6, checkpoint_every=5)
+    def chosen_before_the_run():  # what `run_sizing.choose_mode` would set on that pool, fixed
+        config = rt.runtime_config(cache_dir, plan_lib.BEST_MODE, auto_rerank_after=2)
+        config.train.update(iterations=5, checkpoint_every=4)
         return config
 
     logs = []
     final = loop.train(chosen_before_the_run(), str(tmp_path / "run"), log=logs.append, auto="h200:8")
     (line,) = [x for x in logs if x.startswith("runtime.mode='auto' re-ranked")]
-    assert "switches to colocated" in line and "sync 20 s" in line and "runners-up: " in line
+    assert "after 2 measured iterations" in line and "sync 60 s" in line and "update" not in line  # not measured yet
+    assert "switches to colocated (4 micro-batches)" in line and "runners-up: " in line
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     modes = [r["mode"] for r in rows]
-    switched = modes.index(plan_lib.COLOCATED)
-    assert modes == [plan_lib.BEST_MODE] * switched + [plan_lib.COLOCATED] * (6 - switched) and 2 < switched < 6
-    # The last iteration of the full mode trains the micro-batch prefetched into it and prefetches none.
-    last = rows[switched - 1]
-    assert last["carried_microbatches"] == 1 and last["prefetch_microbatches"] == 0 and last["staleness_max"] == 1
-    assert all(r["carried_microbatches"] == 0 for r in rows[switched:]) and rows[-1]["version"] == 6
+    assert modes == [plan_lib.BEST_MODE] * 3 + [plan_lib.COLOCATED] * 2
+    # Iteration 2, the full mode's last, trains the micro-batch prefetched into it and prefetches none.
+    assert [(r["carried_microbatches"], r["prefetch_microbatches"]) for r in rows] == [(0, 1), (1, 1), (1, 0), (0, 0), (0, 0)]
+    assert rows[2]["staleness_max"] == 1 and rows[-1]["version"] == 5
     trained = collections.Counter(s for e in read_trace(tmp_path / "run" / "trace.json")
                                   if e["args"]["kind"] == "train" for s in e["args"]["sample_ids"])
-    assert sorted(trained) == list(range(6 * 16)) and set(trained.values()) == {1}
+    assert sorted(trained) == list(range(5 * 16)) and set(trained.values()) == {1}
 
-    # Checkpoint 6 lost (as a kill in the last iteration leaves it): the resume from 5, written after
+    # Checkpoint 5 lost (as a kill in the last iteration leaves it): the resume from 4, written after
     # the switch, goes on in colocated, measures nothing more, and ends bit-equal.
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(tmp_path / "run", resumed_dir)
-    shutil.rmtree(resumed_dir / "checkpoints" / "6")
+    shutil.rmtree(resumed_dir / "checkpoints" / "5")
     logs = []
     resumed = loop.train(chosen_before_the_run(), str(resumed_dir), log=logs.append, auto="h200:8")
-    assert any("runtime.mode='auto' resumes in colocated" in x for x in logs), logs
-    assert not any("re-ranked" in x or "config_changes" in x or "changed settings" in x for x in logs), logs
+    assert any(x.startswith("runtime.mode='auto' resumes in colocated") for x in logs), logs
+    assert not any("re-ranked" in x or "changed settings" in x for x in logs), logs
     rows = [json.loads(x) for x in open(resumed_dir / "metrics.jsonl")]
-    assert [r["mode"] for r in rows] == modes
+    assert [r["mode"] for r in rows] == modes and "config_changes" not in rows[-1]
     for a, b in zip(jax.tree.leaves(jax.device_get(resumed.trainable)), jax.tree.leaves(jax.device_get(final.trainable))):
         np.testing.assert_array_equal(a, b)
