@@ -208,7 +208,11 @@ class AutoMode:
             runtime = dict(recorded["runtime"])
             if runtime != run_sizing.auto_runtime(config):
                 run_sizing.apply_runtime(config, runtime)
-                validate_config(config)
+                try:
+                    validate_config(config)
+                except ConfigError as e:
+                    raise RunStopped(f"the checkpoint records runtime.mode='auto' running {runtime}, which this run "
+                                     f"refuses: {e}; resume on the devices it ran on, or start a new --workdir") from e
             self.decided = bool(recorded["decided"])
             state = "chosen from measured costs" if self.decided else "chosen before the run; re-ranked later"
             log(f"runtime.mode='auto' resumes in {config.runtime.mode} ({config.runtime.micro_batches} micro-batches, "
