@@ -213,7 +213,7 @@ class AutoMode:
                 except ConfigError as e:
                     raise RunStopped(f"the checkpoint records runtime.mode='auto' running {runtime}, which this run "
                                      f"refuses: {e}; resume on the devices it ran on, or start a new --workdir") from e
-            self.decided = bool(recorded["decided"])
+            self.decided = self.decided or bool(recorded["decided"])
             state = "chosen from measured costs" if self.decided else "chosen before the run; re-ranked later"
             log(f"runtime.mode='auto' resumes in {config.runtime.mode} ({config.runtime.micro_batches} micro-batches, "
                 f"{state}), as the checkpoint records")
@@ -224,7 +224,7 @@ class AutoMode:
         return {"decided": self.decided, "runtime": self.target or run_sizing.auto_runtime(self.config)}
 
     def _due(self, k: int, executor: Executor, measured: dict) -> bool:
-        if k >= self.after:
+        if k >= self.after > 0:
             return True
         kinds = ["rollout", "train", "update", "reward"] + ([] if executor.meshes.colocated else ["sync"])
         if any(kind not in measured for kind in kinds):
@@ -520,14 +520,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
                 emit(*pending)  # a checkpoint never runs ahead of metrics.jsonl
                 pending = None
                 settle()
-                run_checkpoints.save(executor, run.checkpoints, k + 1, config, auto=auto and auto.record())
+                run_checkpoints.save(executor, run.checkpoints, k + 1, config, auto=auto.record() if auto else None)
                 saving = k + 1
         if pending is not None:
             executor.drain()  # the last iteration's prefetched rollouts belong to its timing
             emit(*pending)
         if total > start and (not config.train.checkpoint_every or total % config.train.checkpoint_every):
             settle()
-            run_checkpoints.save(executor, run.checkpoints, total, config, auto=auto and auto.record())
+            run_checkpoints.save(executor, run.checkpoints, total, config, auto=auto.record() if auto else None)
             saving = total
         settle()
     finally:
