@@ -154,9 +154,6 @@ class Calibration:
         return plan_lib.Costs(rollout=rollout, reward=costs.reward * self.reward, train=costs.train * self.train,
                               update=costs.update * self.update, sync=costs.sync * self.sync)
 
-    def describe(self) -> str:
-        return ", ".join(f"{f.name} {getattr(self, f.name):.3g}x" for f in dataclasses.fields(self))
-
 
 def _resolved(w: IterationWork, pool: Pool, microbatches: int, eff: Efficiency) -> IterationWork:
     """`w` with `tag_precision` as a run on `pool` resolves 'auto' (`memory_plan.tag_precision`)."""
