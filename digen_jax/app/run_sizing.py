@@ -290,7 +290,7 @@ def auto_runtime(config) -> dict:
 def apply_runtime(config, values: dict) -> None:
     """Set `config`'s runtime keys to `values` (`auto_runtime`'s, read back from a checkpoint)."""
     for key in AUTO_KEYS:
-        config.runtime[key] = type(config.runtime[key])(values[key])
+        config.runtime[key] = values[key]
 
 
 def mode_line(pool: Pool, ranked: Sequence[simulator.Sizing]) -> str:
