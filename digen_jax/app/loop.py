@@ -15,6 +15,7 @@ scalars and image grids under `tb/`, orbax checkpoints under `checkpoints/`.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import os
@@ -277,11 +278,18 @@ class AutoMode:
         run.colocated_sampling = run_sizing.colocated_sampling(self.config, jax.devices())
         run.tag_precision = run_sizing.tag_precision(self.config, jax.devices())
         executor.close()
-        initial, run.state = run.state, executor.state  # the new executor places a copy of it
+        # Its weight copies (the rollout role's, a gathered sampling copy) go before the new roles'
+        # are placed: a large model's would not fit beside them. The train state stays until the
+        # new executor has placed its copy.
+        executor.weights = None
+        gc.collect()
+        initial, run.state = run.state, executor.state
         try:
             switched = Executor(run, log=self.log, after=executor)
         finally:
             run.state = initial
+        executor.state = None
+        gc.collect()
         rt = self.config.runtime
         self.log(f"runtime.mode='auto' switched from {executor.mode} to {rt.mode} ({rt.micro_batches} micro-batches"
                  + ("" if switched.meshes.colocated else f", {rt.rollout_devices}+{rt.train_devices} devices") + ")")
