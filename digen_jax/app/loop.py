@@ -246,7 +246,7 @@ class AutoMode:
         except ValueError as e:
             self.log(f"runtime.mode='auto' keeps {self.config.runtime.mode}: the measured re-rank fails here ({e})")
             return
-        self.log(run_sizing.rerank_line(r, k))
+        self.log(run_sizing.rerank_line(r, f"after {k} measured iterations"))
         if not r.switch:
             return
         candidate = copy.deepcopy(self.config)

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from digen_jax import model_flops
@@ -388,8 +389,9 @@ def _sizing_words(s: simulator.Sizing) -> str:
     return f"{p.mode} ({roles}{s.microbatches} micro-batches)"
 
 
-def rerank_line(r: Rerank, iterations: int) -> str:
-    """One line: the measured costs, what the run goes on with and why, the runners-up's predicted speeds."""
+def rerank_line(r: Rerank, measured_in: str) -> str:
+    """One line: the measured costs, what the run goes on with and why, the runners-up's predicted
+    speeds. `measured_in`: where the costs were measured ('after 3 measured iterations')."""
     costs = ", ".join(f"{kind} {seconds:.4g} s" for kind, seconds in r.measured.items())
     now = r.running.prediction.samples_per_s
     if r.switch:
@@ -403,14 +405,38 @@ def rerank_line(r: Rerank, iterations: int) -> str:
     runners = "; ".join(
         f"{_sizing_words(s)} {s.prediction.samples_per_s:.3f} ({s.prediction.samples_per_s / best:.2f}x)"
         + ("" if s.prediction.fits else " does not fit") for s in r.ranked if not _same_sizing(s, r.choice))
-    return (f"runtime.mode='auto' re-ranked after {iterations} measured iterations (task costs per micro-batch: "
+    return (f"runtime.mode='auto' re-ranked {measured_in} (task costs per micro-batch: "
             f"{costs or 'none measured'}): {verdict}; runners-up: {runners or 'none'}")
 
 
 def rerank_config(config, spec: str, devices: Sequence[Any], measured: dict[str, float], margin: float) -> Rerank:
     """`rerank` for a run of `config` on `devices` (the pool `spec` names, as `choose_mode` took it)
     in its `runtime` sizing. ValueError where the simulator cannot price the run."""
-    pool = _pool(spec, devices)
+    return _rerank_on(config, _pool(spec, devices), measured, margin)
+
+
+def rerank_record(record: dict, name: str, margin: float = 0.03) -> Rerank:
+    """What `runtime.mode='auto'` would choose after measuring the task costs that mode `name` of a
+    system bench record (`launch/bench.py --mode=system`) measured, on the record's devices and
+    config (`launch/simulate.py --profile`). ValueError where the record cannot be priced."""
+    try:
+        m, config = record["modes"][name], ml_collections.ConfigDict(record["config"])
+        mode = name.split(" ")[0]
+        config.runtime.mode, config.runtime.micro_batches = mode, int(m["micro_batches"])
+        pool = Pool.parse(f"{local_kind(record['gpu'])}:{int(m['devices'])}")
+        costs, colocated = m["costs"], plan_lib.mode_flags(mode).colocated
+        measured = {"rollout": costs["rollout"]["shared" if colocated else "rollout"],
+                    **{k: costs[k] for k in ("train", "update", "reward")}}
+        if not colocated:
+            measured["sync"] = costs["sync"]
+            if plan_lib.mode_flags(mode).tag:  # measured only where the trainer rolled out
+                measured["trainer_rollout"] = costs["rollout"]["train"]
+        return _rerank_on(config, pool, measured, margin)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"bench record mode {name!r} cannot be re-ranked: it lacks {e}") from None
+
+
+def _rerank_on(config, pool: Pool, measured: dict[str, float], margin: float) -> Rerank:
     rt = config.runtime
     rollout = rt.rollout_devices or (pool.total - rt.reward_devices) // 2
     train = rt.train_devices or (pool.total - rt.reward_devices - rollout)
