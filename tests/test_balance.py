@@ -376,7 +376,7 @@ def test_auto_mode_switches_once_from_measured_costs_and_a_resume_goes_on_in_the
 
     import numpy as np
 
-    from digen_jax.app import loop
+    from digen_jax.app import loop, run_checkpoints
     from digen_jax.runtime.executor import Executor
     from digen_jax.runtime.trace import read_trace
 
@@ -392,13 +392,13 @@ def test_auto_mode_switches_once_from_measured_costs_and_a_resume_goes_on_in_the
 
     def chosen_before_the_run():  # what `run_sizing.choose_mode` would set on that pool, fixed
         config = rt.runtime_config(cache_dir, plan_lib.BEST_MODE, auto_rerank_after=2)
-        config.train.update(iterations=5, checkpoint_every=4)
+        config.train.update(iterations=5, checkpoint_every=2, keep_checkpoints=3)  # checkpoints 2, 4 and 5
         return config
 
     logs = []
     final = loop.train(chosen_before_the_run(), str(tmp_path / "run"), log=logs.append, auto="h200:8")
     (line,) = [x for x in logs if x.startswith("runtime.mode='auto' re-ranked")]
-    assert "after 2 measured iterations" in line and "sync 60 s" in line and "update" not in line  # not measured yet
+    assert "after 2 measured iterations" in line and "sync 60 s" in line
     assert "switches to colocated (4 micro-batches)" in line and "runners-up: " in line
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     modes = [r["mode"] for r in rows]
@@ -410,8 +410,20 @@ def test_auto_mode_switches_once_from_measured_costs_and_a_resume_goes_on_in_the
                                   if e["args"]["kind"] == "train" for s in e["args"]["sample_ids"])
     assert sorted(trained) == list(range(5 * 16)) and set(trained.values()) == {1}
 
+    # Checkpoint 2 holds the full mode's prefetched micro-batch and the choice made before the run,
+    # 4 the switched one.
+    manager = run_checkpoints.open_manager(str(tmp_path / "run"), chosen_before_the_run(), read_only=True)
+    metas = {step: run_checkpoints.read_meta(manager, step) for step in (2, 4)}
+    manager.close()
+    assert metas[2]["carried"] == [0] and metas[2]["auto"]["decided"] is False
+    assert metas[2]["auto"]["runtime"]["mode"] == metas[2]["mode"] == plan_lib.BEST_MODE
+    assert metas[4]["auto"] == {"decided": True, "runtime": {**metas[2]["auto"]["runtime"], "mode": plan_lib.COLOCATED,
+                                                             "rollout_devices": 0, "train_devices": 0,
+                                                             "tag_microbatches": -1.0, "prefetch_microbatches": -1}}
+
     # Checkpoint 5 lost (as a kill in the last iteration leaves it): the resume from 4, written after
-    # the switch, goes on in colocated, measures nothing more, and ends bit-equal.
+    # the switch, goes on in colocated (checkpoint 2 of the other mode, prefetched batch and all, is
+    # still a valid candidate), measures nothing more, and ends bit-equal.
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(tmp_path / "run", resumed_dir)
     shutil.rmtree(resumed_dir / "checkpoints" / "5")
