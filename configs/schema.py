@@ -176,8 +176,15 @@ KEYS: dict[str, Key] = {
     "train.start_over": Key(False, "move all the workdir holds to WORKDIR/previous_runs/N/ and start at iteration 0"),
     # ------------------------------------------------------------------ runtime (docs/design.md sections 2 and 4)
     "runtime.mode": Key("colocated", "the schedule mode (docs/design.md); 'auto': the one the cost model predicts "
-                                     "fastest, chosen before the run",
+                                     "fastest, chosen before the run, then once more from the run's measured costs "
+                                     "(runtime.auto_rerank_after)",
                         ("colocated", "disagg_sync", "gap", "gap+tsp", "gap+tsp+tag", "gap+tsp+tag+tcss", "auto")),
+    "runtime.auto_rerank_after": Key(4, "runtime.mode='auto': by this iteration at the latest (earlier once every "
+                                        "task kind was measured and the split stopped changing) every mode is "
+                                        "re-ranked from the task costs the run measured, and the run switches once "
+                                        "to one predicted faster by more than auto_switch_margin; 0: never"),
+    "runtime.auto_switch_margin": Key(0.03, "runtime.mode='auto': how much faster (a fraction) the measured re-rank "
+                                            "must predict another mode or sizing for the run to switch to it"),
     "runtime.micro_batches": Key(4, "micro-batches (whole prompt groups) per iteration"),
     "runtime.rollout_devices": Key(0, "rollout devices of a disaggregated mode; 0: an even split"),
     "runtime.train_devices": Key(0, "train devices (0: the rest); colocated, > 0 uses only the first train_devices"),

@@ -8,7 +8,7 @@ or against the task costs a system bench run measured:
     python launch/simulate.py --config=configs/paper/wan21.py --pool=h100:32/rollout=12 --micro_batches=8
     python launch/simulate.py --config=configs/flux.py --pool=rollout=h800:16,train=l40s:16 --price=l40s=0.9
     python launch/simulate.py --config=configs/qwenimage.py --pool=h100:16 --autosize
-    python launch/simulate.py --profile=benchmarks/results/system_<...>.json
+    python launch/simulate.py --profile=benchmarks/results/system_<...>.json   # + what 'auto' re-ranks to
 
 Pools: KIND:N (an even rollout/train split), KIND:N/rollout=R, or rollout=KIND:N,train=KIND:N
 (kinds: h100, h100_pcie, h200, h800, a100, l40s; TPU chips v5e, v5p, v6e, whose slice shares ICI:
@@ -116,6 +116,15 @@ def main(argv):
             ratio = f"{rate / measured:.3f}" if measured else "-"
             shown = f"{measured:.3f}" if measured else "-"
             print(f"| {mode} | {shown} | {rate:.3f} | {ratio} |")
+        # What runtime.mode='auto' would choose after measuring each mode's costs (the cost model
+        # calibrated by them prices every other mode and sizing on the record's devices).
+        print()
+        for mode, r in record["modes"].items():
+            try:
+                print(f"{mode}: " + run_sizing.rerank_line(run_sizing.rerank_record(record, mode),
+                                                           f"from {mode}'s measured costs"))
+            except ValueError as e:
+                print(f"{mode}: no re-rank ({e})")
         return
     if _CONFIG.value is None:
         raise app.UsageError("--config (a model-zoo config file) or --profile is required")

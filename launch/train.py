@@ -21,7 +21,11 @@ to make each), or run on random weights and embeddings for throughput:
 run's devices) lets the simulator choose runtime.rollout_devices, train_devices and
 micro_batches for the configured disaggregated runtime.mode before training starts; with
 `--config.runtime.mode=auto` it chooses the mode too, colocated included (on this run's devices
-without --autosize), and prints what it chose and the predicted speed of the runners-up.
+without --autosize), and prints what it chose and the predicted speed of the runners-up. Such a
+run re-ranks every mode once more from the task costs its first iterations measured (by iteration
+runtime.auto_rerank_after) and switches, once, to one predicted faster by more than
+runtime.auto_switch_margin (default 3%), printing the measured costs and the ranking; metrics.jsonl
+names the mode of every iteration, and a resumed run goes on in the mode its checkpoint records.
 
 Any config key can be overridden as `--config.a.b=value`; `--print_config` lists every key
 (`a.b = value`, after the overrides and --autosize) and exits without training. Writes
@@ -72,8 +76,9 @@ _PRINT_CONFIG = flags.DEFINE_bool(
 _AUTOSIZE = flags.DEFINE_string(
     "autosize", None,
     "Let the simulator choose runtime.rollout_devices, train_devices and micro_batches for the configured "
-    "disaggregated runtime.mode (with runtime.mode=auto, the mode too): a pool spec such as 'h100:8' "
-    "(launch/simulate.py --pool), or 'local' for this run's devices (their kind and count).",
+    "disaggregated runtime.mode (with runtime.mode=auto, the mode too, and after the first iterations once more from "
+    "their measured costs): a pool spec such as 'h100:8' (launch/simulate.py --pool), or 'local' for this run's "
+    "devices (their kind and count).",
 )
 _TRACEBACK = flags.DEFINE_bool(
     "traceback", False,
@@ -117,9 +122,11 @@ def main(argv):
             sys.exit("error: --workdir is required (the run's output directory); --print_config needs none")
         if initialize(distributed_settings(_CONFIG.value)).num_processes > 1:  # multi-process runs join before any JAX work
             console.quiet(jax.process_index())  # process 0 reports; the others print their errors
+    auto = None  # runtime.mode='auto': the pool it is chosen on, again from measured costs during the run
     try:
         if _CONFIG.value.runtime.mode == run_sizing.AUTO_MODE:
-            print(run_sizing.choose_mode(_CONFIG.value, _AUTOSIZE.value or "local", jax.devices()), flush=True)
+            auto = _AUTOSIZE.value or "local"
+            print(run_sizing.choose_mode(_CONFIG.value, auto, jax.devices()), flush=True)
         elif _AUTOSIZE.value:
             print(autosize_line(_CONFIG.value, _AUTOSIZE.value), flush=True)
         if _PRINT_CONFIG.value:
@@ -136,7 +143,7 @@ def main(argv):
     except OSError as e:
         sys.exit(f"error: --workdir={_WORKDIR.value} cannot be made: {e.strerror}")
     try:
-        _train_and_report()
+        _train_and_report(auto)
     except SystemExit as e:
         # Several processes: the message shown, the others learn that this one stopped, and why,
         # instead of waiting for it in a collective (docs/design.md section 9). An exception
@@ -211,12 +218,13 @@ def sample_command(argv: list[str], workdir: str) -> str:
                        *overrides])
 
 
-def _train_and_report() -> None:
+def _train_and_report(auto: str | None) -> None:
+    """Train (`auto`: the pool runtime.mode='auto' was chosen on, None for a fixed mode) and report."""
     # Several processes: process 0 reports progress; the others print only their errors (stderr).
     reporting = jax.process_index() == 0
     log = (lambda msg: print(msg, flush=True)) if reporting else (lambda msg: None)
     try:
-        train(_CONFIG.value, _WORKDIR.value, log=_StopAtIteration(log).log, validated=True)
+        train(_CONFIG.value, _WORKDIR.value, log=_StopAtIteration(log).log, validated=True, auto=auto)
     except (RunStopped, FloatingPointError, RemoteRewardError) as e:
         # An expected fault (a workdir in use, an unreadable checkpoint, a full disk, diverged
         # updates, a reward server that stopped answering): its message says what to do.

@@ -99,6 +99,9 @@ RANGES: tuple[Range, ...] = (
     _ints("runtime.seq_parallel", 1, why="devices per sequence group; 1: each sample's tokens on one device"),
     Range("runtime.tag_microbatches", -1.0, INF, why="-1: chosen every iteration from measured costs; a fraction splits a micro-batch"),
     _ints("runtime.prefetch_microbatches", -1, why="-1: chosen every iteration from measured costs"),
+    _ints("runtime.auto_rerank_after", 0, why="the iteration by which runtime.mode='auto' re-ranks from measured costs; "
+                                              "0: never"),
+    _non_negative("runtime.auto_switch_margin", why="a fraction: 0.03 switches to a mode predicted over 3% faster"),
     _positive("runtime.peer_timeout_s", why="seconds until a silent process stops a multi-process run"),
 )
 

@@ -14,6 +14,8 @@ scalars and image grids under `tb/`, orbax checkpoints under `checkpoints/`.
 """
 from __future__ import annotations
 
+import copy
+import gc
 import json
 import math
 import os
@@ -35,7 +37,7 @@ from digen_jax.rl.trainer import LAG0_FIGURES, LossConfig, TrainState
 from digen_jax.app import machine_checks, precision, run_checkpoints, run_sizing, warm_start
 from digen_jax.app import settings as settings_lib
 from digen_jax.app import workdir as workdir_lib
-from digen_jax.app.errors import RunStopped
+from digen_jax.app.errors import ConfigError, RunStopped
 from digen_jax.app.validation import validate_config
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.executor import Executor
@@ -180,6 +182,120 @@ class Run:
         return float(np.mean(rewards))
 
 
+class AutoMode:
+    """`runtime.mode='auto'` during a run: once its first iterations measured every task kind, every
+    mode is re-ranked from those costs (`run_sizing.rerank`) and the run switches, once, to one
+    predicted faster by more than `runtime.auto_switch_margin`, on the same `Run` (models,
+    trainer and reward are not rebuilt). The re-rank happens at the first iteration boundary
+    where the chosen mode's rollout, training, update and reward (and sync) costs were measured
+    and its split has settled (the next iteration would keep the last one's), or at iteration
+    `runtime.auto_rerank_after` at the latest; then the choice is final (no flapping).
+
+    A mode that prefetched part of the next iteration (TCSS) gets one more iteration, planned
+    without prefetching, which trains what it carried (stale as recorded); the switch comes at
+    the boundary after it. Checkpoints record the choice (`record`): a resumed run goes on in the
+    chosen mode without measuring again.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, pool: str, recorded: dict | None, log: Callable[[str], None]):
+        """`pool`: where the mode was chosen (`train`'s `auto`); `recorded`: what the checkpoint the
+        run resumes from records (`run_checkpoints.auto_record`), applied to `config` here."""
+        self.config, self.pool, self.log = config, pool, log
+        self.after = int(config.runtime.auto_rerank_after)
+        self.margin = float(config.runtime.auto_switch_margin)
+        self.decided = self.after == 0
+        self.target: dict | None = None  # the runtime keys to switch to at the next possible boundary
+        if recorded is not None:
+            runtime = dict(recorded["runtime"])
+            if runtime != run_sizing.auto_runtime(config):
+                run_sizing.apply_runtime(config, runtime)
+                try:
+                    validate_config(config)
+                except ConfigError as e:
+                    raise RunStopped(f"the checkpoint records runtime.mode='auto' running {runtime}, which this run "
+                                     f"refuses: {e}; resume on the devices it ran on, or start a new --workdir") from e
+            self.decided = self.decided or bool(recorded["decided"])
+            state = "chosen from measured costs" if self.decided else "chosen before the run; re-ranked later"
+            log(f"runtime.mode='auto' resumes in {config.runtime.mode} ({config.runtime.micro_batches} micro-batches, "
+                f"{state}), as the checkpoint records")
+
+    def record(self) -> dict:
+        """What a checkpoint records (`run_checkpoints.auto_record`): the runtime keys the run goes on
+        with (a switch decided and not made yet included) and whether they are final."""
+        return {"decided": self.decided, "runtime": self.target or run_sizing.auto_runtime(self.config)}
+
+    def _due(self, k: int, executor: Executor, measured: dict) -> bool:
+        if k >= self.after > 0:
+            return True
+        kinds = ["rollout", "train", "update", "reward"] + ([] if executor.meshes.colocated else ["sync"])
+        if any(kind not in measured for kind in kinds):
+            return False
+        return not executor.elastic_split or (executor.split is not None and executor.split_for(k) == executor.split)
+
+    def rerank_if_due(self, k: int, executor: Executor) -> None:
+        """At the boundary before iteration `k`: re-rank from `executor`'s measured costs when it is
+        time (the class docstring says when), log one line, and decide."""
+        if self.decided:
+            return
+        measured = executor.measured_profile()  # every process: process 0's values
+        if not self._due(k, executor, measured):
+            return
+        self.decided = True
+        try:
+            r = run_sizing.rerank_config(self.config, self.pool, jax.devices(), measured, self.margin)
+        except ValueError as e:
+            self.log(f"runtime.mode='auto' keeps {self.config.runtime.mode}: the measured re-rank fails here ({e})")
+            return
+        self.log(run_sizing.rerank_line(r, f"after {k} measured iterations"))
+        if not r.switch:
+            return
+        candidate = copy.deepcopy(self.config)
+        run_sizing.apply_sizing(candidate, r.choice)
+        try:
+            validate_config(candidate)
+            if jax.process_count() > 1 and run_checkpoints.writers(candidate) != run_checkpoints.writers(self.config):
+                raise ConfigError("its train role is on other processes, which the run's checkpoints are not "
+                                  "written by")
+        except ConfigError as e:
+            self.log(f"runtime.mode='auto' keeps {self.config.runtime.mode}: {r.choice.prediction.mode} is refused ({e})")
+            return
+        self.target = run_sizing.auto_runtime(candidate)
+        if executor.carried:
+            executor.stop_prefetching()
+            self.log(f"runtime.mode='auto': iteration {k} trains the micro-batches {executor.mode} prefetched, "
+                     "prefetching none; the switch follows it")
+
+    def switch_ready(self, executor: Executor) -> bool:
+        """Whether a switch is decided and `executor` carries nothing into the next iteration."""
+        return self.target is not None and not executor.carried
+
+    def switch(self, run: Run, executor: Executor) -> Executor:
+        """The executor of the chosen mode over `run`, holding `executor`'s train state (which is closed)."""
+        executor.drain()
+        run_sizing.apply_runtime(self.config, self.target)
+        self.target = None
+        run.settings = settings_lib.run_settings(self.config)
+        run.colocated_sampling = run_sizing.colocated_sampling(self.config, jax.devices())
+        run.tag_precision = run_sizing.tag_precision(self.config, jax.devices())
+        executor.close()
+        # Its weight copies (the rollout role's, a gathered sampling copy) go before the new roles'
+        # are placed: a large model's would not fit beside them. The train state stays until the
+        # new executor has placed its copy.
+        executor.weights = None
+        gc.collect()
+        initial, run.state = run.state, executor.state
+        try:
+            switched = Executor(run, log=self.log, after=executor)
+        finally:
+            run.state = initial
+        executor.state = None
+        gc.collect()
+        rt = self.config.runtime
+        self.log(f"runtime.mode='auto' switched from {executor.mode} to {rt.mode} ({rt.micro_batches} micro-batches"
+                 + ("" if switched.meshes.colocated else f", {rt.rollout_devices}+{rt.train_devices} devices") + ")")
+        return switched
+
+
 _LAG0_KEYS = {f"{name}_{stat}" for name in LAG0_FIGURES for stat in ("mean", "max")}
 
 
@@ -249,19 +365,27 @@ def _skip_reason(m: dict, rl) -> str:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] = print, *,
-          validated: bool = False) -> TrainState:
+          validated: bool = False, auto: str | None = None) -> TrainState:
     """Run (or resume) the training loop of `config` in `workdir`; returns the final state.
 
     Every iteration goes through the runtime executor in `config.runtime.mode` (colocated by
     default); its figures (samples/s, bubbles, staleness, sync time) are read one iteration late.
     Expected faults (a workdir in use, a checkpoint of another config or unreadable, a full disk,
     a failed save) raise `RunStopped` with a message. `runtime.mode='auto'` is resolved first, on
-    this run's devices (`run_sizing.choose_mode`), and the choice logged. `validated`: the caller
-    resolved the mode and ran `validate_config` on `config` already (launch/train.py).
+    this run's devices (`run_sizing.choose_mode`), and the choice logged; after the first
+    iterations every mode is re-ranked once from their measured task costs and the run may switch
+    (`AutoMode`). `validated`: the caller resolved the mode and ran `validate_config` on `config`
+    already (launch/train.py). `auto`: the pool `runtime.mode='auto'` was chosen on where the
+    caller resolved it ('local': this run's devices, or a `--autosize` pool spec); None unless
+    `config` says 'auto' (then 'local').
     """
+    if config.runtime.mode == run_sizing.AUTO_MODE:
+        auto = auto or "local"
+        if validated:
+            raise ValueError("runtime.mode='auto' must be resolved (run_sizing.choose_mode) before validation")
     if not validated:
         if config.runtime.mode == run_sizing.AUTO_MODE:
-            log(run_sizing.choose_mode(config, "local", jax.devices()))
+            log(run_sizing.choose_mode(config, auto, jax.devices()))
         validate_config(config)
     # Several processes share the workdir; process 0 writes the metrics, trace and TensorBoard files.
     writes_files = jax.process_index() == 0
@@ -269,7 +393,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], 
     if lock is not None and lock.unsupported:
         log(lock.unsupported)
     try:
-        return _train(config, workdir, log, writes_files)
+        return _train(config, workdir, log, writes_files, auto)
     except Exception as e:
         if not isinstance(e, RunStopped) and workdir_lib.disk_error(e):
             raise RunStopped(workdir_lib.disk_message(e, workdir, "writing the run's outputs")) from e
@@ -296,12 +420,18 @@ def _finish_save(run: Run, step: int | None, log: Callable[[str], None] | None =
         log(message)
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None], writes_files: bool) -> TrainState:
+def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None], writes_files: bool,
+           auto_pool: str | None) -> TrainState:
     if config.train.start_over:
         workdir_lib.start_over(workdir, log)
     inspection = run_checkpoints.open_manager(workdir, config)
-    candidates = run_checkpoints.resume_candidates(inspection, config, log)  # before any compute
+    # before any compute
+    candidates = run_checkpoints.resume_candidates(inspection, config, log, auto=auto_pool is not None)
+    recorded = None
+    if auto_pool is not None and candidates:
+        recorded = run_checkpoints.auto_record(run_checkpoints.read_meta(inspection, candidates[0]))
     inspection.close()
+    auto = None if auto_pool is None else AutoMode(config, auto_pool, recorded, log)
     if not candidates:  # a run's outputs are never removed: starting at 0 over them is refused
         workdir_lib.refuse_history(workdir)
     init_from = None
@@ -314,7 +444,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
     if init_from is not None:
         run.state = run.trainer.init_state(warm_start.load_init_from(*init_from, run.state.trainable, config, log))
     executor = Executor(run, log=log)
-    start, changed = run_checkpoints.restore_first_readable(executor, run.checkpoints, candidates, config, log)
+    start, changed = run_checkpoints.restore_first_readable(executor, run.checkpoints, candidates, config, log,
+                                                            auto=recorded)
     total = config.train.iterations
     if start > total:
         executor.close()
@@ -371,6 +502,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
         for k in range(start, total):
             if saving is not None and not run.checkpoints.is_saving_in_progress():
                 settle()  # a failed save stops the run here, not at the next save
+            if auto is not None:
+                auto.rerank_if_due(k, executor)
+                if auto.switch_ready(executor):
+                    if pending is not None:
+                        emit(*pending)  # its figures are the old executor's
+                        pending = None
+                    executor = auto.switch(run, executor)
             plan, metrics = executor.iteration(k)
             if config.train.eval_every and (k + 1) % config.train.eval_every == 0:
                 executor.drain()  # evaluation's programs must not interleave with a group's prefetch
@@ -390,14 +528,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
                 emit(*pending)  # a checkpoint never runs ahead of metrics.jsonl
                 pending = None
                 settle()
-                run_checkpoints.save(executor, run.checkpoints, k + 1, config)
+                run_checkpoints.save(executor, run.checkpoints, k + 1, config, auto=auto.record() if auto else None)
                 saving = k + 1
         if pending is not None:
             executor.drain()  # the last iteration's prefetched rollouts belong to its timing
             emit(*pending)
         if total > start and (not config.train.checkpoint_every or total % config.train.checkpoint_every):
             settle()
-            run_checkpoints.save(executor, run.checkpoints, total, config)
+            run_checkpoints.save(executor, run.checkpoints, total, config, auto=auto.record() if auto else None)
             saving = total
         settle()
     finally:

@@ -39,7 +39,7 @@ NOTED = (
     "rl",
     "runtime.mode", "runtime.micro_batches", "runtime.rollout_devices", "runtime.train_devices",
     "runtime.reward_devices", "runtime.seq_parallel", "runtime.tag_microbatches", "runtime.prefetch_microbatches",
-    "runtime.staleness", "runtime.tag_precision",
+    "runtime.staleness", "runtime.tag_precision", "runtime.auto_rerank_after", "runtime.auto_switch_margin",
 )
 FREE = (
     "model.remat_policy",  # recomputes the same activations

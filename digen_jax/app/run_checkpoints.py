@@ -56,7 +56,7 @@ def open_manager(workdir: str, config: ml_collections.ConfigDict, read_only: boo
     """The run's orbax checkpoints, WORKDIR/checkpoints (asynchronous saves); `read_only` for
     another run's, which may be writing (nothing there is created or cleaned up).
 
-    Several processes: those that own the train role's devices (`_writers`) save, and only
+    Several processes: those that own the train role's devices (`writers`) save, and only
     they (orbax's `active_processes`; the first of them is the primary host: it writes the
     meta item and commits the step); arrays are written by the processes that hold them, one
     replica each (replica-parallel writing off: `_writable` says why). Every other process
@@ -71,13 +71,13 @@ def open_manager(workdir: str, config: ml_collections.ConfigDict, read_only: boo
         return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=config.train.keep_checkpoints, enable_async_checkpointing=True))
     os.makedirs(directory, exist_ok=True)  # orbax creates it only when every process takes part
-    writers, me = _writers(config), jax.process_index()
-    if me not in writers:
+    writing, me = writers(config), jax.process_index()
+    if me not in writing:
         alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
         return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
             read_only=True, create=False, save_interval_steps=0, multiprocessing_options=alone))
-    together = ocp.options.MultiprocessingOptions(primary_host=writers[0], active_processes=set(writers))
-    arrays = ocp.type_handlers.ArrayHandler(primary_host=writers[0], use_replica_parallel=False,
+    together = ocp.options.MultiprocessingOptions(primary_host=writing[0], active_processes=set(writing))
+    arrays = ocp.type_handlers.ArrayHandler(primary_host=writing[0], use_replica_parallel=False,
                                             enable_write_sharding_file=False)
     registry = ocp.type_handlers.create_type_handler_registry(
         *[(t, ocp.type_handlers.get_type_handler(t)) for t in (int, float, np.number, np.ndarray)], (jax.Array, arrays))
@@ -90,7 +90,7 @@ def open_manager(workdir: str, config: ml_collections.ConfigDict, read_only: boo
         multiprocessing_options=together))
 
 
-def _writers(config: ml_collections.ConfigDict) -> list[int]:
+def writers(config: ml_collections.ConfigDict) -> list[int]:
     """The processes that own the train role's devices: they write the run's checkpoints."""
     return sorted({d.process_index for d in mesh_lib.build_role_meshes(runtime_settings(config)).train.devices.flat})
 
@@ -144,11 +144,13 @@ def set_aside(manager: ocp.CheckpointManager, step: int, reason: str, policy: st
 
 
 def resume_candidates(manager: ocp.CheckpointManager, config: ml_collections.ConfigDict,
-                      log: Callable[[str], None]) -> list[int]:
+                      log: Callable[[str], None], auto: bool = False) -> list[int]:
     """The checkpoints a resume may restore, newest first, checked before any compute: those that
     are visibly unreadable are set aside (`set_aside`), and each one's fingerprint must match
     `config`'s (RunStopped naming the keys otherwise). RunStopped too when checkpoints exist and
-    none is left: starting over would discard the run's outputs."""
+    none is left: starting over would discard the run's outputs. `auto`: `config` is a run of
+    `runtime.mode='auto'`, so each checkpoint is compared with `config` in the mode and sizing
+    that checkpoint records the run as choosing (`auto_record`)."""
     policy = config.train.on_corrupt_checkpoint
     current = fingerprint(config)
     if jax.process_count() > 1:  # the writers' saves are committed by now (a run resumed in the same processes)
@@ -174,7 +176,9 @@ def resume_candidates(manager: ocp.CheckpointManager, config: ml_collections.Con
         if saved is None:
             log(f"checkpoint {step} records no run fingerprint (written by an older version): its config is not checked")
         else:
-            diff = differences(saved, current, carried=bool(meta["carried"]))
+            chosen = auto_record(meta) if auto else None
+            diff = differences(saved, current if chosen is None else fingerprint(_in_runtime(config, chosen["runtime"])),
+                               carried=bool(meta["carried"]))
             if diff:
                 fits = not differences(saved, current, carried=False, keys=WEIGHT_KEYS)
                 warm = (f" (with --config.train.init_from={os.path.dirname(str(manager.directory))} to start from "
@@ -188,6 +192,23 @@ def resume_candidates(manager: ocp.CheckpointManager, config: ml_collections.Con
     if steps and not candidates:
         raise _none_readable(manager)
     return candidates
+
+
+def auto_record(meta: dict) -> dict | None:
+    """What a checkpoint's meta records of `runtime.mode='auto'`: {'decided': whether the run
+    re-ranked from its measured costs already, 'runtime': the runtime keys it goes on with
+    (`run_sizing.AUTO_KEYS`)}; None for a run of a fixed mode (or a meta without a valid record)."""
+    record = meta.get("auto")
+    if not isinstance(record, dict) or not isinstance(record.get("runtime"), dict):
+        return None
+    return record
+
+
+def _in_runtime(config: ml_collections.ConfigDict, runtime: dict) -> ml_collections.ConfigDict:
+    """A copy of `config` with the runtime keys `runtime`."""
+    out = config.copy_and_resolve_references()
+    out.runtime.update({key: value for key, value in runtime.items() if key in out.runtime})
+    return out
 
 
 def _none_readable(manager: ocp.CheckpointManager) -> RunStopped:
@@ -239,9 +260,11 @@ def _quiet_abandoned_reads() -> None:
     sys.unraisablehook = hook
 
 
-def save(executor, manager: ocp.CheckpointManager, iterations_done: int, config: ml_collections.ConfigDict) -> None:
+def save(executor, manager: ocp.CheckpointManager, iterations_done: int, config: ml_collections.ConfigDict,
+         auto: dict | None = None) -> None:
     """Checkpoint `executor`'s train state and the micro-batches it prefetched for the next
-    iteration (asynchronously), with the run's fingerprint and the task costs measured so far.
+    iteration (asynchronously), with the run's fingerprint and the task costs measured so far;
+    `auto`: what `runtime.mode='auto'` chose so far (`auto_record`), None for a fixed mode.
 
     Every process calls it at the same point of the loop (the checks and the prefetched
     micro-batches' host copies run collectives). Then the processes that own the train role's
@@ -272,6 +295,8 @@ def save(executor, manager: ocp.CheckpointManager, iterations_done: int, config:
         # The task costs measured so far: a resumed run chooses its elastic splits as this one would.
         "measured": [[kind, group, values] for (kind, group), values in executor.measured.items()],
         "split": None if executor.split is None else list(executor.split),  # the last (tag in pieces, prefetch)
+        # runtime.mode='auto': the mode and sizing the run goes on with, and whether they are final
+        "auto": auto,
         # The noted keys' values: a resume names those it changes (digen_jax/app/resume_keys.py).
         "settings": resume_keys.settings(config),
         # Verified when the checkpoint is read back: data corrupted on disk is not trusted.
@@ -356,10 +381,17 @@ def _load(executor, manager: ocp.CheckpointManager, step: int) -> tuple:
 def _resume(executor, step: int, state, carried: dict, meta: dict) -> tuple[int, dict]:
     """Continue `executor` from checkpoint `step`: (step, the noted keys the config changes)."""
     version = int(jax.device_get(to_every_process(state.version)))  # one scalar, read by every process
-    executor.resume(step, state, carried, meta.get("measured", []), meta.get("split"))
+    # Task costs measured in another mode (the last iteration of a mode that runtime.mode='auto'
+    # left) are not this mode's: the run that switched started the new mode without them too.
+    own = meta.get("mode", executor.mode) == executor.mode
+    executor.resume(step, state, carried, meta.get("measured", []) if own else [], meta.get("split") if own else None)
     executor.log(f"resumed from checkpoint {step} (policy version {version}, {len(executor.carried)} prefetched "
                  "micro-batches)")
-    changed = resume_keys.changes(meta.get("settings"), executor.job.config)
+    saved = meta.get("settings")
+    record = auto_record(meta)
+    if isinstance(saved, dict) and record is not None:  # what runtime.mode='auto' chose is no change of the config
+        saved = {**saved, **{f"runtime.{key}": value for key, value in record["runtime"].items()}}
+    changed = resume_keys.changes(saved, executor.job.config)
     if changed:
         executor.log(f"resumed with changed settings (metrics.jsonl records them as config_changes in the row of "
                      f"step {step + 1}): {resume_keys.describe(changed)}")
@@ -414,11 +446,14 @@ def read_state(manager: ocp.CheckpointManager, like, config: ml_collections.Conf
 
 
 def restore_first_readable(executor, manager: ocp.CheckpointManager, candidates: list[int],
-                           config: ml_collections.ConfigDict, log: Callable[[str], None]) -> tuple[int, dict]:
+                           config: ml_collections.ConfigDict, log: Callable[[str], None],
+                           auto: dict | None = None) -> tuple[int, dict]:
     """Restore the newest of `candidates` whose data reads back and matches its checksums
     (`set_aside` for the others): (the iteration to start from, 0 without candidates; the noted
     keys the config changes, `resume_keys.changes`). Several processes read different parts of
-    a checkpoint, so they agree on each outcome before acting on it."""
+    a checkpoint, so they agree on each outcome before acting on it. `auto`: the `auto_record`
+    of the newest candidate, which `executor` runs in (`runtime.mode='auto'`); an older one that
+    records another choice stops the run (a rerun resumes from it in its own)."""
     for step in candidates:
         failure = None
         try:
@@ -428,6 +463,10 @@ def restore_first_readable(executor, manager: ocp.CheckpointManager, candidates:
             failure = e
         outcomes = _agree(0 if failure is None else 2 if disk_error(failure) else 1)
         if not any(outcomes):
+            if auto is not None and auto_record(loaded[2]) != auto:
+                raise RunStopped(f"checkpoint {step}, the newest that reads back, records another choice of "
+                                 f"runtime.mode='auto' ({auto_record(loaded[2])}) than the one this run was built "
+                                 f"for ({auto}): rerun to resume from it in its own")
             return _resume(executor, step, *loaded)
         workdir = os.path.dirname(str(manager.directory))
         elsewhere = f"it does not read back on process {outcomes.index(max(outcomes))} (its log says why)"

@@ -2,8 +2,9 @@
 
 The costs: exact FLOPs of one RL sample and the `IterationWork` the task cost model prices. The
 choices, from the simulator and the memory plan: role sizes (launch/train.py --autosize), the
-mode too (`runtime.mode='auto'`), and the 'auto' values of `runtime.colocated_sampling` and
-`runtime.tag_precision`.
+mode too (`runtime.mode='auto'`: chosen before the run by `choose_mode`, then once more by
+`rerank` from the task costs the run's first iterations measured), and the 'auto' values of
+`runtime.colocated_sampling` and `runtime.tag_precision`.
 
 The runtime's task cost model and simulator (`digen_jax.runtime.task_costs`, `.simulator`) take
 plain `IterationWork` values; this module reads them off a model-zoo config and its model zoo entry.
@@ -14,6 +15,7 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from digen_jax import model_flops
@@ -260,13 +262,36 @@ def choose_mode(config, spec: str, devices: Sequence[Any]) -> str:
     except ValueError as e:
         raise ConfigError(f"runtime.mode='auto' is chosen from the simulator's predictions, which fail here: {e} "
                           "(launch/train.py --autosize=KIND:N names a pool), or set runtime.mode") from None
-    best = ranked[0]
-    rt = config.runtime
-    rt.mode = best.prediction.mode
-    rt.micro_batches = best.microbatches
-    rt.rollout_devices, rt.train_devices = (0, 0) if rt.mode == plan_lib.COLOCATED else (best.rollout_devices, best.train_devices)
-    rt.tag_microbatches, rt.prefetch_microbatches = -1, -1
+    apply_sizing(config, ranked[0])
     return mode_line(pool, ranked)
+
+
+# The runtime keys a choice of `runtime.mode='auto'` sets (`apply_sizing`): what a checkpoint records
+# of it, so that a resumed run goes on with the choice (`auto_runtime`, `apply_runtime`).
+AUTO_KEYS = ("mode", "micro_batches", "rollout_devices", "train_devices", "tag_microbatches", "prefetch_microbatches")
+
+
+def apply_sizing(config, sizing: simulator.Sizing) -> None:
+    """Set `config`'s runtime to `sizing`: its mode, role sizes (none colocated: every device
+    shares the one group) and micro-batches; the split stays elastic, chosen every iteration
+    from measured costs."""
+    rt = config.runtime
+    rt.mode = sizing.prediction.mode
+    rt.micro_batches = sizing.microbatches
+    colocated = plan_lib.mode_flags(rt.mode).colocated
+    rt.rollout_devices, rt.train_devices = (0, 0) if colocated else (sizing.rollout_devices, sizing.train_devices)
+    rt.tag_microbatches, rt.prefetch_microbatches = -1, -1
+
+
+def auto_runtime(config) -> dict:
+    """The runtime keys `runtime.mode='auto'` chose for `config` (`AUTO_KEYS`), as JSON values."""
+    return {key: config.runtime[key] for key in AUTO_KEYS}
+
+
+def apply_runtime(config, values: dict) -> None:
+    """Set `config`'s runtime keys to `values` (`auto_runtime`'s, read back from a checkpoint)."""
+    for key in AUTO_KEYS:
+        config.runtime[key] = values[key]
 
 
 def mode_line(pool: Pool, ranked: Sequence[simulator.Sizing]) -> str:
@@ -303,3 +328,117 @@ def size_config(config, spec: str, devices: Sequence[Any]) -> tuple[Pool, simula
     for key in ("rollout_devices", "train_devices", "micro_batches"):
         config.runtime[key] = overrides[key]
     return pool, sizing
+
+
+# ------------------------------------------------------------------ the measured re-rank of 'auto'
+@dataclasses.dataclass(frozen=True)
+class Rerank:
+    """Every mode re-ranked from a run's measured task costs (`rerank`): what it runs now, every
+    mode at its best sizing, and what to go on with."""
+
+    measured: dict[str, float]  # seconds per micro-batch (per update for 'update'), by task kind
+    calibration: simulator.Calibration  # measured over the cost model's costs of the running sizing
+    running: simulator.Sizing  # the running mode at its own sizing, predicted from the measured costs
+    ranked: list[simulator.Sizing]  # every mode at its best sizing from the calibrated costs, best first
+    choice: simulator.Sizing  # `running`, or the fastest by more than `margin`
+    margin: float
+
+    @property
+    def switch(self) -> bool:
+        return self.choice is not self.running
+
+
+def _same_sizing(a: simulator.Sizing, b: simulator.Sizing) -> bool:
+    keys = ("mode", "rollout_devices", "train_devices", "micro_batches")
+    return all(a.runtime_overrides()[k] == b.runtime_overrides()[k] for k in keys)
+
+
+def rerank(work: IterationWork, pool: Pool, running: dict, measured: dict[str, float], *, margin: float,
+           allowed=lambda m: True) -> Rerank:
+    """`runtime.mode='auto'` once more, from measured costs: every mode, colocated included, each at
+    its best sizing on `pool`, priced by the cost model calibrated with `measured` (the running
+    mode's task costs, by kind as `simulator.Calibration.of` takes them); the run goes on with the
+    fastest where it is predicted faster than `running` by more than `margin` (a fraction: 0.03
+    is 3%), else with `running`. Pure: no devices, no config.
+
+    `running`: the running sizing, {'mode', 'rollout_devices', 'train_devices', 'micro_batches'}
+    (role sizes ignored when colocated). At that sizing the calibrated costs are the measured
+    ones, so its speed is predicted as `launch/simulate.py --profile` predicts a bench run's;
+    it runs, so the memory plan does not rule it out. `allowed`: the micro-batch counts the
+    run accepts. ValueError where the simulator cannot price the running sizing."""
+    mode, microbatches = running["mode"], int(running["micro_batches"])
+    colocated = plan_lib.mode_flags(mode).colocated
+    own = pool if colocated else dataclasses.replace(pool, rollout_devices=int(running["rollout_devices"]),
+                                                     train_devices=int(running["train_devices"]))
+    model = simulator.simulate(work, own, mode, microbatches=microbatches)
+    calibration = simulator.Calibration.of(measured, model.costs, colocated=colocated)
+    now = dataclasses.replace(simulator.simulate(work, own, mode, microbatches=microbatches, calibration=calibration),
+                              memory=None)
+    current = simulator.Sizing(0 if colocated else own.rollout_devices, own.total if colocated else own.train_devices,
+                               microbatches, now.tag, now.prefetch, now)
+    ranked = simulator.choose_mode(work, pool, allowed=allowed, calibration=calibration)
+    best = ranked[0]
+    faster = (best.prediction.fits and not _same_sizing(best, current)
+              and best.prediction.samples_per_s > now.samples_per_s * (1 + margin))
+    return Rerank(dict(measured), calibration, current, ranked, best if faster else current, margin)
+
+
+def _sizing_words(s: simulator.Sizing) -> str:
+    p = s.prediction
+    roles = "" if plan_lib.mode_flags(p.mode).colocated else f"{s.rollout_devices}+{s.train_devices} devices, "
+    return f"{p.mode} ({roles}{s.microbatches} micro-batches)"
+
+
+def rerank_line(r: Rerank, measured_in: str) -> str:
+    """One line: the measured costs, what the run goes on with and why, the runners-up's predicted
+    speeds. `measured_in`: where the costs were measured ('after 3 measured iterations')."""
+    costs = ", ".join(f"{kind} {seconds:.4g} s" for kind, seconds in r.measured.items())
+    now = r.running.prediction.samples_per_s
+    if r.switch:
+        choice = r.choice.prediction.samples_per_s
+        verdict = (f"switches to {_sizing_words(r.choice)} at {choice:.3f} samples/s predicted, {choice / now:.2f}x "
+                   f"{_sizing_words(r.running)} at {now:.3f} from its measured costs (margin {r.margin:.0%})")
+    else:
+        verdict = (f"keeps {_sizing_words(r.running)} at {now:.3f} samples/s predicted from its measured costs "
+                   f"(nothing faster by more than {r.margin:.0%})")
+    best = r.choice.prediction.samples_per_s
+    runners = "; ".join(
+        f"{_sizing_words(s)} {s.prediction.samples_per_s:.3f} ({s.prediction.samples_per_s / best:.2f}x)"
+        + ("" if s.prediction.fits else " does not fit") for s in r.ranked if not _same_sizing(s, r.choice))
+    return (f"runtime.mode='auto' re-ranked {measured_in} (task costs per micro-batch: "
+            f"{costs or 'none measured'}): {verdict}; runners-up: {runners or 'none'}")
+
+
+def rerank_config(config, spec: str, devices: Sequence[Any], measured: dict[str, float], margin: float) -> Rerank:
+    """`rerank` for a run of `config` on `devices` (the pool `spec` names, as `choose_mode` took it)
+    in its `runtime` sizing. ValueError where the simulator cannot price the run."""
+    return _rerank_on(config, _pool(spec, devices), measured, margin)
+
+
+def rerank_record(record: dict, name: str, margin: float = 0.03) -> Rerank:
+    """What `runtime.mode='auto'` would choose after measuring the task costs that mode `name` of a
+    system bench record (`launch/bench.py --mode=system`) measured, on the record's devices and
+    config (`launch/simulate.py --profile`). ValueError where the record cannot be priced."""
+    try:
+        m, config = record["modes"][name], ml_collections.ConfigDict(record["config"])
+        mode = name.split(" ")[0]
+        config.runtime.mode, config.runtime.micro_batches = mode, int(m["micro_batches"])
+        pool = Pool.parse(f"{local_kind(record['gpu'])}:{int(m['devices'])}")
+        costs, colocated = m["costs"], plan_lib.mode_flags(mode).colocated
+        measured = {"rollout": costs["rollout"]["shared" if colocated else "rollout"],
+                    **{k: costs[k] for k in ("train", "update", "reward")}}
+        if not colocated:
+            measured["sync"] = costs["sync"]
+            if plan_lib.mode_flags(mode).tag:  # measured only where the trainer rolled out
+                measured["trainer_rollout"] = costs["rollout"]["train"]
+        return _rerank_on(config, pool, measured, margin)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"bench record mode {name!r} cannot be re-ranked: it lacks {e}") from None
+
+
+def _rerank_on(config, pool: Pool, measured: dict[str, float], margin: float) -> Rerank:
+    rt = config.runtime
+    rollout = rt.rollout_devices or (pool.total - rt.reward_devices) // 2
+    train = rt.train_devices or (pool.total - rt.reward_devices - rollout)
+    running = {"mode": rt.mode, "rollout_devices": rollout, "train_devices": train, "micro_batches": rt.micro_batches}
+    return rerank(iteration_work(config), pool, running, measured, margin=margin, allowed=_runs(config))

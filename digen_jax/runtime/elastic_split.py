@@ -31,9 +31,17 @@ class ElasticSplit:
         fixed_prefetch = rt.prefetch_microbatches if rt.prefetch_microbatches >= 0 or not self.flags.tcss else None
         if not self.flags.tag:
             fixed_tag = 0
-        if not self.flags.tcss or rt.staleness == 0:
+        if not self.flags.tcss or rt.staleness == 0 or self.prefetch_stopped:
             fixed_prefetch = 0
         return fixed_tag, fixed_prefetch
+
+    # Set (`stop_prefetching`) for the last iteration of a mode the run leaves: nothing of the next
+    # iteration is rolled out with this mode's weights and groups.
+    prefetch_stopped = False
+
+    def stop_prefetching(self) -> None:
+        """Prefetch nothing from the next iteration on (it still trains what was carried into it)."""
+        self.prefetch_stopped = True
 
     @property
     def elastic_split(self) -> bool:
@@ -100,3 +108,27 @@ class ElasticSplit:
             update=typical("update", "train") or 0.0,
             sync=typical("sync", "link") or 0.0,
         )
+
+    # The kinds of `measured_profile`: (task kind, group) of the rolling and training groups.
+    PROFILE_KINDS = ("rollout", "trainer_rollout", "train", "update", "reward", "sync")
+
+    def measured_profile(self) -> dict[str, float]:
+        """The median seconds of each task kind measured so far, by the names
+        `simulator.Calibration.of` takes ('rollout': the rollout role's or the shared group's;
+        'trainer_rollout': the train role's own rollouts); a kind never measured is absent. With
+        several processes process 0's, on every one (`_agreed_costs` says why): a choice made from
+        them must be the same everywhere. Every process calls it at the same point."""
+        rolling, training = ("shared", "shared") if self.meshes.colocated else ("rollout", "train")
+        keys = dict(zip(self.PROFILE_KINDS, (("rollout", rolling), ("rollout", "train"), ("train", training),
+                                             ("update", training), ("reward", "reward"), ("sync", "link"))))
+        if self.meshes.colocated:
+            del keys["trainer_rollout"], keys["sync"]
+        values = {name: float(np.median(self.measured[key])) for name, key in keys.items() if self.measured.get(key)}
+        if jax.process_count() == 1:
+            return values
+        self._agreements += 1
+        name = f"profile/{self._agreements}"
+        if jax.process_index() == 0:
+            self.shared.publish(name, np.asarray([values.get(k, np.nan) for k in self.PROFILE_KINDS], np.float64))
+        got = self.shared.read(name, np.float64)  # process 0 too: the same bits everywhere
+        return {k: float(v) for k, v in zip(self.PROFILE_KINDS, got) if not np.isnan(v)}

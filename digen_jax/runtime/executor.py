@@ -107,9 +107,10 @@ class Executor(ElasticSplit, RewardScoring, Crossings):
     """Runs iterations of `job` (a `Job`: the application layer's `Run`) in its settings' runtime mode."""
 
     def __init__(self, job: Job, *, settings: RunSettings | None = None, trace_path: str | None = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, after: Executor | None = None):
         """`settings` override `job.settings` (one run, several modes); the trace goes to
-        `trace_path` (default WORKDIR/trace.json)."""
+        `trace_path` (default WORKDIR/trace.json). `after`: the closed executor of the same job
+        this one takes over from (a run that switches modes): the trace goes on on its clock."""
         self.job, self.settings, self.log = job, settings or job.settings, log
         rt = self.settings.runtime
         self.mode, self.flags = rt.mode, plan_lib.mode_flags(rt.mode)
@@ -126,6 +127,8 @@ class Executor(ElasticSplit, RewardScoring, Crossings):
         write_trace = rt.trace and jax.process_index() == 0
         self.tracer = Tracer((trace_path or os.path.join(job.workdir, "trace.json")) if write_trace else None,
                              peers=EventExchange.for_run())
+        if after is not None:
+            self.tracer.origin = after.tracer.origin
         self.lanes = Lanes()
         self.shared = SharedValues()  # host values one process computes for all (rewards, figures, costs)
         self._agreements = 0  # `_agreed_costs` calls so far: alike on every process

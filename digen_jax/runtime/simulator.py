@@ -12,6 +12,9 @@ waiting on dependencies), so a prediction differs from a run only by its task co
 On top of them: `predict` (one mode in steady state), `simulate` (a mode at its best
 micro-batch count), `autosize` (role sizes, micro-batches and TAG share) and `choose_mode`
 (every mode, colocated included, each at its best sizing: what `runtime.mode='auto'` runs).
+A `Calibration` scales the cost model's task costs by what a run measured against what the model
+predicted for that run's own sizing, so the searches above price every mode and sizing from a
+running mode's measured costs (what `runtime.mode='auto'` re-ranks from after its first iterations).
 The TAG share counts pieces of a micro-batch as the executor does (`plan.pieces_per_microbatch`
 of the roles' device counts), so a prediction may split a micro-batch between the roles.
 """
@@ -109,6 +112,49 @@ def predict(mode: str, costs: plan_lib.Costs, *, batch: int, microbatches: int, 
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Measured over predicted seconds per task kind, measured on one sizing of one mode and
+    applied to the cost model's costs of any other (`simulate`'s `calibration`): the model
+    supplies how a task's time changes with the mode, role sizes and micro-batch size, the
+    measurement how far the model is off on these devices. At the measured sizing the
+    calibrated costs are the measured ones (a replay, as `predict_from_profile` does), for every
+    kind that was measured; a kind never measured (a colocated run's sync, the trainer's
+    rollouts of a mode without TAG) keeps the nearest measured factor or the model's figure."""
+
+    rollout: float = 1.0  # the rollout role's (or the shared group's) rollouts
+    trainer_rollout: float = 1.0  # the train role's own rollouts (TAG)
+    train: float = 1.0
+    update: float = 1.0
+    reward: float = 1.0
+    sync: float = 1.0
+
+    @classmethod
+    def of(cls, measured: Mapping[str, float], model: plan_lib.Costs, *, colocated: bool) -> "Calibration":
+        """The factors of `measured` (seconds per micro-batch or update, by kind: 'rollout' (the
+        rollout role's or, colocated, the shared group's), 'trainer_rollout', 'train', 'update',
+        'reward', 'sync'; a kind absent was not measured) against `model`, the cost model's costs
+        of the measured sizing (the shared group's when `colocated`)."""
+        predicted = {
+            "rollout": model.rollout["shared" if colocated else "rollout"],
+            "trainer_rollout": model.rollout.get("train", math.inf) if not colocated else math.inf,
+            "train": model.train, "update": model.update, "reward": model.reward, "sync": model.sync,
+        }
+        factors = {}
+        for kind, p in predicted.items():
+            m = measured.get(kind)
+            if m is not None and 0 < p < math.inf and m >= 0 and math.isfinite(m):
+                factors[kind] = m / p
+        if "trainer_rollout" not in factors and "rollout" in factors:
+            factors["trainer_rollout"] = factors["rollout"]  # the same model on the other role's devices
+        return cls(**factors)
+
+    def apply(self, costs: plan_lib.Costs) -> plan_lib.Costs:
+        rollout = {g: c * (self.trainer_rollout if g == "train" else self.rollout) for g, c in costs.rollout.items()}
+        return plan_lib.Costs(rollout=rollout, reward=costs.reward * self.reward, train=costs.train * self.train,
+                              update=costs.update * self.update, sync=costs.sync * self.sync)
+
+
 def _resolved(w: IterationWork, pool: Pool, microbatches: int, eff: Efficiency) -> IterationWork:
     """`w` with `tag_precision` as a run on `pool` resolves 'auto' (`memory_plan.tag_precision`)."""
     return dataclasses.replace(w, tag_precision=tag_precision(w, pool, microbatches, eff))
@@ -121,8 +167,9 @@ def microbatch_choices(prompts: int, limit: int = 16) -> list[int]:
 
 def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | None = None, style: str = "fsdp_sampling",
              eff: Efficiency = Efficiency(), max_microbatches: int = 16,
-             allowed: Callable[[int], bool] = lambda m: True) -> Prediction:
-    """Predict `mode` of the iteration work `w` on `pool`.
+             allowed: Callable[[int], bool] = lambda m: True, calibration: Calibration | None = None) -> Prediction:
+    """Predict `mode` of the iteration work `w` on `pool` (the cost model's task costs scaled by
+    `calibration`, where given: a run's measured costs against the model's).
 
     `microbatches`: fixed, or None for the best of `microbatch_choices` (each mode at its own
     best pipeline depth; those `allowed` says a run accepts) among those whose memory plan fits. Returns a `Prediction` (samples/s,
@@ -148,6 +195,8 @@ def simulate(w: IterationWork, pool: Pool, mode: str, *, microbatches: int | Non
     best = None
     for m in choices:
         costs = _replicated(model_costs(_resolved(w, pool, m, eff), pool, mode, m, style=style, eff=eff), w, pool, mode, m)
+        if calibration is not None:
+            costs = calibration.apply(costs)
         grain = plan_lib.pieces_per_microbatch(
             w.samples // m, [max(getattr(pool, f"{r}_devices") // w.seq_parallel, 1) for r in ("rollout", "train")])
         p = predict(mode, costs, batch=w.samples, microbatches=m, devices=pool.total, updates=updates, grain=grain,
@@ -198,7 +247,8 @@ class Sizing:
 
 
 def autosize(w: IterationWork, pool: Pool, *, mode: str = plan_lib.BEST_MODE, eff: Efficiency = Efficiency(),
-             max_microbatches: int = 16, role_step: int = 1, allowed: Callable[[int], bool] = lambda m: True) -> Sizing:
+             max_microbatches: int = 16, role_step: int = 1, allowed: Callable[[int], bool] = lambda m: True,
+             calibration: Calibration | None = None) -> Sizing:
     """Search role sizes, micro-batch count and TAG share (and prefetch) for the best predicted throughput.
 
     A homogeneous pool's devices are re-split between rollout and trainer (every split in
@@ -217,7 +267,8 @@ def autosize(w: IterationWork, pool: Pool, *, mode: str = plan_lib.BEST_MODE, ef
     best = None
     for candidate in splits:
         try:
-            p = simulate(w, candidate, mode, eff=eff, max_microbatches=max_microbatches, allowed=allowed)
+            p = simulate(w, candidate, mode, eff=eff, max_microbatches=max_microbatches, allowed=allowed,
+                         calibration=calibration)
         except ValueError:  # e.g. weights that do not fit this role size
             continue
         if best is None or (p.fits, p.samples_per_s) > (best[1].fits, best[1].samples_per_s * (1 + 1e-9)):
@@ -229,12 +280,13 @@ def autosize(w: IterationWork, pool: Pool, *, mode: str = plan_lib.BEST_MODE, ef
 
 
 def choose_mode(w: IterationWork, pool: Pool, *, modes: Sequence[str] = plan_lib.MODES, eff: Efficiency = Efficiency(),
-                max_microbatches: int = 16, role_step: int = 1, allowed: Callable[[int], bool] = lambda m: True) -> list[Sizing]:
+                max_microbatches: int = 16, role_step: int = 1, allowed: Callable[[int], bool] = lambda m: True,
+                calibration: Calibration | None = None) -> list[Sizing]:
     """Every mode of `modes` on `pool`'s devices at its best sizing (`autosize`; colocated at its
     best micro-batch count on all of them), best first: those whose memory plan fits, by
     predicted samples/s (`runtime.mode='auto'` runs the first). Modes that cannot run the pool
     (weights that fit no role split) are left out; a ValueError when none can. `allowed`: the
-    micro-batch counts a run accepts."""
+    micro-batch counts a run accepts; `calibration`: costs scaled by a run's measured ones."""
     ranked = []
     for mode in modes:
         try:
@@ -243,7 +295,7 @@ def choose_mode(w: IterationWork, pool: Pool, *, modes: Sequence[str] = plan_lib
                 # since a count the memory plan fits may not be the smallest.
                 best = None
                 for m in [c for c in microbatch_choices(w.prompts, max_microbatches) if c % w.updates == 0 and allowed(c)]:
-                    p = simulate(w, pool, mode, microbatches=m, eff=eff)
+                    p = simulate(w, pool, mode, microbatches=m, eff=eff, calibration=calibration)
                     if best is None or (p.fits, p.samples_per_s) > (best.fits, best.samples_per_s * (1 + 1e-9)):
                         best = p
                 if best is None:
@@ -251,7 +303,7 @@ def choose_mode(w: IterationWork, pool: Pool, *, modes: Sequence[str] = plan_lib
                 ranked.append(Sizing(0, pool.total, best.microbatches, 0, 0, best))
             else:
                 ranked.append(autosize(w, pool, mode=mode, eff=eff, max_microbatches=max_microbatches, role_step=role_step,
-                                       allowed=allowed))
+                                       allowed=allowed, calibration=calibration))
         except ValueError:
             continue
     if not ranked:
