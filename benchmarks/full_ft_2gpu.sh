@@ -27,7 +27,7 @@
 #           (bf16 weights and moments, no EMA), and orbax writes a checkpoint before it deletes
 #           the one before, so a run checkpointing every iteration holds two (133 GiB) on a
 #           128 GiB disk. Extra arguments go to train.py (`--config.rl.lora_rank=0 ...` on a
-#           larger disk). XLA's deterministic ops are on (DETERMINISTIC=0 turns them off).
+#           larger disk). XLA's deterministic ops and XLA's attention are on (DETERMINISTIC=0 turns them off).
 #           Expect about 250-350 s with an empty cache.
 # Further arguments ($3...) go to the bench (pair) or to train.py (resume).
 # Writes under $2 (default $OUT), at most 8 files per call:
@@ -66,7 +66,14 @@ else
   # Each process runs the programs the first one compiled (autotuned once) and XLA's deterministic
   # kernels: the runs' arithmetic is the same in every process.
   export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
-  [ "$which" = resume ] && [ "${DETERMINISTIC:-1}" = 1 ] && export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_deterministic_ops=true"
+  # XLA's attention, not cuDNN's: with deterministic ops on, XLA stopped compiling the training
+  # step's cuDNN flash-attention backward (IndexError: absl::container_internal::raw_hash_map<>::at,
+  # jax 0.11.2 on an H200); without them the resumed rows differ from iteration 1 on (the
+  # backward's reductions are not deterministic).
+  if [ "$which" = resume ] && [ "${DETERMINISTIC:-1}" = 1 ]; then
+    export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_deterministic_ops=true"
+    resume_sizes+=(--config.model.attention_impl=xla)
+  fi
 fi
 
 # step RESERVE_S CMD...: CMD under the deadline less RESERVE_S (kept for the later steps), its
