@@ -386,6 +386,7 @@ def test_local_device_kinds(jax_kind, key):
 
 @pytest.mark.parametrize("spec, match", [
     ("b200:8", "unknown"), ("h100:8/rollout=8", "rollout devices"), ("h100", "expected"), ("rollout=h100:4", "expected"),
+    ("h200:1", r"2 or more devices.*one device runs colocated only.*--modes=colocated"),
 ])
 def test_bad_pools_fail_with_a_clear_message(spec, match):
     with pytest.raises(ValueError, match=match):

@@ -203,6 +203,10 @@ class Pool:
             raise ValueError(f"pool spec {spec!r}: expected KIND:N, KIND:N/rollout=R or rollout=KIND:N,train=KIND:N")
         kind, total = match.group(1), int(match.group(2))
         rollout = int(match.group(3)) if match.group(3) else total // 2
+        if total < 2:
+            raise ValueError(f"pool spec {spec!r}: the simulator models pools of 2 or more devices (a rollout and a "
+                             "train role); one device runs colocated only: measure it with launch/bench.py "
+                             "--mode=system --modes=colocated")
         if not 0 < rollout < total:
             raise ValueError(f"pool spec {spec!r}: rollout devices must be in [1, {total - 1}]")
         return cls(kind, rollout, kind, total - rollout, **kwargs)
