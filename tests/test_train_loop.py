@@ -53,8 +53,13 @@ def read_metrics(workdir):
         return [json.loads(line) for line in f]
 
 
-def test_outputs_and_resume_match_an_uninterrupted_run(cache_dir, tmp_path):
+def test_outputs_and_resume_match_an_uninterrupted_run(cache_dir, tmp_path, monkeypatch):
+    runs, build = [], loop.Run
+    monkeypatch.setattr(loop, "Run", lambda *a, **k: runs.append(build(*a, **k)) or runs[-1])
     full = loop.train(small_config(cache_dir), str(tmp_path / "full"), log=lambda _: None)
+    # The executor held the live state: the run kept no host copy of the initial one (full
+    # fine-tuning's weights and moments would fill a host's memory beside the offloaded moments).
+    assert len(runs) == 1 and runs[0].state is None
     rows = read_metrics(tmp_path / "full")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in ("step", "reward_mean", "reward_std", "loss", "kl", "clip_frac", "samples_per_s", "version"):
