@@ -9,6 +9,7 @@ import pytest
 
 from configs.sections import ATTENTION_MLP_TARGETS
 from digen_jax import model_flops
+from digen_jax.app import loop
 from digen_jax.app.bench import model, peaks, profiler, provenance
 from digen_jax.models import FAMILIES
 
@@ -281,9 +282,12 @@ def test_system_mode_runs_diffusionnft(tmp_path, capsys):
         system.run_modes(config, ["gap"], str(tmp_path / "anchors"), onpolicy_anchors=["trainer"])
 
 
-def test_system_mode_compares_onpolicy_anchors_in_one_run(tmp_path):
+def test_system_mode_compares_onpolicy_anchors_in_one_run(tmp_path, monkeypatch):
     """`--onpolicy_anchors=rollout,trainer`: each mode once per anchor from the same weights, with the
-    ratio figures of the timed iterations; anchored on the trainer's pass the lag-0 log-ratio is 0."""
+    ratio figures of the timed iterations; anchored on the trainer's pass the lag-0 log-ratio is 0.
+    The run's host copy of the initial state is dropped once the last of them has placed it."""
+    runs, build = [], loop.Run
+    monkeypatch.setattr(loop, "Run", lambda *a, **k: runs.append(build(*a, **k)) or runs[-1])
     out = tmp_path / "anchors.json"
     config_file = _tiny_qwenimage_config(tmp_path / "anchors_config.py")
     parse(
@@ -300,6 +304,7 @@ def test_system_mode_compares_onpolicy_anchors_in_one_run(tmp_path):
     assert rollout["onpolicy_anchor"] == "rollout" and rollout["logp_diff_max"] == rollout["rollout_logp_gap_max"]
     assert trainer["onpolicy_anchor"] == "trainer" and trainer["logp_diff_max"] == 0
     assert trainer["ratio_mean"] == 1 and trainer["clip_frac"] == 0
+    assert len(runs) == 1 and runs[0].state is None
 
 
 def test_profile_sums_device_time_by_kernel(tmp_path):

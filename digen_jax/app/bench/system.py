@@ -141,7 +141,8 @@ def run_modes(
     per_sample = sample_flops(config, run.workload.model_cfg)
     batch = config.rl.prompts_per_iteration * config.rl.group_size
     records = {}
-    for anchor, mode in [(a, m) for a in (onpolicy_anchors or [None]) for m in modes]:
+    jobs = [(a, m) for a in (onpolicy_anchors or [None]) for m in modes]
+    for i, (anchor, mode) in enumerate(jobs):
         name = mode if anchor is None else f"{mode} onpolicy_anchor={anchor}"
         mode_config = copy.deepcopy(config)
         mode_config.runtime.mode = mode
@@ -153,6 +154,10 @@ def run_modes(
         if jax.process_index() == 0 and os.path.exists(trace_path):  # its writer: processes may share the workdir
             os.remove(trace_path)
         executor = Executor(run, settings=run_settings(mode_config), trace_path=trace_path, log=log)
+        if i == len(jobs) - 1:
+            # Each mode starts from the initial state in host memory; after the last one has placed
+            # it, nothing reads it again (full fine-tuning: the weights and Adam moments).
+            run.state = None
         warmup, settling = warmups, bool(warmups and executor.elastic_split)
         more = f" (+1 to {MAX_SETTLING_ITERATIONS} while the elastic split settles)" if settling else ""
         log(f"[{name}] {warmup} warm-up{more} + {iterations} timed iterations of {batch} samples")
