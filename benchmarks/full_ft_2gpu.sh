@@ -38,16 +38,10 @@
 #   bash benchmarks/full_ft_2gpu.sh pair /tmp/out
 #   TINY=1 bash benchmarks/full_ft_2gpu.sh resume /tmp/out   # the same steps at :tiny sizes on 2 CPU devices
 set -o pipefail
+source "$(dirname "$0")/deadline.sh"  # open_out, start_deadline, step, pack_results, noise
 which=${1:?pair or resume}
-out=${2:-$OUT}
-[ -n "$out" ] || { echo "usage: bash benchmarks/full_ft_2gpu.sh pair|resume OUT_DIR [FLAGS...]"; exit 2; }
-mkdir -p "$out" && out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.." || exit 2
-deadline=$(( SECONDS + ${BUDGET_S:-540} ))
-ulimit -c 0  # an aborted step leaves no core dump of a process holding tens of GB
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
-noise="Unable to initialize backend\|checkpoint_manager\|checkpoint_handler\|checkpointer.py\|absl::InitializeLog\|slow_operation_alarm\|Very slow compile\|^\*\*\*\*\|^$"
+open_out "${2:-$OUT}" "usage: bash benchmarks/full_ft_2gpu.sh pair|resume OUT_DIR [FLAGS...]"
+start_deadline 540
 log=$out/log_$which.txt
 : > "$log"
 
@@ -76,22 +70,6 @@ else
   fi
 fi
 
-# step RESERVE_S CMD...: CMD under the deadline less RESERVE_S (kept for the later steps), its
-# output filtered into the log.
-step() {
-  local reserve=$1; shift
-  local limit=$(( deadline - SECONDS - reserve )) start=$SECONDS rc
-  if [ $limit -lt 20 ]; then
-    echo "=== skipped (only ${limit} s left): $*" >> "$log"
-    return 124
-  fi
-  echo "=== $(date -u +%T) limit ${limit} s: $*" >> "$log"
-  timeout -s ABRT -k 15 $limit "$@" 2>&1 | grep --line-buffered -v "$noise" >> "$log"
-  rc=${PIPESTATUS[0]}  # 124: stopped at its limit
-  echo "=== rc $rc after $(( SECONDS - start )) s" >> "$log"
-  return $rc
-}
-
 pair() {
   local full=(--config.runtime.offload_optimizer=True --config.rl.optimizer_state_dtype=param --config.rl.ema=False)
   # The simulator first (no devices): its predictions and the memory plans of both layouts.
@@ -103,7 +81,7 @@ pair() {
   JAX_PLATFORMS=cpu python3 launch/simulate.py "${sizes[@]}" "${full[@]}" 2>&1 | grep -v "^$" > "$sim"
   { echo; echo "The recipe (float32 moments on the devices, the EMA):"; grep -v "^$" "$sim.recipe"; } >> "$sim"
   rm -f "$sim.recipe"
-  step 0 python3 benchmarks/compiled_memory.py --memory_out="$out/compiled_memory_flux_full_2gpu_pair.json" \
+  step "$log" 0 0 python3 benchmarks/compiled_memory.py --memory_out="$out/compiled_memory_flux_full_2gpu_pair.json" \
     --mode=system --config=configs/flux_full.py$size --config.model.random_init=True --config.data.random_embeddings=True \
     "${pair_sizes[@]}" "${full[@]}" --config.runtime.check_memory=False \
     --modes=gap+tsp+tag+tcss,colocated --config.runtime.rollout_devices=1 --config.runtime.train_devices=0 \
@@ -111,10 +89,6 @@ pair() {
     --warmup_iterations=1 --iterations=1 --matmul_size=0 --workdir=/tmp/w_flux_full_2gpu \
     --out="$out/system_flux_full_2gpu_pair.json" "$@"
   local rc=$?
-  local traces=$(cd "$out" && ls -d ./*_traces 2>/dev/null)
-  if [ -n "$traces" ]; then
-    (cd "$out" && tar czf traces.tar.gz $traces && rm -rf $traces)
-  fi
   python3 - "$out/compiled_memory_flux_full_2gpu_pair.json" >> "$log" 2>&1 <<'EOF'
 import json, sys
 try:
@@ -139,7 +113,7 @@ resume() {
              --config.train.keep_checkpoints=1 --config.train.image_every=0 --config.runtime.check_memory=False "$@")
   local iterations
   iterations=$(printf '%s\n' "${cmd[@]}" | sed -n 's/^--config.train.iterations=//p' | tail -n 1)
-  step 200 "${cmd[@]}" --workdir=$a || return
+  step "$log" 200 0 "${cmd[@]}" --workdir=$a || return
   # The uninterrupted run's final checksums, then its checkpoints go (a full fine-tuning
   # checkpoint would not fit the disk twice).
   python3 - "$a" "$iterations" > "$a/final_checksums.json" <<'EOF' || return
@@ -174,7 +148,7 @@ EOF
     echo "the run was not killed mid-run after checkpoint 1" >> "$log"
     return 1
   fi
-  step 0 "${cmd[@]}" --workdir=$b || return
+  step "$log" 0 0 "${cmd[@]}" --workdir=$b || return
 
   python3 - "$a" "$b" "$iterations" "$out/resume_check.json" >> "$log" 2>&1 <<'EOF'
 """The resumed run against the uninterrupted one: every metrics row's figures but the timings,
@@ -216,11 +190,8 @@ case $which in
 esac
 rc=$?
 
-# Each log cut to its start and end.
-if [ "$(wc -l < "$log")" -gt 300 ]; then
-  { head -n 60 "$log"; echo "[... $(( $(wc -l < "$log") - 300 )) lines cut ...]"; tail -n 240 "$log"; } > "$log.cut"
-  mv "$log.cut" "$log"
-fi
+# The traces in one archive, each log cut to its start and end.
+pack_results "$out" 60 240
 ls -l "$out"
 grep -h "^===\|samples/s\|compiled memory\|memory:\|resume:\|rel err\|wrote\|rror\|Traceback" "$log" | cut -c1-400
 echo "exit $rc"

@@ -21,15 +21,9 @@
 #   bash benchmarks/sd35_wan22_4gpu.sh /tmp/out
 #   TINY=1 bash benchmarks/sd35_wan22_4gpu.sh /tmp/out    # the same steps at :tiny sizes on CPU
 set -o pipefail
-out=${1:-$OUT}
-[ -n "$out" ] || { echo "usage: bash benchmarks/sd35_wan22_4gpu.sh OUT_DIR"; exit 2; }
-mkdir -p "$out" && out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.." || exit 2
-deadline=$(( SECONDS + ${BUDGET_S:-415} ))
-ulimit -c 0  # an aborted step leaves no core dump of a process holding tens of GB
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
-noise="Unable to initialize backend\|checkpoint_manager\|checkpoint_handler\|checkpointer.py\|absl::InitializeLog\|slow_operation_alarm\|Very slow compile\|^\*\*\*\*\|^$"
+source "$(dirname "$0")/deadline.sh"  # open_out, start_deadline, step, pack_results, noise
+open_out "${1:-$OUT}" "usage: bash benchmarks/sd35_wan22_4gpu.sh OUT_DIR"
+start_deadline 415
 
 if [ -n "$TINY" ]; then
   export JAX_PLATFORMS=cpu
@@ -48,34 +42,19 @@ fi
 system=(--mode=system --config=$sd35 --config.model.random_init=True --config.data.random_embeddings=True "${sizes[@]}"
         --warmup_iterations=1 --iterations=2)
 
-# step LOG RESERVE_S CMD...: CMD under the deadline less RESERVE_S (kept for the job's later
-# steps), its output filtered into LOG.
-step() {
-  local log=$1 reserve=$2; shift 2
-  local limit=$(( deadline - SECONDS - reserve )) start=$SECONDS rc
-  if [ $limit -lt 20 ]; then
-    echo "=== skipped (only ${limit} s left): $*" >> "$log"
-    return
-  fi
-  echo "=== $(date -u +%T) limit ${limit} s: $*" >> "$log"
-  timeout -s ABRT -k 15 $limit "$@" 2>&1 | grep --line-buffered -v "$noise" >> "$log"
-  rc=${PIPESTATUS[0]}  # 124: stopped at its limit
-  echo "=== rc $rc after $(( SECONDS - start )) s" >> "$log"
-}
-
 gpu0() {
   local log=$out/log_gpu0_sd35m_1gpu.txt
   export CUDA_VISIBLE_DEVICES=0; devices 1
   JAX_PLATFORMS=$test_platforms XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    step "$log" 240 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_sd3.py -k full_size
-  step "$log" 0 python3 launch/bench.py "${system[@]}" --modes=colocated --workdir=/tmp/w_sd35_1 \
+    step "$log" 240 0 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_sd3.py -k full_size
+  step "$log" 0 0 python3 launch/bench.py "${system[@]}" --modes=colocated --workdir=/tmp/w_sd35_1 \
     --out="$out/system_sd35m_1gpu_colocated.json"
 }
 
 gpu12() {
   local log=$out/log_gpu12_sd35m_2gpu.txt
   export CUDA_VISIBLE_DEVICES=1,2; devices 2
-  step "$log" 0 python3 launch/bench.py "${system[@]}" --modes=gap+tsp+tag+tcss,colocated \
+  step "$log" 0 0 python3 launch/bench.py "${system[@]}" --modes=gap+tsp+tag+tcss,colocated \
     --config.runtime.rollout_devices=1 --config.runtime.train_devices=0 --workdir=/tmp/w_sd35_2 \
     --out="$out/system_sd35m_2gpu_full_colocated.json"
 }
@@ -84,8 +63,8 @@ gpu3() {
   local log=$out/log_gpu3_wan22_ti2v5b.txt
   export CUDA_VISIBLE_DEVICES=3; devices 1
   JAX_PLATFORMS=$test_platforms XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    step "$log" 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_wan22.py -k full_size
-  step "$log" 0 python3 launch/bench.py --mode=model --family=wan22 "${wan[@]}" --what=forward,lora_fwd_bwd \
+    step "$log" 200 0 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_wan22.py -k full_size
+  step "$log" 0 0 python3 launch/bench.py --mode=model --family=wan22 "${wan[@]}" --what=forward,lora_fwd_bwd \
     --lora_rank=32 --remat_policy=full --warmup=1 --peer --out="$out/model_wan22_ti2v5b_lora_peer.json"
 }
 
@@ -93,15 +72,6 @@ gpu3() {
 wait
 
 # At most 8 files come back: the traces in one archive, each log cut to its start and end.
-traces=$(cd "$out" && ls -d ./*_traces 2>/dev/null)
-if [ -n "$traces" ]; then
-  (cd "$out" && tar czf traces.tar.gz $traces && rm -rf $traces)
-fi
-for log in "$out"/log_*.txt; do
-  if [ "$(wc -l < "$log")" -gt 200 ]; then
-    { head -n 40 "$log"; echo "[... $(( $(wc -l < "$log") - 200 )) lines cut ...]"; tail -n 160 "$log"; } > "$log.cut"
-    mv "$log.cut" "$log"
-  fi
-done
+pack_results "$out"
 ls -l "$out"
 grep -h "^===\|samples/s\|rel err\|passed\|failed\|skipped\|wrote\|median\|error" "$out"/log_*.txt | cut -c1-300

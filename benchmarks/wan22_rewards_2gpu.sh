@@ -30,22 +30,17 @@
 #   TINY=1 bash benchmarks/wan22_rewards_2gpu.sh /tmp/out    # the same steps at :tiny sizes on CPU
 #   JOBS=gpu1 GPU1=0 bash benchmarks/wan22_rewards_2gpu.sh /tmp/out    # GPU 1's job on a 1-GPU host
 set -o pipefail
-out=${1:-$OUT}
-[ -n "$out" ] || { echo "usage: bash benchmarks/wan22_rewards_2gpu.sh OUT_DIR"; exit 2; }
-mkdir -p "$out" && out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.." || exit 2
+source "$(dirname "$0")/deadline.sh"  # open_out, start_deadline, step, pack_results, noise
+open_out "${1:-$OUT}" "usage: bash benchmarks/wan22_rewards_2gpu.sh OUT_DIR"
 jobs=" ${JOBS:-gpu0 gpu1 pair} "
 wan_variants=${WAN_VARIANTS:-ti2v_5b t2v_a14b}
-ulimit -c 0  # an aborted step leaves no core dump of a process holding tens of GB
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # convert/ imports digen_jax
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
-noise="Unable to initialize backend\|checkpoint_manager\|checkpoint_handler\|checkpointer.py\|absl::InitializeLog\|slow_operation_alarm\|Very slow compile\|event_tracking.py\|async_io_engine.py\|array_metadata_store.py\|jax_array_handlers.py\|^\*\*\*\*\|^$"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # convert/ imports digen_jax
 sources=/tmp/reward_sources  # the random reference models, as downloaded
 converted=/tmp/reward_checkpoints  # their conversions: one folder per reward
 
 if [ -n "$TINY" ]; then
   export JAX_PLATFORMS=cpu
-  deadline=$(( SECONDS + ${BUDGET_S:-3600} ))  # CPU: every step runs, whatever it takes
+  start_deadline 3600  # CPU: every step runs, whatever it takes
   sd35=configs/sd35.py:tiny
   wan_config=(configs/wan22.py:tiny configs/wan22.py:tiny_a14b)
   wan_chunk=6  # the tiny recipe trains 3 steps: 2 samples x 3 per micro-batch
@@ -57,7 +52,7 @@ if [ -n "$TINY" ]; then
   tests=(-m "not gpu" -k "score_matches_the_package or hpsv2_matches_open_clip or hpsv2_architecture")
   devices() { export XLA_FLAGS="--xla_force_host_platform_device_count=$1"; }
 else
-  deadline=$(( SECONDS + ${BUDGET_S:-480} ))
+  start_deadline 480
   sd35=configs/sd35.py
   wan_config=(configs/wan22.py:ti2v_5b configs/wan22.py:t2v_a14b)
   wan_chunk=19  # 2 videos x 19 trained steps per micro-batch
@@ -79,22 +74,6 @@ a14b_system=(--mode=system --config=${wan_config[1]} "${random[@]}" "${a14b_size
              --config.model.rollout_precision=fp8 --config.rl.prompts_per_iteration=1 --config.rl.group_size=2
              --config.runtime.micro_batches=1 --config.rl.num_updates_per_batch=1
              --config.rl.grad_chunk_size=$wan_chunk --iterations=1)
-
-# step LOG RESERVE_S MIN_S CMD...: CMD under the deadline less RESERVE_S (kept for the job's later
-# steps), its output filtered into LOG; skipped when less than MIN_S (at least 20) would be left.
-step() {
-  local log=$1 reserve=$2 min=$3; shift 3
-  local limit=$(( deadline - SECONDS - reserve )) start=$SECONDS rc
-  if [ $limit -lt $min ] || [ $limit -lt 20 ]; then
-    echo "=== skipped (${limit} s left, it needs ${min}): $*" >> "$log"
-    return 1
-  fi
-  echo "=== $(date -u +%T) limit ${limit} s: $*" >> "$log"
-  timeout -s ABRT -k 15 $limit "$@" 2>&1 | grep --line-buffered -v "$noise" >> "$log"
-  rc=${PIPESTATUS[0]}  # 124: stopped at its limit
-  echo "=== rc $rc after $(( SECONDS - start )) s" >> "$log"
-  return $rc
-}
 
 # The random reference models and their conversions, on the host CPUs only.
 reward_checkpoints() {
@@ -163,16 +142,6 @@ wait
 [[ $jobs == *" pair "* ]] && ( pair )
 
 # At most 8 files come back: the traces in one archive, each log cut to its start and end.
-traces=$(cd "$out" && ls -d ./*_traces 2>/dev/null)
-if [ -n "$traces" ]; then
-  (cd "$out" && tar czf traces.tar.gz $traces && rm -rf $traces)
-fi
-for log in "$out"/log_*.txt; do
-  [ -f "$log" ] || continue
-  if [ "$(wc -l < "$log")" -gt 200 ]; then
-    { head -n 40 "$log"; echo "[... $(( $(wc -l < "$log") - 200 )) lines cut ...]"; tail -n 160 "$log"; } > "$log.cut"
-    mv "$log.cut" "$log"
-  fi
-done
+pack_results "$out"
 ls -l "$out"
 grep -h "^===\|samples/s\|rel err\|passed\|failed\|skipped\|wrote\|median\|error" "$out"/log_*.txt | cut -c1-300
