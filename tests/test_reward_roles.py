@@ -151,9 +151,9 @@ def test_remote_scorer_dying_mid_run_fails_the_iteration_and_trains_nothing(tmp_
     saved = {}
     save = run_checkpoints.save
 
-    def recording_save(executor, manager, iterations_done, config):
+    def recording_save(executor, manager, iterations_done, config, **options):
         saved[iterations_done] = jax.device_get(executor.state.trainable)
-        save(executor, manager, iterations_done, config)
+        save(executor, manager, iterations_done, config, **options)
 
     monkeypatch.setattr(run_checkpoints, "save", recording_save)
     with Serving(server) as serving:
