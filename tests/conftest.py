@@ -22,11 +22,6 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Compiling is most of the suite's CPU time and its programs run for milliseconds: on a CPU-only
-# run, LLVM compiles them unoptimised (about 15% less compile time; the arithmetic is IEEE either
-# way, and every comparison within the suite is between programs compiled alike).
-if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 from digen_jax import xla_flags  # noqa: E402  (imports no JAX)
 
