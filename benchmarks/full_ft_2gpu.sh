@@ -17,6 +17,9 @@
 #           (rl.optimizer_state_dtype=param), and without the EMA (rl.ema=False), the plan's
 #           train role then 96.0 GiB of 111.6 usable. Expect about 450-540 s with an empty
 #           compilation cache (compiles of 100-250 s per mode).
+#   one:    the pair's colocated mode on a 1-GPU host (the same recipe, sizes and offloaded bf16
+#           moments), 1 warm-up + 2 timed iterations, the host's memory logged every 5 s (the
+#           initial weights' host copy and the moments' pinned buffers share it). About 250-350 s.
 #   resume: launch/train.py, FLUX.1-dev LoRA (configs/flux.py, rank 64) colocated on both GPUs,
 #           2 prompts x 4 images, 3 iterations, a checkpoint after each (1 kept): an
 #           uninterrupted run; the same command killed with SIGKILL once checkpoint 1 is written,
@@ -34,13 +37,14 @@
 #   pair:   simulate_flux_full_h200x2.txt (the simulator's predictions and memory plans of both
 #           layouts), system_flux_full_2gpu_pair.json, compiled_memory_flux_full_2gpu_pair.json,
 #           traces.tar.gz, log_pair.txt
+#   one:    system_flux_full_1gpu.json, compiled_memory_flux_full_1gpu.json, traces.tar.gz, log_one.txt
 #   resume: resume_check.json (the verdict and both runs' rows and checksums), log_resume.txt
 #   bash benchmarks/full_ft_2gpu.sh pair /tmp/out
 #   TINY=1 bash benchmarks/full_ft_2gpu.sh resume /tmp/out   # the same steps at :tiny sizes on 2 CPU devices
 set -o pipefail
 source "$(dirname "$0")/deadline.sh"  # open_out, start_deadline, step, pack_results, noise
-which=${1:?pair or resume}
-open_out "${2:-$OUT}" "usage: bash benchmarks/full_ft_2gpu.sh pair|resume OUT_DIR [FLAGS...]"
+which=${1:?pair, one or resume}
+open_out "${2:-$OUT}" "usage: bash benchmarks/full_ft_2gpu.sh pair|one|resume OUT_DIR [FLAGS...]"
 start_deadline 540
 log=$out/log_$which.txt
 : > "$log"
@@ -102,6 +106,23 @@ for r in d["roles"]:
     print(f"memory: {r['mode']} {r['role']}: plan {size(r['plan_gib'])} (+ {size(r['plan_sync_buffers_gib'])} sync "
           f"buffers), XLA {xla}")
 EOF
+  return $rc
+}
+
+one() {
+  # Colocated on a 1-GPU host: the same recipe and sizes as `pair`, with the host's memory logged
+  # every 5 s (the moments' pinned buffers and the initial weights' host copy share it).
+  local full=(--config.runtime.offload_optimizer=True --config.rl.optimizer_state_dtype=param --config.rl.ema=False)
+  (while sleep 5; do echo "host: $(free -g | awk '/^Mem/ {print $3 " GiB used, " $7 " GiB available of " $2}')"; done) >> "$log" &
+  local monitor=$!
+  step "$log" 0 0 python3 benchmarks/compiled_memory.py --memory_out="$out/compiled_memory_flux_full_1gpu.json" \
+    --mode=system --config=configs/flux_full.py$size --config.model.random_init=True --config.data.random_embeddings=True \
+    "${pair_sizes[@]}" "${full[@]}" --config.runtime.check_memory=False --modes=colocated \
+    --warmup_iterations=1 --iterations=2 --matmul_size=0 --workdir=/tmp/w_flux_full_1gpu \
+    --out="$out/system_flux_full_1gpu.json" "$@"
+  local rc=$?
+  kill $monitor
+  echo "host memory peak: $(grep '^host: ' "$log" | sort -n -k2 | tail -n 1 | cut -c7-)" >> "$log"
   return $rc
 }
 
@@ -185,8 +206,9 @@ EOF
 
 case $which in
   pair) pair "${@:3}" ;;
+  one) one "${@:3}" ;;
   resume) resume "${@:3}" ;;
-  *) echo "unknown: $which (pair or resume)"; exit 2 ;;
+  *) echo "unknown: $which (pair, one or resume)"; exit 2 ;;
 esac
 rc=$?
 

@@ -72,8 +72,10 @@ def main(argv):
         sys.exit(f"error: {e}")
     if state is None:
         print(f"no checkpoint in {_WORKDIR.value}/checkpoints: sampling the base model")
-        state = run.state
-    params = run.trainer.params_for(state.ema if state.ema is not None else state.trainable)
+        state = run.state  # an initial state: its EMA (if any) is the weights themselves
+        params = run.trainer.params_for(state.trainable)
+    else:
+        params = run.trainer.params_for(state.ema if state.ema is not None else state.trainable)
     noise = np.full((run.sampler.num_steps,), _NOISE.value, np.float32)
     traj = run.sampler.rollout(params, run.eval_cond, run.eval_keys, noise, run.latent_shape, state.version)
     rewards, _ = run.score(traj.final, run.eval_ids)

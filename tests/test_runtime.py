@@ -21,6 +21,7 @@ from digen_jax.app.errors import ConfigError
 from digen_jax.app.validation import validate_config
 from digen_jax.rl import nft as nft_lib
 from digen_jax.rl.grpo_trainer import GrpoTrainer
+from digen_jax.rl.trainer import is_unbuilt
 from digen_jax.runtime import executor as executor_lib
 from digen_jax.runtime import figures as figures_lib
 from digen_jax.runtime import mesh as mesh_lib
@@ -266,10 +267,19 @@ def test_offloaded_optimizer_state_gives_the_same_numbers(runs, cache_dir, tmp_p
     """Full fine-tuning with FSDP train rules and `runtime.offload_optimizer`: the Adam moments
     live in pinned host memory between updates, sharded like their weights, and every mode's
     weights and optimizer state after two iterations are bit-equal to keeping them on the
-    devices (the same `Run`, so the same initial weights and compiled steps)."""
+    devices (the same `Run`, so the same initial weights and compiled steps). The executor
+    starts from the initial state a run on an accelerator holds (`Trainer.unbuilt_state`: the
+    weights in host memory, the moments made where they are placed)."""
     config = runtime_config(cache_dir, mode, offload_optimizer=True)
     assert config.rl.lora_rank == 0 and mesh_lib.shards_weights(config.sharding.train_rules)
-    executor = Executor(runs["run"], settings=run_settings(config), trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    run = runs["run"]
+    initial = run.state
+    run.state = run.trainer.unbuilt_state(initial.trainable)
+    assert is_unbuilt(run.state) and not is_unbuilt(initial)
+    try:
+        executor = Executor(run, settings=run_settings(config), trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
+    finally:
+        run.state = initial
     for k in range(ITERATIONS):
         executor.iteration(k)
     executor.close()

@@ -10,7 +10,8 @@ import pytest
 from configs import tiny
 from digen_jax.rl import make_optimizer
 from digen_jax.app.config_ranges import CHOICES, RANGES, check_ranges
-from digen_jax.rl.trainer import LossConfig, Trainer
+from digen_jax.rl.nft_trainer import NftConfig, NftTrainer
+from digen_jax.rl.trainer import LossConfig, Trainer, is_unbuilt
 from digen_jax.app.errors import ConfigError
 
 
@@ -158,3 +159,26 @@ def test_optional_keys_accept_none_and_boundaries():
     config.rl.max_update_ratio = math.inf
     config.train.checkpoint_every = 0
     check_ranges(config)
+
+
+@pytest.mark.parametrize("state_dtype", ["param", "float32"])
+def test_an_unbuilt_initial_state_is_built_where_it_is_placed_equal_to_init_state(state_dtype):
+    """`Trainer.unbuilt_state` holds only the weights; `build_state` makes the moments, EMA and
+    (DiffusionNFT) old policy on the given shardings, leaf for leaf equal to `init_state`."""
+    params = {"w": jnp.full((16, 8), 0.25, jnp.bfloat16), "b": jnp.full((8,), -0.5, jnp.bfloat16)}
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    row = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    for trainer in (Trainer(None, None, make_optimizer(1e-3, state_dtype=state_dtype), LossConfig(use_ema=True)),
+                    NftTrainer(None, None, make_optimizer(1e-3, state_dtype=state_dtype), LossConfig(), NftConfig())):
+        want = trainer.init_state(params)
+        unbuilt = trainer.unbuilt_state(params)
+        assert is_unbuilt(unbuilt) and not is_unbuilt(want)
+        assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(unbuilt.opt_state))
+        sharding = jax.tree.map(lambda a: row if a.ndim else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                                want)
+        placed = jax.device_put(params, sharding.trainable)
+        got = trainer.build_state(placed, sharding)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for g, w, s in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(sharding)):
+            assert g.dtype == w.dtype and g.sharding == s
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))

@@ -99,16 +99,7 @@ class Run:
                                       NftConfig(rl.nft_solver, rl.nft_beta, rl.nft_decay))
         else:
             self.trainer = GrpoTrainer(self.sampler, frozen, optimizer, loss_cfg)
-        # The initial state, in host memory (the CPU backend); the executor places it on its train
-        # devices' shardings and holds the live one. Built on one accelerator, full fine-tuning's
-        # weights and Adam moments (Qwen-Image-20B: 82 GB in bf16) would not fit it, and the copy
-        # kept there for other modes and resumes would crowd the sharded run.
-        host = mesh_lib.host_device()
-        if host.platform == jax.devices()[0].platform:  # no accelerator: the host is where it is built
-            self.state = self.trainer.init_state(trainable)
-        else:
-            with jax.default_device(host):
-                self.state = self.trainer.init_state(jax.device_put(trainable, host))
+        self.state = self.initial_state(trainable)
         # Every process saves and restores at the same points; with several, the train role's
         # processes write their own shards (run_checkpoints.save) into a directory every process reads.
         self.checkpoints = run_checkpoints.open_manager(workdir, config)
@@ -116,6 +107,19 @@ class Run:
         self.eval_ids, self.eval_cond = self.workload.eval_batch(config.train.eval_prompts)
         self.eval_keys = jax.random.split(jax.random.key(config.seed + 8), config.train.eval_prompts)
         self._writer = None
+
+    def initial_state(self, trainable):
+        """The train state `trainable` starts from, in host memory (the CPU backend); the executor
+        places it on its train devices' shardings and holds the live one. Built on one
+        accelerator, full fine-tuning's weights and Adam moments (Qwen-Image-20B: 82 GB in bf16)
+        would not fit it, and the copy kept there for other modes and resumes would crowd the
+        sharded run. With an accelerator only the weights are copied to host memory: the rest
+        (`Trainer.unbuilt_state`) is made where the executor places it, so the host never holds
+        the moments beside their offloaded buffers."""
+        host = mesh_lib.host_device()
+        if host.platform == jax.devices()[0].platform:  # no accelerator: the host is where it is built
+            return self.trainer.init_state(trainable)
+        return self.trainer.unbuilt_state(jax.device_put(trainable, host))
 
     @property
     def writer(self):
@@ -442,7 +446,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, log: Callable[[str],
     run = Run(config, workdir, log, validated=True)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     if init_from is not None:
-        run.state = run.trainer.init_state(warm_start.load_init_from(*init_from, run.state.trainable, config, log))
+        run.state = run.initial_state(warm_start.load_init_from(*init_from, run.state.trainable, config, log))
     executor = Executor(run, log=log)
     # The executor holds the live state on its train devices; a training run never reads the
     # initial copy in host memory again (full fine-tuning's weights and Adam moments: 72 GB for

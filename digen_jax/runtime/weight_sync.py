@@ -41,7 +41,7 @@ import flax.linen as nn
 import jax
 
 from digen_jax.rl import lora, quantized_params
-from digen_jax.rl.trainer import Trainer, TrainState
+from digen_jax.rl.trainer import Trainer, TrainState, is_unbuilt
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.settings import ShardingRules
 from digen_jax.runtime.transfer import own_copy_everywhere, put_in_pieces, put_own_copy, transfer
@@ -249,5 +249,8 @@ class RoleWeights:
     def fresh_state(self, state: TrainState, sharding: TrainState) -> TrainState:
         """`state` copied onto `sharding` in bounded pieces (`transfer.put_in_pieces`): the update
         donates the state it is given, so the caller's copy survives (a resume, or other modes of
-        one run)."""
+        one run). An unbuilt initial state (`Trainer.unbuilt_state`) has only its trainable weights
+        copied; the rest is made on `sharding`."""
+        if is_unbuilt(state):
+            return self.trainer.build_state(put_in_pieces(state.trainable, sharding.trainable), sharding)
         return put_in_pieces(state, sharding)
