@@ -129,7 +129,7 @@ one() {
 resume() {
   local a=/tmp/w_ft2_uninterrupted b=/tmp/w_ft2_killed
   rm -rf "$a" "$b"
-  local cmd=(python3 launch/train.py --config=configs/flux.py$size --config.model.random_init=True
+  local cmd=(python3 launch/train.py --config=${RESUME_CONFIG:-configs/flux.py}$size --config.model.random_init=True
              --config.data.random_embeddings=True "${resume_sizes[@]}" --config.train.checkpoint_every=1
              --config.train.keep_checkpoints=1 --config.train.image_every=0 --config.runtime.check_memory=False "$@")
   local iterations

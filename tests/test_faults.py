@@ -291,6 +291,13 @@ def test_checksums_see_one_changed_word_and_agree_across_shardings():
     placed = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec("a", "b"))) if a.ndim == 2
                           else a, tree)
     assert checksums(placed) == sums == checksums(jax.device_get(tree))
+    # Offloaded leaves (`runtime.offload_optimizer`: in pinned host memory), sharded or replicated,
+    # are summed on their devices one at a time, to the same values.
+    offloaded = {name: a if name == "key" else jax.device_put(a, NamedSharding(
+        mesh, PartitionSpec("a", "b") if a.ndim == 2 else PartitionSpec()).with_memory_kind("pinned_host"))
+        for name, a in tree.items()}
+    assert {a.sharding.memory_kind for name, a in offloaded.items() if name != "key"} == {"pinned_host"}
+    assert checksums(offloaded) == sums
     for name in ("f32", "bf16", "i8", "flag"):
         host = np.array(tree[name])
         host.reshape(-1).view(np.uint8)[137] ^= 0x01  # one bit of one word
