@@ -12,8 +12,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -22,6 +24,8 @@ from digen_jax.app.checksums import checksums, verify
 from digen_jax.app.errors import RunStopped
 from digen_jax.app.fingerprint import differences, fingerprint
 from digen_jax.app.workdir import WorkdirLock, disk_error
+from digen_jax.rl.trainer import TrainState
+from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime.executor import Executor
 from digen_jax.runtime.trace import read_trace
 from tests import test_train_loop as train_loop
@@ -307,6 +311,29 @@ def test_checksums_see_one_changed_word_and_agree_across_shardings():
     assert checksums({**tree, "f32": swapped})["['f32']"] != sums["['f32']"]
     with pytest.raises(ValueError, match=r"the data of state\['f32'\] does not match the checksum"):
         verify("state", {**tree, "f32": swapped}, sums)
+
+
+def test_a_nonfinite_offloaded_moment_is_found_on_the_devices():
+    """`Executor.state_is_finite` before a save: arrays in host memory (offloaded Adam moments)
+    are checked on their devices one at a time, and a NaN in one is named as the optimizer state's."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    host = rows.with_memory_kind(mesh_lib.HOST_MEMORY)
+    weights = {"w": jax.device_put(np.ones((4, 3), np.float32), rows)}
+
+    def state(moment):
+        moments = {"mu": jax.device_put(moment, host), "count": jax.device_put(np.int32(1), NamedSharding(
+            mesh, PartitionSpec()).with_memory_kind(mesh_lib.HOST_MEMORY))}
+        return TrainState(version=jnp.int32(1), trainable=weights, opt_state=moments, ema=None, nonfinite_streak=jnp.int32(0))
+
+    assert mesh_lib.in_host_memory(state(np.zeros((4, 3), np.float32)).opt_state["mu"])
+    ok = Executor.state_is_finite(types.SimpleNamespace(state=state(np.zeros((4, 3), np.float32))))
+    assert ok == {"trainable weights": True, "optimizer state": True, "EMA weights": True}
+    bad = np.zeros((4, 3), np.float32)
+    bad[3, 1] = np.nan
+    assert Executor.state_is_finite(types.SimpleNamespace(state=state(bad)))["optimizer state"] is False
 
 
 # ---------------------------------------------------------------- launch/sample.py

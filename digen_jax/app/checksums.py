@@ -4,11 +4,11 @@ computed: where the arrays live, in any sharding and process layout).
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from digen_jax.runtime.mesh import in_host_memory, reduce_in_host_memory
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
@@ -36,18 +36,6 @@ def _checksums(leaves: list) -> list[jax.Array]:
     return [_leaf_checksum(leaf) for leaf in leaves]
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _offloaded_checksum(x: jax.Array, on_device) -> jax.Array:
-    """`_leaf_checksum` of `x`, an array in host memory, brought onto its devices (`on_device`)
-    inside the program: XLA computes nothing in host memory."""
-    return _leaf_checksum(jax.device_put(x, on_device))
-
-
-def _offloaded(x) -> bool:
-    """True for an array in host memory (`runtime.offload_optimizer`'s moments)."""
-    return isinstance(x, jax.Array) and x.sharding.memory_kind not in (None, "device")
-
-
 def checksums(tree) -> dict[str, int]:
     """{leaf path: checksum} of the arrays of `tree` (`_leaf_checksum`); every process that holds
     part of them calls it (one scalar read per leaf, at a save or a restore). Arrays in host
@@ -57,11 +45,11 @@ def checksums(tree) -> dict[str, int]:
     paths = [jax.tree_util.keystr(path) for path, _ in flat]
     leaves = [leaf for _, leaf in flat]
     read = lambda v: int(np.asarray(v.addressable_shards[0].data))  # noqa: E731
-    on_devices = [i for i, leaf in enumerate(leaves) if not _offloaded(leaf)]
+    on_devices = [i for i, leaf in enumerate(leaves) if not in_host_memory(leaf)]
     values = {i: read(v) for i, v in zip(on_devices, _checksums([leaves[i] for i in on_devices]))}
     for i, leaf in enumerate(leaves):
-        if i not in values:  # each read before the next is dispatched: one at a time on the devices
-            values[i] = read(_offloaded_checksum(leaf, leaf.sharding.with_memory_kind("device")))
+        if i not in values:  # each read before the next is reduced (`reduce_in_host_memory`)
+            values[i] = read(reduce_in_host_memory(_leaf_checksum, leaf))
     return {path: values[i] for i, path in enumerate(paths)}
 
 

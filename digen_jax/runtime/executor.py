@@ -89,18 +89,17 @@ class Job(Protocol):
         """Rewards of decoded samples on the host: (B,) and the per-reward arrays."""
 
 
-@jax.jit
-def _finite_parts(state: TrainState) -> dict:
-    """Whether the weights, optimizer state, EMA (and old policy) of `state` are each free of NaN and inf."""
-    def finite(tree):
-        leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-        return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+def _finite(x: jax.Array) -> jax.Array:
+    return jnp.all(jnp.isfinite(x))
 
-    parts = {"trainable weights": finite(state.trainable), "optimizer state": finite(state.opt_state),
-             "EMA weights": finite(state.ema)}
-    if state.old is not None:
-        parts["old-policy weights"] = finite(state.old)
-    return parts
+
+@jax.jit
+def _finite_parts(parts: dict) -> dict:
+    """{part: whether every array of it is free of NaN and inf}."""
+    def finite(leaves):
+        return jnp.all(jnp.stack([_finite(x) for x in leaves])) if leaves else jnp.bool_(True)
+
+    return {name: finite(leaves) for name, leaves in parts.items()}
 
 
 class Executor(ElasticSplit, RewardScoring, Crossings):
@@ -530,8 +529,22 @@ class Executor(ElasticSplit, RewardScoring, Crossings):
         }
 
     def state_is_finite(self) -> dict[str, bool]:
-        """Whether the weights, optimizer state and EMA of the live state are free of NaN and inf."""
-        return jax.device_get(to_every_process(_finite_parts(self.state)))
+        """Whether the weights, optimizer state, EMA (and old policy) of the live state are each
+        free of NaN and inf. Arrays in host memory (offloaded moments) are checked one at a time
+        on their devices (`mesh.reduce_in_host_memory`)."""
+        state = self.state
+        parts = {"trainable weights": state.trainable, "optimizer state": state.opt_state, "EMA weights": state.ema}
+        if state.old is not None:
+            parts["old-policy weights"] = state.old
+        floats = {name: [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+                  for name, tree in parts.items()}
+        on_devices = {name: [x for x in leaves if not mesh_lib.in_host_memory(x)] for name, leaves in floats.items()}
+        finite = jax.device_get(to_every_process(_finite_parts(on_devices)))
+        for name, leaves in floats.items():
+            for x in leaves:
+                if finite[name] and mesh_lib.in_host_memory(x):
+                    finite[name] = jax.device_get(to_every_process(mesh_lib.reduce_in_host_memory(_finite, x)))
+        return {name: bool(ok) for name, ok in finite.items()}
 
     def resume(self, step: int, state: TrainState, carried: dict, measured: list,
                split: tuple[int, int] | None = None) -> None:

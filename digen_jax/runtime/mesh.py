@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -220,6 +220,24 @@ def like_params(tree: Any, params_sharding: Any, mesh: Mesh) -> Any:
 # Memory kind of state kept off the devices (`runtime.offload_optimizer`): page-locked host memory,
 # which devices copy from by DMA; the CPU backend has it too (jax 0.10 and later).
 HOST_MEMORY = "pinned_host"
+
+
+def in_host_memory(x: Any) -> bool:
+    """True for an array kept in host memory (`runtime.offload_optimizer`'s moments)."""
+    return isinstance(x, jax.Array) and x.sharding.memory_kind not in (None, "device")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _on_its_devices(fn, x, on_device):
+    return fn(jax.device_put(x, on_device))
+
+
+def reduce_in_host_memory(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """`fn(x)`, a reduction, of an array in host memory, computed on its devices: XLA computes
+    nothing in host memory (on a GPU it refuses to compile it), so the program brings `x` onto
+    them first. The caller reads each result before it reduces the next array, so the devices
+    hold one such array at a time and no multi-device programs queue up behind each other."""
+    return _on_its_devices(fn, x, x.sharding.with_memory_kind("device"))
 
 
 def optimizer_state_shardings(optimizer: optax.GradientTransformation, trainable: Any, trainable_sharding: Any, mesh: Mesh) -> Any:
