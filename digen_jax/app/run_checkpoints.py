@@ -307,6 +307,11 @@ def save(executor, manager: ocp.CheckpointManager, iterations_done: int, config:
     if carried is not None:
         items["carried"] = ocp.args.PyTreeSave(jax.tree.map(lambda a: _on_role(a, executor.meshes.train), carried))
     manager.save(iterations_done, args=ocp.args.Composite(**items))
+    if any(mesh_lib.in_host_memory(x) for x in jax.tree.leaves(executor.state)):
+        # Orbax writes arrays in host memory (offloaded moments) from their own buffers, in the
+        # background; the next update donates those buffers, which XLA refuses while they are
+        # read. The write finishes first (device arrays are copied to the host before `save` returns).
+        manager.wait_until_finished()
 
 
 def _writable(x: jax.Array, sharding: NamedSharding) -> jax.Array:
