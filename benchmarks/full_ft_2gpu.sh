@@ -30,7 +30,8 @@
 #           (bf16 weights and moments, no EMA), and orbax writes a checkpoint before it deletes
 #           the one before, so a run checkpointing every iteration holds two (133 GiB) on a
 #           128 GiB disk. Extra arguments go to train.py (`--config.rl.lora_rank=0 ...` on a
-#           larger disk). XLA's deterministic ops and XLA's attention are on (DETERMINISTIC=0 turns them off).
+#           larger disk, or fewer blocks: --config.model.num_layers / num_single_layers; RESUME_CONFIG=configs/flux_full.py
+#           for the full fine-tuning recipe). XLA's deterministic ops and XLA's attention are on (DETERMINISTIC=0 turns them off).
 #           Expect about 250-350 s with an empty cache.
 # Further arguments ($3...) go to the bench (pair) or to train.py (resume).
 # Writes under $2 (default $OUT), at most 8 files per call:
