@@ -303,13 +303,16 @@ def _full_mode_costs(work, pool, mode=plan_lib.BEST_MODE, microbatches=4):
 
 def test_the_measured_rerank_switches_to_what_the_measured_costs_favour_past_the_margin():
     """`run_sizing.rerank` (pure): Qwen-Image-20B, 32 images on 2 H200s, where the cost model puts
-    the full mode (1+1) 5% ahead of colocated. Measured costs replace the model's at the running
-    sizing and scale it elsewhere; the run switches only past the margin."""
+    the full mode (1+1, at its best micro-batch count) 5% ahead of colocated. Measured costs
+    replace the model's at the running sizing and scale it elsewhere; the run switches only past
+    the margin."""
     config = _zoo_config()
     work, pool, allowed = run_sizing.iteration_work(config), task_costs.Pool.parse("h200:2"), run_sizing._runs(config)
-    full = {"mode": plan_lib.BEST_MODE, "rollout_devices": 1, "train_devices": 1, "micro_batches": 4}
+    best = sim.autosize(work, pool, allowed=allowed)
+    assert (best.rollout_devices, best.train_devices) == (1, 1)
+    full = {"mode": plan_lib.BEST_MODE, "rollout_devices": 1, "train_devices": 1, "micro_batches": best.microbatches}
     colocated = {"mode": plan_lib.COLOCATED, "rollout_devices": 0, "train_devices": 2, "micro_batches": 2}
-    as_modelled = _full_mode_costs(work, pool)
+    as_modelled = _full_mode_costs(work, pool, microbatches=best.microbatches)
     # Measured as the model predicts: the full mode keeps its lead and stays.
     kept = run_sizing.rerank(work, pool, full, as_modelled, margin=0.03, allowed=allowed)
     assert not kept.switch and kept.choice is kept.running

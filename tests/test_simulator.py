@@ -59,7 +59,7 @@ def test_fp8_rollouts_speed_up_the_rollout_role_only(qwen):
     c.model.rollout_precision = "fp8"
     fp8 = run_sizing.iteration_work(c)
     assert fp8.rollout_precision == "fp8" and qwen.rollout_precision == "bf16"
-    eff, pool = cm.Efficiency(step_call_s=0.0), cm.Pool.parse("h100:4")
+    eff, pool = cm.Efficiency(step_call_s=0.0, block_s=0.0), cm.Pool.parse("h100:4")
     bf16_costs = cm.model_costs(qwen, pool, "gap+tsp+tag", 8, eff=eff)
     fp8_costs = cm.model_costs(fp8, pool, "gap+tsp+tag", 8, eff=eff)
     assert fp8_costs.rollout["rollout"] == pytest.approx(bf16_costs.rollout["rollout"] / eff.fp8_rollout_speedup)
@@ -74,7 +74,7 @@ def test_fp8_rollouts_speed_up_the_rollout_role_only(qwen):
 
 
 def test_cost_model_divides_work_over_devices(qwen):
-    h100, eff = cm.device_kind("h100"), cm.Efficiency(step_call_s=0.0, train_call_s=0.0)
+    h100, eff = cm.device_kind("h100"), cm.Efficiency(step_call_s=0.0, block_s=0.0, train_call_s=0.0)
     one = cm.rollout_mb_s(qwen, 64, h100, 4, eff)
     assert cm.rollout_mb_s(qwen, 64, h100, 8, eff) == pytest.approx(one / 2)
     assert one == pytest.approx(10 * 16 * qwen.step_flops / (h100.bf16_flops * eff.rollout))
@@ -161,7 +161,8 @@ def test_several_updates_per_batch_in_every_mode(qwen):
 def test_cost_model_moves_with_efficiency(qwen):
     """Predictions respond to the efficiency factors the way the cost formulas say."""
     pool = cm.Pool.parse("h800:16")
-    big_chunks = cm.Efficiency(train_units_per_device=64)  # compute-bound chunks: no all-gather floor
+    # compute-bound chunks (no all-gather floor) with no batch-independent or exposed-gather seconds
+    big_chunks = cm.Efficiency(train_units_per_device=64, block_s=0.0, gather_exposed=0.0)
     base = sim.simulate(qwen, pool, "disagg_sync", microbatches=1, eff=big_chunks)
     fast_train = sim.simulate(qwen, pool, "disagg_sync", microbatches=1, eff=dataclasses.replace(big_chunks, train=0.8))
     assert fast_train.costs.train == pytest.approx(0.5 * base.costs.train, rel=0.02)
@@ -190,7 +191,7 @@ def test_nft_moves_work_from_rollout_to_training():
     assert (grpo.trained_steps, grpo.unit_forwards) == (2, 1) and (nft.trained_steps, nft.unit_forwards) == (9, 3)
     assert nft.step_flops == grpo.step_flops / 2  # one forward per step instead of a doubled batch
     assert nft.trained_steps * nft.unit_flops > 4 * grpo.trained_steps * grpo.unit_flops
-    pool, eff = cm.Pool.parse("h100:2"), cm.Efficiency(step_call_s=0.0)
+    pool, eff = cm.Pool.parse("h100:2"), cm.Efficiency(step_call_s=0.0, block_s=0.0)
     g, n = (sim.simulate(w, pool, FULL, microbatches=4, eff=eff) for w in (grpo, nft))
     assert n.costs.rollout["rollout"] == pytest.approx(g.costs.rollout["rollout"] / 2)
     assert n.costs.train > 3 * g.costs.train
@@ -213,7 +214,7 @@ def test_nft_prediction_is_the_hand_count_of_a_tiny_setting():
     assert (w.samples, w.num_steps, w.trained_steps, w.unit_forwards) == (4, 4, 3, 3)
     assert (w.step_flops, w.unit_flops) == (forward, unit)
 
-    eff = cm.Efficiency(step_call_s=0.0, train_call_s=0.0, update_call_s=0.0, reward_s_per_sample=0.0,
+    eff = cm.Efficiency(step_call_s=0.0, block_s=0.0, train_call_s=0.0, update_call_s=0.0, reward_s_per_sample=0.0,
                         decode_flops_per_pixel=0.0)
     peak = cm.device_kind("h100").bf16_flops
     p = sim.simulate(w, cm.Pool.parse("h100:2"), "disagg_sync", microbatches=1, eff=eff)

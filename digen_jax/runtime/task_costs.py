@@ -128,12 +128,14 @@ class Efficiency:
     seconds model dispatch and kernel-launch latency of one jitted call.
     """
 
-    rollout: float = 0.50
+    rollout: float = 0.56
     train: float = 0.40
     decode: float = 0.30
     memory: float = 0.70
     link: float = 0.80
     step_call_s: float = 0.002  # one denoising step of a micro-batch
+    block_s: float = 5.9e-4  # BLOCK_S_PLACEHOLDER
+    gather_exposed: float = 0.28  # GATHER_PLACEHOLDER
     train_call_s: float = 0.005  # one gradient chunk
     update_call_s: float = 0.005
     reward_s_per_sample: float = 0.002  # host-side scoring after decode (a cheap reward)
@@ -143,7 +145,7 @@ class Efficiency:
     # 1.25x for Qwen-Image-20B (batch 16) and 1.27x for FLUX.1 (batch 8) at 512x512 on one H100
     # (launch/bench.py --mode=model --what=forward,forward_fp8; benchmarks/README.md).
     fp8_rollout_speedup: float = 1.25
-    train_units_per_device: int = 4  # training units one device holds in a gradient chunk (activation memory)
+    train_units_per_device: int = 16  # training units one device holds in a gradient chunk (activation memory)
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -348,6 +350,17 @@ def _replica_size(w: IterationWork, kind: DeviceKind, devices: int, eff: Efficie
     return size
 
 
+def forward_fixed_s(w: IterationWork, eff: Efficiency) -> float:
+    """The batch-independent seconds of one forward pass of the transformer (`Efficiency.block_s` per block)."""
+    return w.layers * eff.block_s
+
+
+def rollout_fixed_s(w: IterationWork, eff: Efficiency) -> float:
+    """The seconds of a rollout that do not shrink with its batch: every denoising step's call and
+    forward overhead. A piece of a micro-batch pays them in full (`plan.Costs.rollout_fixed`)."""
+    return w.num_steps * (eff.step_call_s + forward_fixed_s(w, eff))
+
+
 def rollout_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int, eff: Efficiency, *,
                  sharded_in: Pool | None = None, fp8: bool = False) -> float:
     """Seconds to roll out `samples` on `devices` of `kind`.
@@ -355,7 +368,9 @@ def rollout_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int,
     Replicated weights (rollout role, offload-style colocated) by default; with `sharded_in`
     (the pool) the weights stay FSDP-sharded and every step all-gathers them, overlapped with
     the step's compute (trainer rollouts, GenRL-style colocated). `fp8`: the forwards run FP8
-    block matmuls (`Efficiency.fp8_rollout_speedup`) from one-byte weights.
+    block matmuls (`Efficiency.fp8_rollout_speedup`) from one-byte weights. Each step costs
+    its batch-independent part (`rollout_fixed_s`) plus the busiest device's samples at
+    `Efficiency.rollout` of the peak, so a device's cost per sample falls as its batch grows.
     """
     rate = kind.bf16_flops * eff.rollout * (eff.fp8_rollout_speedup if fp8 else 1.0)
     if sharded_in is None:
@@ -365,32 +380,42 @@ def rollout_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int,
     else:
         compute = _split(samples, devices) * w.step_flops / rate
         weight_bytes = w.forward_params * (1 if fp8 else w.param_bytes)
-        step = max(compute, sharded_in.fsdp_gather_s(kind, devices, weight_bytes, eff))
-    return w.num_steps * (step + eff.step_call_s)
+        gather = sharded_in.fsdp_gather_s(kind, devices, weight_bytes, eff)
+        step = max(compute, gather) + eff.gather_exposed * gather
+    return w.num_steps * step + rollout_fixed_s(w, eff)
 
 
 def train_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int, pool: Pool, eff: Efficiency, *,
                tsp: bool) -> float:
     """Seconds of one micro-batch's forward+backward on an FSDP group (gradients accumulated).
 
-    A device holds at most `eff.train_units_per_device` units per gradient chunk (memory).
-    Without TSP the grain is the trajectory step: each trained step's samples are spread over
-    the devices and chunked on their own, so a step with fewer samples than devices leaves
-    devices idle and every step pays its own chunks; with TSP the units of all steps are
-    flattened first. Each chunk all-gathers the weights for its forward and again for its
+    Chunks are cut as the executor cuts them: with TSP (and colocated) the units of all trained
+    steps are flattened and cut `rl.grad_chunk_size` at a time; without TSP the grain is the
+    trajectory step, one chunk per trained step of all the micro-batch's samples, so a step
+    with fewer samples than devices leaves devices idle. A device holds at most
+    `eff.train_units_per_device` units of a chunk. Each chunk pays its passes' batch-independent
+    part (`forward_fixed_s` per pass: the forward, its recomputation and the backward, and
+    once more per extra forward) and all-gathers the weights for its forward and again for its
     backward (and reduce-scatters the trainable weights' gradients), overlapped with compute;
     a unit with more forwards (`w.unit_forwards`: DiffusionNFT's old policy, a reference model)
-    gathers once per forward.
+    gathers once per forward. Over an FP8 LoRA base (`model.lora_base_precision='fp8'`) the
+    forwards' share of a unit's FLOPs runs `eff.fp8_rollout_speedup` times faster; the
+    backward's, through the dequantised base, does not (models/fp8.py).
     """
-    cap = eff.train_units_per_device
     if tsp:
         per_device = [_split(samples * w.trained_steps, devices)]
+        chunk = min(eff.train_units_per_device, _split(max(w.grad_chunk_size, 1), devices))
     else:
         per_device = [_split(samples, devices)] * w.trained_steps
-    chunks = [min(cap, n - i) for n in per_device for i in range(0, n, cap)]
+        chunk = min(eff.train_units_per_device, per_device[0])
+    chunks = [min(chunk, n - i) for n in per_device for i in range(0, n, chunk)]
     comm = pool.fsdp_gather_s(kind, devices, (w.unit_forwards + 1) * w.forward_params * w.param_bytes + 4 * w.trainable, eff)
     per_unit = w.unit_flops / (kind.bf16_flops * eff.train)
-    return sum(max(c * per_unit, comm) + eff.train_call_s for c in chunks)
+    if w.lora and w.lora_base_precision == "fp8":
+        forward_share = w.unit_forwards / (w.unit_forwards + 1)  # a LoRA backward through the base ~ one forward
+        per_unit *= forward_share / eff.fp8_rollout_speedup + (1 - forward_share)
+    fixed = eff.train_call_s + (w.unit_forwards + 2) * forward_fixed_s(w, eff)
+    return sum(max(c * per_unit, comm) + eff.gather_exposed * comm + fixed for c in chunks)
 
 
 def update_s(w: IterationWork, kind: DeviceKind, devices: int, pool: Pool, eff: Efficiency) -> float:
@@ -444,6 +469,7 @@ def model_costs(w: IterationWork, pool: Pool, mode: str, microbatches: int, *, s
             train=train_mb_s(w, samples, kind, n, pool, eff, tsp=True),
             update=update,
             sync=0.0,
+            rollout_fixed={"shared": rollout_fixed_s(w, eff)},
         )
     r_kind, t_kind = pool.kind("rollout"), pool.kind("train")
     r_n, t_n = pool.rollout_devices, pool.train_devices
@@ -457,6 +483,7 @@ def model_costs(w: IterationWork, pool: Pool, mode: str, microbatches: int, *, s
         train=train_mb_s(w, samples, t_kind, t_n, pool, eff, tsp=flags.tsp),
         update=update_s(w, t_kind, t_n, pool, eff),
         sync=sync_s(w, pool, eff),
+        rollout_fixed={g: rollout_fixed_s(w, eff) for g in ("rollout", "train")},
     )
 
 
