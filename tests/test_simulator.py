@@ -335,6 +335,56 @@ def test_profile_errors_name_what_is_missing():
         sim.costs_from_profile({"rollout": {"rollout": 1.0}})
 
 
+# ------------------------------------------------------------------ a-priori predictions of GPU runs
+# Every row of benchmarks/README.md's table "Colocated against the full mode, LoRA" (its file column).
+LORA_PAIRS = (
+    "system_qwenimage_2xh200_1_1_bf16_pair", "system_qwenimage_2xh200_1_1_fp8_pair",
+    "system_qwenimage_4xh200_2_2_bf16_pair", "system_qwenimage_4xh200_2_2_fp8_pair",
+    "system_qwenimage_4xh200_1_3_fp8_pair",
+)
+
+
+def _bench_config(argv):
+    """The config a bench record ran: its `--config=` file with the `--config.KEY=VALUE` flags of
+    its argv applied, each value read as the type of the field it sets."""
+    import importlib.util
+
+    path = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
+    spec = importlib.util.spec_from_file_location("bench_config", os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    for flag in argv:
+        if not flag.startswith("--config."):
+            continue
+        key, value = flag[len("--config."):].split("=", 1)
+        *parents, leaf = key.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        old = node[leaf]
+        node[leaf] = value == "True" if isinstance(old, bool) else type(old)(value) if old is not None else value
+    return config
+
+
+@pytest.mark.parametrize("name", LORA_PAIRS)
+def test_a_priori_predictions_of_the_lora_pairs_are_within_10_percent(name):
+    """The cost model alone (no measured costs), given the config and the pool a committed GPU run
+    used, predicts each of its modes at the run's micro-batch count within 10% of the samples/s
+    the run measured (`launch/simulate.py --config=... --pool=h200:N/rollout=R --micro_batches=M`)."""
+    with open(os.path.join(ROOT, "benchmarks", "results", f"{name}.json")) as f:
+        record = json.load(f)
+    config = _bench_config(record["argv"])
+    work = run_sizing.iteration_work(config)
+    pool = cm.Pool.parse(f"{cm.local_kind(record['gpu'])}:{record['num_devices']}/rollout={config.runtime.rollout_devices}")
+    assert work.samples == record["batch"] and set(record["modes"]) == {"colocated", FULL}
+    for mode, measured in record["modes"].items():
+        p = sim.simulate(work, pool, mode, microbatches=int(measured["micro_batches"]))
+        assert p.fits, (name, mode)
+        assert abs(p.samples_per_s / measured["samples_per_s"] - 1) <= 0.10, (
+            f"{name}: {mode} a priori {p.samples_per_s:.4g} samples/s vs measured {measured['samples_per_s']:.4g}")
+
+
 # ------------------------------------------------------------------ autosize, input checks
 def test_autosize_is_at_least_as_good_as_the_naive_split(qwen):
     pool = cm.Pool.parse("h100:8")
