@@ -164,6 +164,21 @@ def test_steady_state_waits_for_a_lagging_prefetch():
     assert plan_lib.choose_split("gap+tsp+tag+tcss", 8, costs)[0] == 2
 
 
+def test_steady_state_is_not_fooled_by_updates_at_the_trainers_pace():
+    # The 2+2 bf16 LoRA pair's measured costs (benchmarks/results/system_qwenimage_4xh200_2_2_bf16_pair.json):
+    # the rollout group has 3 3/8 micro-batches per iteration (18.05 s), the trainer 16.7 s. With 3
+    # prefetched the updates come evenly at the trainer's pace for the first iterations, while the
+    # rollout group eats into its head start; the steady interval is the rollout group's load.
+    costs = plan_lib.Costs(rollout={"rollout": 5.348, "train": 6.016, "shared": 5.348}, reward=0.339, train=3.228,
+                           update=0.007, sync=0.264)
+    steady = plan_lib.steady_state("gap+tsp+tag+tcss", 4, costs, tag=5, prefetch=3, grain=8)
+    assert steady.iteration_s == pytest.approx((4 - 5 / 8) * 5.348)
+    early = plan_lib.schedule(
+        [plan_lib.plan_iteration("gap+tsp+tag+tcss", k, 4, carried=3, tag=5, prefetch=3, grain=8) for k in range(1, 7)], costs)
+    gaps = [early.end[("update", k, 0)] - early.end[("update", k - 1, 0)] for k in (4, 5, 6)]
+    assert gaps == pytest.approx([gaps[0]] * 3) and gaps[0] < 0.95 * steady.iteration_s
+
+
 def test_a_group_goes_on_into_the_next_iteration_without_waiting_for_the_other():
     # Dispatch threads outlive an iteration: while the rollout group still prefetches, the
     # trainer starts the next iteration on the micro-batches it carried, right after its update.

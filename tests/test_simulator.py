@@ -59,7 +59,7 @@ def test_fp8_rollouts_speed_up_the_rollout_role_only(qwen):
     c.model.rollout_precision = "fp8"
     fp8 = run_sizing.iteration_work(c)
     assert fp8.rollout_precision == "fp8" and qwen.rollout_precision == "bf16"
-    eff, pool = cm.Efficiency(step_call_s=0.0), cm.Pool.parse("h100:4")
+    eff, pool = cm.Efficiency(step_call_s=0.0, block_s=0.0), cm.Pool.parse("h100:4")
     bf16_costs = cm.model_costs(qwen, pool, "gap+tsp+tag", 8, eff=eff)
     fp8_costs = cm.model_costs(fp8, pool, "gap+tsp+tag", 8, eff=eff)
     assert fp8_costs.rollout["rollout"] == pytest.approx(bf16_costs.rollout["rollout"] / eff.fp8_rollout_speedup)
@@ -74,7 +74,7 @@ def test_fp8_rollouts_speed_up_the_rollout_role_only(qwen):
 
 
 def test_cost_model_divides_work_over_devices(qwen):
-    h100, eff = cm.device_kind("h100"), cm.Efficiency(step_call_s=0.0, train_call_s=0.0)
+    h100, eff = cm.device_kind("h100"), cm.Efficiency(step_call_s=0.0, block_s=0.0, train_call_s=0.0)
     one = cm.rollout_mb_s(qwen, 64, h100, 4, eff)
     assert cm.rollout_mb_s(qwen, 64, h100, 8, eff) == pytest.approx(one / 2)
     assert one == pytest.approx(10 * 16 * qwen.step_flops / (h100.bf16_flops * eff.rollout))
@@ -161,7 +161,8 @@ def test_several_updates_per_batch_in_every_mode(qwen):
 def test_cost_model_moves_with_efficiency(qwen):
     """Predictions respond to the efficiency factors the way the cost formulas say."""
     pool = cm.Pool.parse("h800:16")
-    big_chunks = cm.Efficiency(train_units_per_device=64)  # compute-bound chunks: no all-gather floor
+    # compute-bound chunks (no all-gather floor) with no batch-independent or exposed-gather seconds
+    big_chunks = cm.Efficiency(train_units_per_device=64, block_s=0.0, gather_exposed=0.0)
     base = sim.simulate(qwen, pool, "disagg_sync", microbatches=1, eff=big_chunks)
     fast_train = sim.simulate(qwen, pool, "disagg_sync", microbatches=1, eff=dataclasses.replace(big_chunks, train=0.8))
     assert fast_train.costs.train == pytest.approx(0.5 * base.costs.train, rel=0.02)
@@ -190,7 +191,7 @@ def test_nft_moves_work_from_rollout_to_training():
     assert (grpo.trained_steps, grpo.unit_forwards) == (2, 1) and (nft.trained_steps, nft.unit_forwards) == (9, 3)
     assert nft.step_flops == grpo.step_flops / 2  # one forward per step instead of a doubled batch
     assert nft.trained_steps * nft.unit_flops > 4 * grpo.trained_steps * grpo.unit_flops
-    pool, eff = cm.Pool.parse("h100:2"), cm.Efficiency(step_call_s=0.0)
+    pool, eff = cm.Pool.parse("h100:2"), cm.Efficiency(step_call_s=0.0, block_s=0.0)
     g, n = (sim.simulate(w, pool, FULL, microbatches=4, eff=eff) for w in (grpo, nft))
     assert n.costs.rollout["rollout"] == pytest.approx(g.costs.rollout["rollout"] / 2)
     assert n.costs.train > 3 * g.costs.train
@@ -213,7 +214,7 @@ def test_nft_prediction_is_the_hand_count_of_a_tiny_setting():
     assert (w.samples, w.num_steps, w.trained_steps, w.unit_forwards) == (4, 4, 3, 3)
     assert (w.step_flops, w.unit_flops) == (forward, unit)
 
-    eff = cm.Efficiency(step_call_s=0.0, train_call_s=0.0, update_call_s=0.0, reward_s_per_sample=0.0,
+    eff = cm.Efficiency(step_call_s=0.0, block_s=0.0, train_call_s=0.0, update_call_s=0.0, reward_s_per_sample=0.0,
                         decode_flops_per_pixel=0.0)
     peak = cm.device_kind("h100").bf16_flops
     p = sim.simulate(w, cm.Pool.parse("h100:2"), "disagg_sync", microbatches=1, eff=eff)
@@ -332,6 +333,56 @@ def test_profile_errors_name_what_is_missing():
         sim.predict_from_profile({"batch": 8, "modes": {"gap": {"costs": {}}}})
     with pytest.raises(ValueError, match="reward"):
         sim.costs_from_profile({"rollout": {"rollout": 1.0}})
+
+
+# ------------------------------------------------------------------ a-priori predictions of GPU runs
+# Every row of benchmarks/README.md's table "Colocated against the full mode, LoRA" (its file column).
+LORA_PAIRS = (
+    "system_qwenimage_2xh200_1_1_bf16_pair", "system_qwenimage_2xh200_1_1_fp8_pair",
+    "system_qwenimage_4xh200_2_2_bf16_pair", "system_qwenimage_4xh200_2_2_fp8_pair",
+    "system_qwenimage_4xh200_1_3_fp8_pair",
+)
+
+
+def _bench_config(argv):
+    """The config a bench record ran: its `--config=` file with the `--config.KEY=VALUE` flags of
+    its argv applied, each value read as the type of the field it sets."""
+    import importlib.util
+
+    path = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
+    spec = importlib.util.spec_from_file_location("bench_config", os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    for flag in argv:
+        if not flag.startswith("--config."):
+            continue
+        key, value = flag[len("--config."):].split("=", 1)
+        *parents, leaf = key.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        old = node[leaf]
+        node[leaf] = value == "True" if isinstance(old, bool) else type(old)(value) if old is not None else value
+    return config
+
+
+@pytest.mark.parametrize("name", LORA_PAIRS)
+def test_a_priori_predictions_of_the_lora_pairs_are_within_10_percent(name):
+    """The cost model alone (no measured costs), given the config and the pool a committed GPU run
+    used, predicts each of its modes at the run's micro-batch count within 10% of the samples/s
+    the run measured (`launch/simulate.py --config=... --pool=h200:N/rollout=R --micro_batches=M`)."""
+    with open(os.path.join(ROOT, "benchmarks", "results", f"{name}.json")) as f:
+        record = json.load(f)
+    config = _bench_config(record["argv"])
+    work = run_sizing.iteration_work(config)
+    pool = cm.Pool.parse(f"{cm.local_kind(record['gpu'])}:{record['num_devices']}/rollout={config.runtime.rollout_devices}")
+    assert work.samples == record["batch"] and set(record["modes"]) == {"colocated", FULL}
+    for mode, measured in record["modes"].items():
+        p = sim.simulate(work, pool, mode, microbatches=int(measured["micro_batches"]))
+        assert p.fits, (name, mode)
+        assert abs(p.samples_per_s / measured["samples_per_s"] - 1) <= 0.10, (
+            f"{name}: {mode} a priori {p.samples_per_s:.4g} samples/s vs measured {measured['samples_per_s']:.4g}")
 
 
 # ------------------------------------------------------------------ autosize, input checks

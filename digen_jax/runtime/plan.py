@@ -272,17 +272,27 @@ def _training(k: int, group: str, start: int, m_total: int, updates: int, *, sam
 # ------------------------------------------------------------------ cost model and schedule
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """Seconds per task: rollout of one micro-batch per group, and the rest per micro-batch/update."""
+    """Seconds per task: rollout of one micro-batch per group, and the rest per micro-batch/update.
+
+    A rollout of part of a micro-batch (a piece) costs its share of the whole, except for
+    `rollout_fixed[group]`, the seconds of the whole that do not shrink with the batch (each
+    denoising step's batch-independent part, `task_costs.Efficiency.block_s`): a piece pays
+    them in full. Measured costs carry none (the executor measures pieces by their share)."""
 
     rollout: Mapping[str, float]  # group -> seconds per micro-batch ('rollout', 'train' or 'shared')
     reward: float
     train: float  # one micro-batch's forward+backward on the train (or shared) group
     update: float
     sync: float
+    rollout_fixed: Mapping[str, float] = dataclasses.field(default_factory=dict)  # group -> seconds, part of `rollout`
 
     def of(self, task: Task) -> float:
         if task.kind == "rollout":
-            return self.rollout[task.group] * task.share
+            whole = self.rollout[task.group]
+            if task.share == 1.0:
+                return whole
+            fixed = min(self.rollout_fixed.get(task.group, 0.0), whole)
+            return fixed + (whole - fixed) * task.share
         if task.kind == "reward":
             return self.reward * task.share
         return {"train": self.train, "update": self.update, "sync": self.sync}[task.kind]
@@ -343,7 +353,10 @@ def steady_state(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, pr
 
     A fixed short horizon is not enough: when the prefetching group is the bottleneck, it falls
     a little further behind every iteration, and the trainer only starts to wait for it after
-    the head start it had is used up, many iterations in.
+    the head start it had is used up, many iterations in. Until then the updates come evenly at
+    the trainer's pace, so repeating intervals are steady only when no group has more work per
+    iteration (the sum of its tasks' seconds) than the interval; a run that has not settled
+    by `max_iterations` takes the busiest group's work as its interval where that is longer.
     """
     if min_iterations < 4 or max_iterations < min_iterations:
         raise ValueError(f"need 4 <= min_iterations <= max_iterations, got {min_iterations}, {max_iterations}")
@@ -351,24 +364,36 @@ def steady_state(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, pr
     free = dict.fromkeys(GROUPS, 0.0)
     last = updates - 1
     ends: list[float] = []
+    busiest = 0.0  # the most seconds of work one group has per iteration
     for k in range(1, max_iterations + 1):
         plan = plan_iteration(mode, k, microbatches, carried=prefetch, tag=tag, prefetch=prefetch, updates=updates,
                               grain=grain)
+        if k == 1:
+            work: dict[str, float] = {}
+            for task in plan.tasks:
+                work[task.group] = work.get(task.group, 0.0) + costs.of(task)
+            busiest = max(work.values())
         _schedule_into(timeline, free, plan, costs)
         ends.append(timeline.end[("update", k, last)])
         if k < min_iterations:
             continue
         gaps = [b - a for a, b in zip(ends[-5:], ends[-4:])]
-        if _same(gaps[-1], gaps[-2]) and _same(gaps[-2], gaps[-3]):
+        if _same(gaps[-1], gaps[-2]) and _same(gaps[-2], gaps[-3]) and not _lags(busiest, gaps[-1]):
             period = 1
             break
-        if _same(gaps[-1], gaps[-3]) and _same(gaps[-2], gaps[-4]):
+        if _same(gaps[-1], gaps[-3]) and _same(gaps[-2], gaps[-4]) and not _lags(busiest, (gaps[-1] + gaps[-2]) / 2):
             period = 2
             break
     else:
-        period = 4  # still settling: the mean of the last intervals
+        period = 4  # still settling: the mean of the last intervals, at least the busiest group's work
     window = (ends[-1 - period], ends[-1])
-    return SteadyState(timeline, len(ends), window, period, (window[1] - window[0]) / period)
+    iteration_s = max((window[1] - window[0]) / period, busiest)
+    return SteadyState(timeline, len(ends), window, period, iteration_s)
+
+
+def _lags(work: float, interval: float) -> bool:
+    """Whether a group with `work` seconds per iteration falls behind iterations `interval` apart."""
+    return work > interval and not _same(work, interval)
 
 
 def iteration_time(mode: str, microbatches: int, costs: Costs, *, tag: int = 0, prefetch: int = 0, updates: int = 1,

@@ -150,9 +150,11 @@ class Calibration:
         return cls(**factors)
 
     def apply(self, costs: plan_lib.Costs) -> plan_lib.Costs:
-        rollout = {g: c * (self.trainer_rollout if g == "train" else self.rollout) for g, c in costs.rollout.items()}
-        return plan_lib.Costs(rollout=rollout, reward=costs.reward * self.reward, train=costs.train * self.train,
-                              update=costs.update * self.update, sync=costs.sync * self.sync)
+        factor = {g: self.trainer_rollout if g == "train" else self.rollout for g in costs.rollout}
+        return plan_lib.Costs(rollout={g: c * factor[g] for g, c in costs.rollout.items()},
+                              reward=costs.reward * self.reward, train=costs.train * self.train,
+                              update=costs.update * self.update, sync=costs.sync * self.sync,
+                              rollout_fixed={g: c * factor[g] for g, c in costs.rollout_fixed.items() if g in factor})
 
 
 def _resolved(w: IterationWork, pool: Pool, microbatches: int, eff: Efficiency) -> IterationWork:
@@ -215,8 +217,9 @@ def _replicated(costs: plan_lib.Costs, w: IterationWork, pool: Pool, mode: str, 
               **{r: max(getattr(pool, f"{r}_devices") // w.seq_parallel, 1) for r in ("rollout", "train")}}
     rollout, train = dict(costs.rollout), costs.train
     for (kind, group), n in plan_lib.replicated_work(mode, w.samples // microbatches, w.grad_chunk_size, widths).items():
-        if kind == "rollout":
-            rollout[group] *= n
+        if kind == "rollout":  # every device computes all the samples; each step's fixed part stays once
+            fixed = costs.rollout_fixed.get(group, 0.0)
+            rollout[group] = fixed + n * (rollout[group] - fixed)
         else:
             train *= n
     return dataclasses.replace(costs, rollout=rollout, train=train)

@@ -17,6 +17,9 @@ one trained step of all the micro-batch's samples at a time, split over samples 
 TSP (and colocated, as the executor does) units are flattened over samples x steps first.
 Chunks hold at most `Efficiency.train_units_per_device` units per device (activation memory)
 rather than `rl.grad_chunk_size`, which is sized for the devices a config was written for.
+Every forward pays a batch-independent part (`Efficiency.block_s` per block) besides its FLOPs,
+so smaller per-device batches (colocated's, the trainer's rollout pieces) cost more per sample;
+a piece of a micro-batch pays a whole one's batch-independent seconds (`plan.Costs.rollout_fixed`).
 
 Colocated runs come in two styles: `fsdp_sampling` (the executor's own colocated mode, as in
 GenRL: sampling with the FSDP training weights, all-gathered every step) and `offload` (as in
@@ -120,20 +123,43 @@ def with_prices(prices: Mapping[str, float]) -> dict[str, DeviceKind]:
 class Efficiency:
     """Achieved fractions of peak per task kind, and fixed per-call costs.
 
-    Defaults: rollout forwards and LoRA forward+backward of multi-billion-parameter DiTs at
-    thousands of tokens per sample reach 40-55% of the bf16 peak in well-tuned JAX/PyTorch
-    (the model-level bench measures this per card: pass its numbers here); the VAE decoder
-    is convolution-heavy and lower. Memory-bound work (optimizer update, LoRA merge) reaches
-    ~70% of HBM bandwidth, collectives and transfers ~80% of link bandwidth. The per-call
-    seconds model dispatch and kernel-launch latency of one jitted call.
+    A device's seconds for a batch are a batch-independent part plus the batch's FLOPs at a
+    fraction of the peak, so its cost per sample falls as its batch grows: a forward pays
+    `block_s` per transformer block whatever its batch (dispatch and kernel latency, kernels
+    too small to fill the device), a denoising step `step_call_s` more, a gradient chunk
+    `train_call_s` plus `block_s` per block for each of its passes (forward, recomputation,
+    backward). `rollout` and `train` are the fractions the FLOPs reach once the batch is large.
+
+    Defaults: `rollout`, `block_s` and `gather_exposed` are a least-squares fit (relative error)
+    of that form to the rollout task durations of the five Qwen-Image-20B LoRA pairs on H200s
+    (benchmarks/results/system_qwenimage_{2xh200_1_1,4xh200_2_2}_{bf16,fp8}_pair.json and
+    system_qwenimage_4xh200_1_3_fp8_pair.json, their `costs` and the pieces in their *_traces):
+    1 to 24 samples per device, the rollout role's replicated weights and the sharded ones of
+    colocated and of the trainer's rollouts on 1 to 4 devices. They fit within 6.1%: 0.0375 s per
+    step of the 60-block transformer whatever the batch (0.002 of it `step_call_s`, the rest
+    5.9e-4 s per block), 0.060 s per bf16 sample and step (56% of the peak), and 28% of a
+    step's weight all-gather not hidden behind its compute. The same numbers price training:
+    a chunk's three passes pay 0.11 s of fixed seconds, and at `train` 0.40 the pairs' training
+    tasks (8 to 16 units per device per chunk, 1 to 4 devices) come out within 8%, except the
+    3-device train role of the 1+3 pair (10% under). The batch-independent part per block is
+    one model's on one card; other families and cards are assumed to pay the same per block.
+    The forward-only model bench agrees on H100s: 0.15 s at batch 4 and 0.48 s at batch 16
+    (results/model_qwenimage_h100_b4_512_peer.json, model_qwenimage_h100_b16_512_fp8.json, runs
+    of different days) put a forward's batch-independent part near 0.04 s. On the committed
+    2-GPU system runs not fitted (Qwen-Image on H100s and H200s, the 24-block SD3.5-Medium on
+    H200s) the model lands -8% to +17% of the measured samples/s.
+    The VAE decoder is convolution-heavy and lower. Memory-bound work (optimizer update, LoRA
+    merge) reaches ~70% of HBM bandwidth, collectives and transfers ~80% of link bandwidth.
     """
 
-    rollout: float = 0.50
+    rollout: float = 0.56
     train: float = 0.40
     decode: float = 0.30
     memory: float = 0.70
     link: float = 0.80
-    step_call_s: float = 0.002  # one denoising step of a micro-batch
+    step_call_s: float = 0.002  # one denoising step of a micro-batch (dispatch)
+    block_s: float = 5.9e-4  # one forward of one transformer block, whatever its batch (fit above)
+    gather_exposed: float = 0.28  # share of an FSDP all-gather's seconds that overlapping compute does not hide (fit above)
     train_call_s: float = 0.005  # one gradient chunk
     update_call_s: float = 0.005
     reward_s_per_sample: float = 0.002  # host-side scoring after decode (a cheap reward)
@@ -141,9 +167,13 @@ class Efficiency:
     usable_hbm: float = 0.85  # share of HBM a rollout weight replica (+ activations) may take
     # A rollout forward with FP8 block matmuls (`model.rollout_precision='fp8'`) against bf16:
     # 1.25x for Qwen-Image-20B (batch 16) and 1.27x for FLUX.1 (batch 8) at 512x512 on one H100
-    # (launch/bench.py --mode=model --what=forward,forward_fp8; benchmarks/README.md).
+    # (launch/bench.py --mode=model --what=forward,forward_fp8; benchmarks/README.md). The H200
+    # pairs above fit 1.29-1.30 on the per-sample part; the H100 figure stays, being the lower.
     fp8_rollout_speedup: float = 1.25
-    train_units_per_device: int = 4  # training units one device holds in a gradient chunk (activation memory)
+    # training units one device holds in a gradient chunk (activation memory); each chunk pays
+    # its passes' batch-independent seconds. The H200 LoRA pairs' chunks held 4 to 16 units per
+    # device (rl.grad_chunk_size over the role's devices), 8 in five of their ten training tasks.
+    train_units_per_device: int = 8
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -348,6 +378,17 @@ def _replica_size(w: IterationWork, kind: DeviceKind, devices: int, eff: Efficie
     return size
 
 
+def forward_fixed_s(w: IterationWork, eff: Efficiency) -> float:
+    """The batch-independent seconds of one forward pass of the transformer (`Efficiency.block_s` per block)."""
+    return w.layers * eff.block_s
+
+
+def rollout_fixed_s(w: IterationWork, eff: Efficiency) -> float:
+    """The seconds of a rollout that do not shrink with its batch: every denoising step's call and
+    forward overhead. A piece of a micro-batch pays them in full (`plan.Costs.rollout_fixed`)."""
+    return w.num_steps * (eff.step_call_s + forward_fixed_s(w, eff))
+
+
 def rollout_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int, eff: Efficiency, *,
                  sharded_in: Pool | None = None, fp8: bool = False) -> float:
     """Seconds to roll out `samples` on `devices` of `kind`.
@@ -355,7 +396,9 @@ def rollout_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int,
     Replicated weights (rollout role, offload-style colocated) by default; with `sharded_in`
     (the pool) the weights stay FSDP-sharded and every step all-gathers them, overlapped with
     the step's compute (trainer rollouts, GenRL-style colocated). `fp8`: the forwards run FP8
-    block matmuls (`Efficiency.fp8_rollout_speedup`) from one-byte weights.
+    block matmuls (`Efficiency.fp8_rollout_speedup`) from one-byte weights. Each step costs
+    its batch-independent part (`rollout_fixed_s`) plus the busiest device's samples at
+    `Efficiency.rollout` of the peak, so a device's cost per sample falls as its batch grows.
     """
     rate = kind.bf16_flops * eff.rollout * (eff.fp8_rollout_speedup if fp8 else 1.0)
     if sharded_in is None:
@@ -365,8 +408,9 @@ def rollout_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int,
     else:
         compute = _split(samples, devices) * w.step_flops / rate
         weight_bytes = w.forward_params * (1 if fp8 else w.param_bytes)
-        step = max(compute, sharded_in.fsdp_gather_s(kind, devices, weight_bytes, eff))
-    return w.num_steps * (step + eff.step_call_s)
+        gather = sharded_in.fsdp_gather_s(kind, devices, weight_bytes, eff)
+        step = max(compute, gather) + eff.gather_exposed * gather
+    return w.num_steps * step + rollout_fixed_s(w, eff)
 
 
 def train_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int, pool: Pool, eff: Efficiency, *,
@@ -377,10 +421,14 @@ def train_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int, p
     Without TSP the grain is the trajectory step: each trained step's samples are spread over
     the devices and chunked on their own, so a step with fewer samples than devices leaves
     devices idle and every step pays its own chunks; with TSP the units of all steps are
-    flattened first. Each chunk all-gathers the weights for its forward and again for its
+    flattened first. Each chunk pays its passes' batch-independent part (`forward_fixed_s`
+    per pass: the forward, its recomputation and the backward, and once more per extra
+    forward) and all-gathers the weights for its forward and again for its
     backward (and reduce-scatters the trainable weights' gradients), overlapped with compute;
     a unit with more forwards (`w.unit_forwards`: DiffusionNFT's old policy, a reference model)
-    gathers once per forward.
+    gathers once per forward. Over an FP8 LoRA base (`model.lora_base_precision='fp8'`) the
+    forwards' share of a unit's FLOPs runs `eff.fp8_rollout_speedup` times faster; the
+    backward's, through the dequantised base, does not (models/fp8.py).
     """
     cap = eff.train_units_per_device
     if tsp:
@@ -390,7 +438,11 @@ def train_mb_s(w: IterationWork, samples: int, kind: DeviceKind, devices: int, p
     chunks = [min(cap, n - i) for n in per_device for i in range(0, n, cap)]
     comm = pool.fsdp_gather_s(kind, devices, (w.unit_forwards + 1) * w.forward_params * w.param_bytes + 4 * w.trainable, eff)
     per_unit = w.unit_flops / (kind.bf16_flops * eff.train)
-    return sum(max(c * per_unit, comm) + eff.train_call_s for c in chunks)
+    if w.lora and w.lora_base_precision == "fp8":
+        forward_share = w.unit_forwards / (w.unit_forwards + 1)  # a LoRA backward through the base ~ one forward
+        per_unit *= forward_share / eff.fp8_rollout_speedup + (1 - forward_share)
+    fixed = eff.train_call_s + (w.unit_forwards + 2) * forward_fixed_s(w, eff)
+    return sum(max(c * per_unit, comm) + eff.gather_exposed * comm + fixed for c in chunks)
 
 
 def update_s(w: IterationWork, kind: DeviceKind, devices: int, pool: Pool, eff: Efficiency) -> float:
@@ -444,6 +496,7 @@ def model_costs(w: IterationWork, pool: Pool, mode: str, microbatches: int, *, s
             train=train_mb_s(w, samples, kind, n, pool, eff, tsp=True),
             update=update,
             sync=0.0,
+            rollout_fixed={"shared": rollout_fixed_s(w, eff)},
         )
     r_kind, t_kind = pool.kind("rollout"), pool.kind("train")
     r_n, t_n = pool.rollout_devices, pool.train_devices
@@ -457,6 +510,7 @@ def model_costs(w: IterationWork, pool: Pool, mode: str, microbatches: int, *, s
         train=train_mb_s(w, samples, t_kind, t_n, pool, eff, tsp=flags.tsp),
         update=update_s(w, t_kind, t_n, pool, eff),
         sync=sync_s(w, pool, eff),
+        rollout_fixed={g: rollout_fixed_s(w, eff) for g in ("rollout", "train")},
     )
 
 
