@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from digen_jax import cli  # noqa: E402
 from digen_jax.app import run_sizing  # noqa: E402
 from digen_jax.runtime import plan as plan_lib  # noqa: E402
-from digen_jax.runtime import simulator, task_costs  # noqa: E402
+from digen_jax.runtime import memory_plan, simulator, task_costs  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Model-zoo config file (ml_collections), e.g. configs/qwenimage.py.")
 _POOL = flags.DEFINE_string("pool", "h100:16", "Device pool: KIND:N, KIND:N/rollout=R or rollout=KIND:N,train=KIND:N.")
@@ -147,6 +147,8 @@ def main(argv):
     print("\nMemory plan, GiB per device (runtime/memory_plan.py; activations estimated):")
     for p in predictions:
         print(f"\n{p.mode}{f' ({p.style})' if p.style else ''}, {p.microbatches} micro-batches:\n{p.memory.table()}")
+        print(f"host memory of one process driving every device: {memory_plan.host_bytes(work, p.memory) / task_costs.GIB:.1f} GiB "
+              f"(initial weights and offloaded moments; a run refuses over {memory_plan.USABLE_HOST:.0%} of the host's)")
     out = {"pool": pool.describe(), "predictions": [p.as_dict() for p in predictions]}
     if _AUTOSIZE.value:
         try:

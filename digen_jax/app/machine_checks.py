@@ -18,7 +18,7 @@ from digen_jax.app import pretrain as pretrain_lib
 from digen_jax.app.errors import ConfigError, RunStopped
 from digen_jax.app.families import ZOO, read_model_json
 from digen_jax.app.fingerprint import WEIGHT_KEYS, differences, fingerprint
-from digen_jax.app.memory_bound import LATENT_BYTES, ladder_copies, machine_memory, needs, size_text
+from digen_jax.app.memory_bound import LATENT_BYTES, host_memory, ladder_copies, machine_memory, needs, size_text
 from digen_jax.app.run_checkpoints import open_manager, read_meta
 from digen_jax.app.settings import runtime_settings
 from digen_jax.app.workdir import short_reason
@@ -192,10 +192,12 @@ def check_memory(config: ml_collections.ConfigDict, abstract_params, lora_shapes
                       f"{where}; {size_text(top.nbytes)} of it are {top.what}: {fix}")
 
 
-def check_fits(config, devices: Sequence[Any], mode: str | None = None) -> None:
+def check_fits(config, devices: Sequence[Any], mode: str | None = None, host: float | None = None) -> None:
     """Refuse (ConfigError, one line) a config whose memory plan in `mode` (default `runtime.mode`)
-    does not fit `devices` (a run's devices), before any compute. Not checked: CPU devices, kinds
-    the device table lacks, the shapes task, and `runtime.check_memory=False`."""
+    does not fit `devices` (a run's devices), or, in one process, whose host memory
+    (`memory_plan.host_bytes`) does not fit this host's (`host` bytes: default its physical
+    memory), before any compute. Not checked: CPU devices, kinds the device table lacks, the
+    shapes task, and `runtime.check_memory=False`."""
     rt = config.runtime
     if not rt.get("check_memory", True):
         return
@@ -203,7 +205,11 @@ def check_fits(config, devices: Sequence[Any], mode: str | None = None) -> None:
     pools = run_sizing.local_pool(config, devices, mode)
     if pools is None:
         return
-    line = memory_plan.advice(run_sizing.iteration_work(config), pools[0], mode, rt.micro_batches, colocated_devices=pools[1])
+    work = run_sizing.iteration_work(config)
+    line = memory_plan.advice(work, pools[0], mode, rt.micro_batches, colocated_devices=pools[1])
+    if not line and jax.process_count() == 1:  # several processes: each holds its own devices' share
+        plan = memory_plan.memory_plan(work, pools[0], mode, rt.micro_batches, colocated_devices=pools[1])
+        line = memory_plan.host_advice(work, plan, host_memory() if host is None else host)
     if line:
         raise ConfigError(line)
 

@@ -36,12 +36,17 @@ def size_text(n: float) -> str:
     return f"{n / 1e9:.3g} GB"
 
 
+def host_memory() -> int:
+    """This host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def machine_memory() -> tuple[int, str]:
     """(bytes, description) of the memory every process of the run can reach together: each
     accelerator's allocator limit plus the host's physical memory, times the processes (CPU
     devices share the host's; processes that share a host count it each, which only loosens the
     bound)."""
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = host_memory()
     processes = jax.process_count()
     accelerators = [d for d in jax.local_devices() if d.platform != "cpu"]
     device_bytes = sum((d.memory_stats() or {}).get("bytes_limit", 0) for d in accelerators)

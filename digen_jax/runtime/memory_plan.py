@@ -31,6 +31,10 @@ For an iteration's work (`task_costs.IterationWork`) on a pool (`task_costs.Pool
   old one (one-step-stale rollouts overlap the sync), so it holds a second copy of its weights
   (adapters only with LoRA).
 
+Host memory (`host_bytes`): a process holds the initial trainable weights until they are placed
+and the offloaded moments of its devices; a one-process run is refused when they exceed
+`USABLE_HOST` of the host's physical memory (`host_advice`).
+
 A role fits when its device bytes are at most `Efficiency.usable_hbm` of the device's memory
 (the rest: XLA's workspace, fragmentation, the VAE decoder). The simulator predicts no speed for
 a mode that does not fit; the launchers refuse it with the line `advice` gives.
@@ -151,6 +155,35 @@ def advice(w: IterationWork, pool: Pool, mode: str, microbatches: int, eff: Effi
     fixes = fixes or [f"more {'train ' if r.role == 'train' else ''}devices, or a smaller rl.grad_chunk_size"]
     return (f"runtime.mode={mode!r}: the {r.role} role needs {r.device_bytes / GIB:.1f} GiB per device of "
             f"{r.capacity / GIB:.1f} GiB usable (launch/simulate.py prints the plan); try {' or '.join(fixes)} "
+            "(runtime.check_memory=False runs anyway)")
+
+
+# The share of a host's physical memory `host_bytes` may plan on. The rest is the process's own:
+# FLUX.1-dev full fine-tuning colocated on one H200 (offloaded bf16 moments, a 125 GiB host;
+# benchmarks/README.md) peaked at 119 GiB where `host_bytes` counts 66.5: the runtime's and the
+# placement's own memory came on top (1.79x; one measurement).
+USABLE_HOST = 0.55
+
+
+def host_bytes(w: IterationWork, plan: MemoryPlan) -> float:
+    """Host memory one process that drives every device of `plan` holds for the model: the
+    initial trainable weights (on an accelerator they wait in host memory until the executor
+    places them, `Run.initial_state`) and every device's offloaded Adam moments (`host`)."""
+    return w.trainable * w.param_bytes + sum(r.host * r.devices for r in plan.roles)
+
+
+def host_advice(w: IterationWork, plan: MemoryPlan, host_memory: float) -> str | None:
+    """None when `host_bytes` fits `USABLE_HOST` of `host_memory` (a host's physical bytes), else one line."""
+    need, usable = host_bytes(w, plan), USABLE_HOST * host_memory
+    if need <= usable:
+        return None
+    moments = sum(r.host * r.devices for r in plan.roles)
+    fixes = ["more devices (the moments shard over the train devices of every host)"]
+    if w.optimizer_bytes > w.param_bytes:
+        fixes.insert(0, "--config.rl.optimizer_state_dtype=param")
+    return (f"runtime.mode={plan.mode!r}: the host needs {need / GIB:.1f} GiB for the model ({w.trainable * w.param_bytes / GIB:.1f} "
+            f"GiB of initial weights, {moments / GIB:.1f} GiB of offloaded Adam moments), over the {usable / GIB:.1f} GiB "
+            f"planned of its {host_memory / GIB:.1f} GiB ({USABLE_HOST:.0%}, memory_plan.USABLE_HOST); try {' or '.join(fixes)} "
             "(runtime.check_memory=False runs anyway)")
 
 
