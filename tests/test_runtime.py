@@ -554,10 +554,11 @@ def test_a_resumed_run_with_several_updates_per_iteration_continues_bit_equal(mu
 
 
 def nft_config(cache_dir, mode):
-    """`runtime_config` with DiffusionNFT: 2 of the 4 levels trained per sample, 4 samples' units
-    (8) per gradient micro-batch."""
+    """`runtime_config` with DiffusionNFT: 2 of the 4 levels trained per sample, 2 samples' units
+    (4) per gradient micro-batch: the size of a level of a micro-batch's 4 samples, gap's grain, so
+    every disaggregated mode runs one compiled gradient program."""
     c = runtime_config(cache_dir, mode)
-    c.rl.update(algorithm="nft", nft_timesteps=2, grad_chunk_size=8)
+    c.rl.update(algorithm="nft", nft_timesteps=2, grad_chunk_size=4)
     return c
 
 
@@ -596,9 +597,10 @@ def test_nft_trains_every_sample_once_at_bounded_staleness_and_moves_only_final_
 
 
 def test_nft_modes_make_the_same_first_update_and_move_the_old_policy_by_its_decay(nft_runs):
-    """One update from the same samples whichever way the units were cut (colocated and TSP: 8
-    units of several samples and levels per micro-batch; gap: one level of every sample), and the
-    old policy after it is lam old + (1 - lam) theta with the 'ramp' schedule's lam(1) = 0.001.
+    """One update from the same samples whichever way the units were cut (colocated and TSP: 4
+    units of several samples and levels per gradient micro-batch; gap: one level of every
+    sample), and the old policy after it is lam old + (1 - lam) theta with the 'ramp' schedule's
+    lam(1) = 0.001.
     Adam's first step is lr g / (|g| + eps) per weight: where |g| is near eps, the rounding of
     gradients summed in another order (one device colocated, four sharded otherwise) shows at a
     few percent of the step, far below the 2 lr of a gradient whose sign differs."""
