@@ -17,6 +17,8 @@ import pytest
 
 from configs import tiny
 from digen_jax.app import loop, run_checkpoints
+from digen_jax.app import pretrain as pretrain_lib
+from digen_jax.app import workload as workload_lib
 from digen_jax.app.errors import ConfigError
 from digen_jax.app.validation import validate_config
 from digen_jax.rl import nft as nft_lib
@@ -403,14 +405,20 @@ def test_grpo_guard_trains_in_colocated_and_disaggregated_modes(runs, cache_dir,
         c.rl.policy_loss = "grpo_guard"
         return c
 
-    run = loop.Run(guard_config("colocated"), str(tmp_path), log=lambda _: None)
+    # The `runs` fixture's Run (its rollout programs) with the trainer a Run of guard_config builds.
+    run, ppo_trainer = runs["run"], runs["run"].trainer
     assert _max_diff(jax.device_get(run.state.trainable), runs["initial"]) == 0
+    run.trainer = GrpoTrainer(run.sampler, ppo_trainer.frozen, ppo_trainer.optimizer,
+                              dataclasses.replace(ppo_trainer.cfg, policy_loss="grpo_guard"))
     after, metrics = {}, {}
-    for mode in ("colocated", "gap"):
-        executor = Executor(run, settings=run_settings(guard_config(mode)), trace_path=str(tmp_path / f"{mode}.json"), log=lambda _: None)
-        _, m = executor.iteration(0)
-        after[mode], metrics[mode] = jax.device_get((executor.state.trainable, m))
-        executor.close()
+    try:
+        for mode in ("colocated", "gap"):
+            executor = Executor(run, settings=run_settings(guard_config(mode)), trace_path=str(tmp_path / f"{mode}.json"), log=lambda _: None)
+            _, m = executor.iteration(0)
+            after[mode], metrics[mode] = jax.device_get((executor.state.trainable, m))
+            executor.close()
+    finally:
+        run.trainer = ppo_trainer
     ppo = runs["colocated"]
     ppo_grad_norm = float(ppo["metrics"][0]["grad_norm"])
     for mode, m in metrics.items():
@@ -546,10 +554,11 @@ def test_a_resumed_run_with_several_updates_per_iteration_continues_bit_equal(mu
 
 
 def nft_config(cache_dir, mode):
-    """`runtime_config` with DiffusionNFT: 2 of the 4 levels trained per sample, 4 samples' units
-    (8) per gradient micro-batch."""
+    """`runtime_config` with DiffusionNFT: 2 of the 4 levels trained per sample, 2 samples' units
+    (4) per gradient micro-batch: the size of a level of a micro-batch's 4 samples, gap's grain, so
+    every disaggregated mode runs one compiled gradient program."""
     c = runtime_config(cache_dir, mode)
-    c.rl.update(algorithm="nft", nft_timesteps=2, grad_chunk_size=8)
+    c.rl.update(algorithm="nft", nft_timesteps=2, grad_chunk_size=4)
     return c
 
 
@@ -588,9 +597,10 @@ def test_nft_trains_every_sample_once_at_bounded_staleness_and_moves_only_final_
 
 
 def test_nft_modes_make_the_same_first_update_and_move_the_old_policy_by_its_decay(nft_runs):
-    """One update from the same samples whichever way the units were cut (colocated and TSP: 8
-    units of several samples and levels per micro-batch; gap: one level of every sample), and the
-    old policy after it is lam old + (1 - lam) theta with the 'ramp' schedule's lam(1) = 0.001.
+    """One update from the same samples whichever way the units were cut (colocated and TSP: 4
+    units of several samples and levels per gradient micro-batch; gap: one level of every
+    sample), and the old policy after it is lam old + (1 - lam) theta with the 'ramp' schedule's
+    lam(1) = 0.001.
     Adam's first step is lr g / (|g| + eps) per weight: where |g| is near eps, the rounding of
     gradients summed in another order (one device colocated, four sharded otherwise) shows at a
     few percent of the step, far below the 2 lr of a gradient whose sign differs."""
@@ -748,8 +758,12 @@ def test_bf16_rollout_log_probs_differ_and_the_trainer_anchor_removes_the_gap(ca
     """In bf16 the rollout's program (whole micro-batch, merged weights) and the trainer's (chunks
     of units, under differentiation) round differently. Anchored on the rollout's log-prob, the
     lag-0 ratio is off by that gap; anchored on the trainer's own first pass it is exactly 1.
-    Both anchors from one Run (the same weights, samples and rollout programs), one trainer each."""
+    Both anchors from one Run (the same weights, samples and rollout programs), one trainer each.
+    The base model is the fp32 runs' (their pretraining, loaded as a checkpoint and run in bf16)."""
     config = runtime_config(cache_dir, "colocated")
+    model_cfg, task, args = workload_lib.pretrain_recipe(config)
+    pretrain_lib.pretrained_params(model_cfg, task, **args, cache_dir=str(cache_dir), log=lambda _: None)
+    config.model.checkpoint = pretrain_lib.cache_path(model_cfg, task, str(cache_dir), **args)
     config.model.dtype = "bfloat16"
     config.rl.onpolicy_anchor = "rollout"
     config.rl.grad_chunk_size = 3  # chunks unlike the rollout's batch of 4 samples
@@ -1028,10 +1042,11 @@ def test_host_derived_inputs_are_computed_off_the_role_devices(runs, cache_dir, 
     """Sample keys, conditioning slices and advantages are computed on `mesh.host_device()` (the
     CPU backend on accelerator machines), not on the default device: that is a rollout device,
     and a training task's advantages would wait there behind every rollout dispatched before it.
-    On the `runs` fixture's Run, whose rollout step on these rollout devices is compiled."""
-    host = jax.devices()[7]  # stands in for the CPU backend: a reward device, neither rollout nor train
+    Colocated on the first 4 devices, `colocated_fsdp`'s 'sharded' setting on the `runs`
+    fixture's Run, whose programs on these devices are compiled."""
+    host = jax.devices()[7]  # stands in for the CPU backend: a device neither rollout nor train
     monkeypatch.setattr(mesh_lib, "host_device", lambda: host)
-    config = runtime_config(cache_dir, "gap", rollout_devices=4, train_devices=2, reward_devices=2)
+    config = runtime_config(cache_dir, "colocated", colocated_sampling="sharded", train_devices=4)
     executor = Executor(runs["run"], settings=run_settings(config), trace_path=str(tmp_path / "trace.json"), log=lambda _: None)
     assert host not in set(executor.meshes.rollout.devices.flat) | set(executor.meshes.train.devices.flat)
     for mb in executor.microbatches_of(0):
